@@ -256,6 +256,21 @@ def protect_local(
     return update, choice
 
 
+def choice_report(choice: MaskChoice) -> dict:
+    """The JSON-able diagnostics of a mask choice that travel with an update (no values):
+    zone ratios, empty zones, and whether the mask solver met its constraints."""
+    info = choice.info
+    report: dict = {}
+    if "zones" in info:
+        report["zones"] = {k: float(v) for k, v in info["zones"].items()}
+    if info.get("empty_zones"):
+        report["empty_zones"] = list(info["empty_zones"])
+    if "feasible" in info:
+        report["feasible"] = bool(info["feasible"])
+        report["violations"] = [str(v) for v in info.get("violations", [])[:1]]
+    return report
+
+
 def apply_mean(global_vector: np.ndarray, mean: np.ndarray, *, server_lr: float) -> np.ndarray:
     """W ← W + η_g · mean update (η_g = 1 is FedAvg)."""
     return np.asarray(global_vector, dtype=np.float64) + server_lr * np.asarray(mean, dtype=np.float64)

@@ -34,6 +34,7 @@ from senseshield.strategies import (
 )
 from senseshield.accounting import Accountant, calibrate_sigma
 from senseshield.rounds import (
+    choice_report,
     ClientState,
     LocalData,
     apply_mean,
@@ -215,25 +216,41 @@ def bootstrap_reports(
     progress: Progress | None = None,
 ) -> list[BootstrapReport]:
     """Every client's bootstrap report (profile + sensitivity vector, Alg. 1 lines 1-2)."""
-    rng = np.random.default_rng([config.seed, 7])
-    train = TrainConfig(config.bootstrap_epochs, config.batch_size, config.lr)
     reports = []
     for client in clients:
-        vector = bootstrap_vector(
-            strategy,
-            model,
-            initial,
-            client.data,
-            train=train,
-            seed=client_seed(config.seed, 0, client.index),
-            rng=rng,
-        )
+        vector = client_bootstrap(config, strategy, model, initial, client.data, client.index)
         reports.append(
             BootstrapReport(client.id, client.data.n_train, client.bandwidth, client.cpu_speed, vector)
         )
         if progress:
             progress("bootstrap", len(reports), len(clients))
     return reports
+
+
+def client_bootstrap(
+    config: SimulationConfig, strategy: Strategy, model: torch.nn.Module, initial: np.ndarray, data: LocalData, index: int
+) -> np.ndarray | None:
+    """Client ``index``'s bootstrap vector (the same on a device and in the simulator)."""
+    return bootstrap_vector(
+        strategy,
+        model,
+        initial,
+        data,
+        train=TrainConfig(config.bootstrap_epochs, config.batch_size, config.lr),
+        seed=client_seed(config.seed, 0, index),
+        rng=np.random.default_rng([config.seed, 7, index]),
+    )
+
+
+def initial_model(config: SimulationConfig, input_shape: tuple[int, ...], num_classes: int) -> tuple[torch.nn.Module, np.ndarray]:
+    """The run's model and its round-0 weights: seeded by ``config.seed`` only."""
+    torch.manual_seed(config.seed)
+    model = build_model(config.model, tuple(input_shape), num_classes)
+    return model, get_vector(model).astype(np.float64)
+
+
+def train_config(config: SimulationConfig) -> TrainConfig:
+    return TrainConfig(config.local_epochs, config.batch_size, config.lr)
 
 
 def effective_scheme(config: SimulationConfig, strategy: Strategy) -> str | None:
@@ -249,17 +266,18 @@ def effective_scheme(config: SimulationConfig, strategy: Strategy) -> str | None
     return scheme
 
 
-def _keys(config: SimulationConfig, scheme: str | None) -> tuple[PublicKey | None, SecretKey | None]:
+def key_pair(scheme: str | None, key_bits: int) -> tuple[PublicKey | None, SecretKey | None]:
+    """A fresh key pair of ``scheme`` (``key_bits`` where the scheme has that parameter)."""
     if scheme is None:
         return None, None
     factory = SCHEMES.get(scheme)
-    params = {"key_bits": config.key_bits} if "key_bits" in factory.info().params else {}
+    params = {"key_bits": key_bits} if "key_bits" in factory.info().params else {}
     secret = factory.generate(**params)
     return secret.public_key, secret
 
 
 def noise_multipliers(
-    config: SimulationConfig, strategy: Strategy, clients: list[_Client]
+    config: SimulationConfig, strategy: Strategy, n_train: dict[str, int]
 ) -> tuple[float | None, dict[str, float]]:
     """Sigma of the user-level mechanism and of each client's DP-SGD.
 
@@ -276,35 +294,33 @@ def noise_multipliers(
     sgd_rounds = [r for r in range(1, config.rounds + 1) if strategy.round_plan(r).dpsgd]
     if o.target_epsilon is None:
         user = o.sigma if dp_rounds else None
-        return user, {c.id: o.sigma for c in clients} if sgd_rounds else {}
+        return user, {c: o.sigma for c in n_train} if sgd_rounds else {}
     if dp_rounds:
         user = calibrate_sigma(target_epsilon=o.target_epsilon, delta=o.delta, sample_rate=o.sample_rate, steps=len(dp_rounds))
     record = {}
     if sgd_rounds:
-        for c in clients:
-            q = dpsgd_sample_rate(c.data.n_train, config.batch_size)
+        for c, n in n_train.items():
+            q = dpsgd_sample_rate(n, config.batch_size)
             steps = len(sgd_rounds) * config.local_epochs * round(1 / q)
-            record[c.id] = calibrate_sigma(target_epsilon=o.target_epsilon, delta=o.delta, sample_rate=q, steps=steps)
+            record[c] = calibrate_sigma(target_epsilon=o.target_epsilon, delta=o.delta, sample_rate=q, steps=steps)
     return user, record
 
 
 def run_simulation(config: SimulationConfig, progress: Progress | None = None) -> SimulationResult:
     """Run ``config.rounds`` rounds of ``config.strategy`` and return the results."""
     started = time.perf_counter()
-    torch.manual_seed(config.seed)
     np.random.seed(config.seed % 2**32)
     strategy = build_strategy(config.strategy, config.options)
     dataset = load_dataset(config.dataset, seed=config.seed)
     clients = build_clients(config, dataset)
-    model = build_model(config.model, dataset.input_shape, dataset.num_classes)
+    model, initial = initial_model(config, dataset.input_shape, dataset.num_classes)
     layout = layout_of(model)
-    initial = get_vector(model).astype(np.float64)
     scheme = effective_scheme(config, strategy)
-    public_key, secret_key = _keys(config, scheme)
+    public_key, secret_key = key_pair(scheme, config.key_bits)
 
     reports = bootstrap_reports(config, strategy, clients, model, initial, progress)
     o = config.options
-    sigma_user, sigma_record = noise_multipliers(config, strategy, clients)
+    sigma_user, sigma_record = noise_multipliers(config, strategy, {c.id: c.data.n_train for c in clients})
     if strategy.needs_synthetic:
         for c in clients:
             fit_synthetic(
@@ -317,19 +333,13 @@ def run_simulation(config: SimulationConfig, progress: Progress | None = None) -
     plan: FleetPlan = strategy.plan_fleet(reports, size=layout.size, block_size=block_size)
     globals_ = {k: initial.copy() for k in plan.clusters}
     by_id = {c.id: c for c in clients}
-    train = TrainConfig(config.local_epochs, config.batch_size, config.lr)
+    train = train_config(config)
 
     rounds: list[RoundRecord] = []
     accuracies: dict[str, float] = {}
     for r in range(1, config.rounds + 1):
         t_round = time.perf_counter()
-        phases = dict.fromkeys(PHASES, 0.0)
-        bytes_up = bytes_down = infeasible = 0
-        violations: list[str] = []
-        union_ratios, he_ratios = [], []
-        zone_sums: dict[str, list[float]] = {}
-        notes: list[str] = []
-        empty_zones: dict[str, int] = {}
+        tally = RoundTally()
         sampled = (
             {c.id for c in clients}
             if o.sample_rate >= 1.0
@@ -358,7 +368,7 @@ def run_simulation(config: SimulationConfig, progress: Progress | None = None) -
                 t = time.perf_counter()
                 sens = [local[c.id].sensitivity for c in members]
                 shared = negotiate(strategy, sens, size=layout.size, block_size=block_size)
-                phases["mask"] += time.perf_counter() - t
+                tally.phases["mask"] += time.perf_counter() - t
             updates: list[ProtectedUpdate] = []
             for client in members:
                 context = ClientContext(
@@ -367,62 +377,39 @@ def run_simulation(config: SimulationConfig, progress: Progress | None = None) -
                 )
                 update, choice = protect_local(
                     strategy, context, local[client.id], public_key, n_samples=client.data.n_train,
-                    rng=np.random.default_rng([config.seed, 3, r, client.index]),
+                    rng=protect_rng(config.seed, r, client.index),
                 )
                 keep_personal(client.state, local[client.id], choice.withheld)
-                for name, value in choice.info.get("zones", {}).items():
-                    zone_sums.setdefault(name, []).append(value)
-                for name in choice.info.get("empty_zones", []):
-                    empty_zones[name] = empty_zones.get(name, 0) + 1
-                for phase in ("train", "sensitivity", "mask", "noise", "encrypt"):
-                    phases[phase] += update.timings[phase]
-                if choice.info.get("feasible") is False:
-                    infeasible += 1
-                    if len(violations) < 3:
-                        violations.append(f"{client.id}: {choice.info['violations'][0]}")
+                tally.add_update(client.id, update.timings, update.he_ratio, update.nbytes, choice_report(choice))
                 client.he_ratios.append(update.he_ratio)
-                he_ratios.append(update.he_ratio)
-                bytes_up += update.nbytes
                 updates.append(update)
             t = time.perf_counter()
             aggregate = aggregate_updates(updates, public_key, round=r, cluster=k)
-            phases["aggregate"] += time.perf_counter() - t
+            tally.phases["aggregate"] += time.perf_counter() - t
             t = time.perf_counter()
             mean = decrypt_aggregate(aggregate, secret_key)
-            phases["decrypt"] += time.perf_counter() - t
-            union_ratios.append(float(aggregate.union_mask.mean()))
+            tally.phases["decrypt"] += time.perf_counter() - t
+            tally.union_ratios.append(float(aggregate.union_mask.mean()))
             globals_[k] = apply_mean(globals_[k], mean, server_lr=config.options.server_lr)
-            bytes_down += len(members) * layout.size * 4
+            tally.bytes_down += len(members) * layout.size * 4
         if strategy.user_dp_round(r) and sampled:
             user_accountant.step(noise_multiplier=sigma_user or 0.0, sample_rate=o.sample_rate)
-        epsilon = _epsilon(strategy, user_accountant, clients, o.delta)
-        if not sampled:
-            notes.append(f"round {r}: no client was sampled (q={o.sample_rate}); the model is unchanged")
-        for name, count in sorted(empty_zones.items()):
-            notes.append(f"round {r}: the {name} zone is empty for {count} client(s)")
+        epsilon = _epsilon(strategy, user_accountant, [c.state.dp_history for c in clients], o.delta)
         t = time.perf_counter()
         for client in clients:
             set_vector(model, merge_personal(globals_[plan.cluster_of[client.id]], client.state))
             accuracies[client.id] = evaluate(model, client.data.x_test, client.data.y_test)
-        phases["evaluate"] += time.perf_counter() - t
+        tally.phases["evaluate"] += time.perf_counter() - t
         rounds.append(
-            RoundRecord(
-                round=r,
-                accuracy=_weighted_accuracy(clients, accuracies),
-                he_ratio_mean=float(np.mean(he_ratios)) if he_ratios else 0.0,
-                union_ratio_mean=float(np.mean(union_ratios)) if union_ratios else 0.0,
-                bytes_up=bytes_up,
-                bytes_down=bytes_down,
+            tally.record(
+                r,
+                strategy,
+                accuracy=weighted_accuracy([(accuracies[c.id], len(c.data.y_test)) for c in clients]),
                 seconds=time.perf_counter() - t_round,
-                phase_seconds={k: round(v, 6) for k, v in phases.items()},
-                infeasible_masks=infeasible,
-                violations=violations,
                 participants=len(sampled),
+                sample_rate=o.sample_rate,
                 epsilon=epsilon,
-                delta=o.delta if epsilon is not None else None,
-                zone_ratios={k: float(np.mean(v)) for k, v in zone_sums.items()} or None,
-                round_type=_round_type(strategy, r),
-                notes=notes,
+                delta=o.delta,
             )
         )
         if progress:
@@ -475,14 +462,14 @@ def run_simulation(config: SimulationConfig, progress: Progress | None = None) -
     )
 
 
-def _epsilon(strategy: Strategy, user: Accountant, clients: list[_Client], delta: float) -> float | None:
+def _epsilon(strategy: Strategy, user: Accountant, histories: list[list], delta: float) -> float | None:
     """Epsilon spent so far: the user-level accountant, or the worst client's DP-SGD accountant."""
     if strategy.dp_level is None:
         return None
     eps = user.epsilon(delta)
-    for c in clients:
-        if c.state.dp_history:
-            eps = max(eps, Accountant(c.state.dp_history).epsilon(delta))
+    for history in histories:
+        if history:
+            eps = max(eps, Accountant(history).epsilon(delta))
     return eps
 
 
@@ -491,11 +478,75 @@ def _round_type(strategy: Strategy, r: int) -> str | None:
     return kind(r) if kind is not None else None
 
 
-def _weighted_accuracy(clients: list[_Client], accuracies: dict[str, float]) -> float:
-    total = sum(len(c.data.y_test) for c in clients)
+def weighted_accuracy(pairs: list[tuple[float, int]]) -> float:
+    """Test accuracy over all clients: each client's accuracy weighted by its test-set size."""
+    total = sum(n for _, n in pairs)
     if total == 0:
         return 0.0
-    return float(sum(accuracies[c.id] * len(c.data.y_test) for c in clients) / total)
+    return float(sum(a * n for a, n in pairs) / total)
+
+
+def protect_rng(seed: int, round: int, index: int) -> np.random.Generator:
+    """The generator of client ``index``'s privatisation noise in ``round``."""
+    return np.random.default_rng([seed, 3, round, index])
+
+
+@dataclass
+class RoundTally:
+    """What a round's updates add up to (the simulator and the coordinator both keep one)."""
+
+    phases: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    bytes_up: int = 0
+    bytes_down: int = 0
+    infeasible: int = 0
+    violations: list[str] = field(default_factory=list)
+    union_ratios: list[float] = field(default_factory=list)
+    he_ratios: list[float] = field(default_factory=list)
+    zone_sums: dict[str, list[float]] = field(default_factory=dict)
+    empty_zones: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def add_update(self, client_id: str, timings: dict[str, float], he_ratio: float, nbytes: int, report: dict) -> None:
+        for name, value in report.get("zones", {}).items():
+            self.zone_sums.setdefault(name, []).append(value)
+        for name in report.get("empty_zones", []):
+            self.empty_zones[name] = self.empty_zones.get(name, 0) + 1
+        for phase in ("train", "sensitivity", "mask", "noise", "encrypt"):
+            self.phases[phase] += timings.get(phase, 0.0)
+        if report.get("feasible") is False:
+            self.infeasible += 1
+            if len(self.violations) < 3 and report.get("violations"):
+                self.violations.append(f"{client_id}: {report['violations'][0]}")
+        self.he_ratios.append(he_ratio)
+        self.bytes_up += nbytes
+
+    def record(
+        self, r: int, strategy: Strategy, *, accuracy: float, seconds: float, participants: int,
+        sample_rate: float, epsilon: float | None, delta: float,
+    ) -> RoundRecord:
+        notes = list(self.notes)
+        if not participants:
+            notes.append(f"round {r}: no client was sampled (q={sample_rate}); the model is unchanged")
+        for name, count in sorted(self.empty_zones.items()):
+            notes.append(f"round {r}: the {name} zone is empty for {count} client(s)")
+        return RoundRecord(
+            round=r,
+            accuracy=accuracy,
+            he_ratio_mean=float(np.mean(self.he_ratios)) if self.he_ratios else 0.0,
+            union_ratio_mean=float(np.mean(self.union_ratios)) if self.union_ratios else 0.0,
+            bytes_up=self.bytes_up,
+            bytes_down=self.bytes_down,
+            seconds=seconds,
+            phase_seconds={k: round(v, 6) for k, v in self.phases.items()},
+            infeasible_masks=self.infeasible,
+            violations=self.violations,
+            participants=participants,
+            epsilon=epsilon,
+            delta=delta if epsilon is not None else None,
+            zone_ratios={k: float(np.mean(v)) for k, v in self.zone_sums.items()} or None,
+            round_type=_round_type(strategy, r),
+            notes=notes,
+        )
 
 
 __all__ = ["SimulationConfig", "SimulationResult", "run_simulation", "ConfigError"]

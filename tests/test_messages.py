@@ -46,10 +46,10 @@ def test_small_messages_round_trip():
     mask = np.arange(20) % 3 == 0
     for msg in (
         Status(online=False),
-        Hello(agent_id="pi-1", n_samples=70, bandwidth=40.0, cpu_speed=9.6, profile={"board": "Raspberry Pi 4"}),
+        Hello(run_id="r1", agent_id="pi-1", n_samples=70, bandwidth=40.0, cpu_speed=9.6, profile={"board": "Raspberry Pi 4"}),
         RoundPlan(cluster=2, encryption_budget=0.4, deadline=1e9, block_size=1, size=20,
                   has_shared_mask=True, shared_mask=pack_mask(mask)),
-        ClusterModel(cluster=1, model="mlp", weights=np.linspace(-1, 1, 7)),
+        ClusterModel(run_id="r1", cluster=1, model="mlp", weights=np.linspace(-1, 1, 7)),
     ):
         back = wire(msg)
         assert type(back) is type(msg)
@@ -85,7 +85,7 @@ def test_updates_and_aggregates_survive_the_wire_exactly(keys, scheme):
         wired.append(back)
     direct = decrypt_aggregate(aggregate_updates(updates, pk, round=3, cluster=0), secret)
     aggregate = aggregate_updates(wired, pk, round=3, cluster=0)
-    request = wire(aggregate_to_message(aggregate, pk))
+    request = wire(aggregate_to_message(aggregate, pk, run_id="r1"))
     assert isinstance(request, AggregateRequest) and request.contributors == ["c0", "c1", "c2"]
     via_wire = decrypt_aggregate(aggregate_from_message(request, pk, round=3), secret)
     np.testing.assert_array_equal(via_wire, direct)
@@ -122,7 +122,7 @@ def test_public_key_announcement_carries_no_secret(keys):
         (dict(schema="status", version=0, fields={"online": True}), "the sender is out of date"),
         (dict(schema="status", version=1, fields={}), "field 'online'"),
         (dict(schema="status", version=1, fields={"online": True, "evil": 1}), "field 'evil'"),
-        (dict(schema="hello", version=1, fields={"agent_id": "a", "n_samples": 0, "bandwidth": 1, "cpu_speed": 1}), "n_samples"),
+        (dict(schema="hello", version=1, fields={"run_id": "r", "agent_id": "a", "n_samples": 0, "bandwidth": 1, "cpu_speed": 1}), "n_samples"),
         (dict(schema="cluster-model", version=1, fields={"cluster": 0, "model": "mlp"}), "expected ['weights']"),
     ],
 )
@@ -140,4 +140,8 @@ def test_section_of_the_wrong_dtype_is_refused():
 
 
 def test_every_message_is_registered_once():
-    assert len(MESSAGES.names()) == 9
+    from senseshield.protocol.messages import Message
+
+    classes = Message.__subclasses__()
+    assert sorted(MESSAGES.names()) == sorted(c.schema_name for c in classes)
+    assert len(set(MESSAGES.names())) == len(classes) >= 15

@@ -122,12 +122,14 @@ class Hello(Message):
     """``agents/<id>/hello``: the agent's measured profile and data facts."""
 
     schema_name: ClassVar[str] = "hello"
+    run_id: str  # the fleet run the agent joins (FleetConfig.run_id)
     agent_id: str
     n_samples: int = Field(ge=1)
     bandwidth: float = Field(gt=0)  # r_i, MB/s
     cpu_speed: float = Field(gt=0)  # v_i, GHz x cores
     profile: dict[str, Any] = {}
     key_id: str | None = None  # the public key the agent holds
+    index: int = Field(0, ge=0)  # the agent's data shard index (seeds its randomness)
 
 
 @message
@@ -140,8 +142,36 @@ class BootstrapVector(Message):
 
 
 @message
+class FleetConfig(Message):
+    """``fleet/config`` (retained, coordinator): the run every service and agent follows.
+
+    ``config`` is a :class:`senseshield.simulation.SimulationConfig` as JSON (a fleet run is
+    the simulation of the same config, run by processes); ``initial`` is the round-0 model,
+    built by the coordinator exactly as the simulator builds it; ``run_id`` is new each run.
+    """
+
+    schema_name: ClassVar[str] = "fleet-config"
+    sections: ClassVar[dict[str, str]] = {"initial": "f64"}
+    run_id: str
+    config: dict[str, Any]
+    input_shape: list[int]
+    num_classes: int = Field(ge=2)
+    round_deadline: float = Field(gt=0)
+    initial: np.ndarray
+
+
+@message
+class Assignment(Message):
+    """``agents/<id>/inbox`` once after bootstrap: the agent's cluster and encryption budget."""
+
+    schema_name: ClassVar[str] = "assignment"
+    cluster: int = Field(ge=0)
+    encryption_budget: float = Field(ge=0, le=1)
+
+
+@message
 class RoundPlan(Message):
-    """``agents/<id>/inbox``: what the agent does this round."""
+    """``agents/<id>/inbox``: what the agent does this round (the round is in the header)."""
 
     schema_name: ClassVar[str] = "round-plan"
     sections: ClassVar[dict[str, str]] = {"shared_mask": "u8"}
@@ -150,6 +180,11 @@ class RoundPlan(Message):
     deadline: float  # seconds since the epoch, coordinator clock
     block_size: int = Field(ge=1)
     size: int = Field(ge=1)
+    model_round: int = Field(0, ge=0)  # version of the cluster model to start from (0: initial)
+    negotiate: bool = False  # send a proposal first and wait for the shared mask
+    participants: int = Field(1, ge=1)  # |K^t| of the agent's cluster
+    noise_multiplier: float | None = None  # user-level sigma
+    record_noise: float | None = None  # this agent's DP-SGD sigma
     has_shared_mask: bool = False
     shared_mask: np.ndarray  # bitset; empty when has_shared_mask is False
 
@@ -158,11 +193,57 @@ class RoundPlan(Message):
 
 
 @message
+class Proposal(Message):
+    """``agents/<id>/proposal``: a negotiating strategy's proposed positions (bitset)."""
+
+    schema_name: ClassVar[str] = "proposal"
+    sections: ClassVar[dict[str, str]] = {"proposal": "u8"}
+    cluster: int = Field(ge=0)
+    size: int = Field(ge=1)
+    proposal: np.ndarray
+
+
+@message
+class MaskDecision(Message):
+    """``agents/<id>/inbox``: the cluster's consensus mask after the proposals."""
+
+    schema_name: ClassVar[str] = "mask-decision"
+    sections: ClassVar[dict[str, str]] = {"shared_mask": "u8"}
+    cluster: int = Field(ge=0)
+    size: int = Field(ge=1)
+    shared_mask: np.ndarray
+
+
+@message
+class Metrics(Message):
+    """``agents/<id>/metrics``: after applying a round's model, the agent's test accuracy
+    and its phase timings (seconds) for that round; ``epsilon`` is its DP-SGD accountant."""
+
+    schema_name: ClassVar[str] = "metrics"
+    cluster: int = Field(ge=0)
+    accuracy: float = Field(ge=0, le=1)
+    n_test: int = Field(ge=0)
+    timings: dict[str, float] = {}
+    epsilon: float | None = None
+
+
+@message
+class Notice(Message):
+    """``agents/<id>/inbox`` or ``fleet/control``: ``refused`` (with the reason) or ``done``."""
+
+    schema_name: ClassVar[str] = "notice"
+    run_id: str = ""
+    kind: str = Field(pattern="^(refused|done)$")
+    reason: str = ""
+
+
+@message
 class ClusterModel(Message):
     """``clusters/<c>/model`` (retained): the cluster's global model after a round."""
 
     schema_name: ClassVar[str] = "cluster-model"
     sections: ClassVar[dict[str, str]] = {"weights": "f64"}
+    run_id: str
     cluster: int = Field(ge=0)
     model: str
     weights: np.ndarray
@@ -181,6 +262,7 @@ class UpdateMessage(Message):
     size: int = Field(ge=1)
     has_withheld: bool = False
     timings: dict[str, float] = {}
+    report: dict[str, Any] = {}  # mask diagnostics: zone ratios, feasibility (no values)
     mask: np.ndarray
     withheld: np.ndarray
     plaintext: np.ndarray
@@ -195,6 +277,7 @@ class AggregateRequest(Message):
     sections: ClassVar[dict[str, str]] = {
         "union_mask": "u8", "plain_sum": "f64", "position_weight": "f64", "ciphertext": "bytes",
     }
+    run_id: str
     cluster: int = Field(ge=0)
     size: int = Field(ge=1)
     total_weight: int = Field(ge=1)
@@ -210,15 +293,19 @@ class AggregateResult(Message):
     """``keyserver/results/<r>``: accepted (model published) or refused, with the reason."""
 
     schema_name: ClassVar[str] = "aggregate-result"
+    run_id: str
     cluster: int = Field(ge=0)
     accepted: bool
     reason: str = ""
+    timings: dict[str, float] = {}  # key server's decrypt and apply seconds
 
 
 # ---- conversions between engine objects and messages ---------------------------------------
 
 
-def update_to_message(update: ProtectedUpdate, public_key: PublicKey | None) -> UpdateMessage:
+def update_to_message(
+    update: ProtectedUpdate, public_key: PublicKey | None, *, report: dict[str, Any] | None = None
+) -> UpdateMessage:
     cipher = b""
     if update.ciphertext is not None:
         assert public_key is not None, "an encrypted update needs the public key to serialise"
@@ -230,6 +317,7 @@ def update_to_message(update: ProtectedUpdate, public_key: PublicKey | None) -> 
         size=update.size,
         has_withheld=withheld is not None,
         timings=update.timings,
+        report=report or {},
         mask=pack_mask(update.mask),
         withheld=pack_mask(withheld) if withheld is not None else np.zeros(0, np.uint8),
         plaintext=np.asarray(update.plaintext, dtype=np.float32),
@@ -261,13 +349,16 @@ def update_from_message(
     )
 
 
-def aggregate_to_message(aggregate: EncryptedAggregate, public_key: PublicKey | None) -> AggregateRequest:
+def aggregate_to_message(
+    aggregate: EncryptedAggregate, public_key: PublicKey | None, *, run_id: str
+) -> AggregateRequest:
     cipher = b""
     if aggregate.ciphertext is not None:
         assert public_key is not None
         cipher = public_key.ciphertext_bytes(aggregate.ciphertext)
     weights = aggregate.position_weight
     return AggregateRequest(
+        run_id=run_id,
         cluster=aggregate.cluster,
         size=aggregate.size,
         total_weight=aggregate.total_weight,

@@ -1,0 +1,206 @@
+"""The event loop the three fleet services share: one MQTT link, handlers on one thread.
+
+paho delivers messages on its network thread; :class:`Service` decodes them there (every
+envelope and schema check of :mod:`senseshield.protocol`, so a bad frame is rejected before
+it is queued) and queues typed messages. The service's own thread takes them in order and
+calls the handler registered for the message class, so handlers never race and long work
+(training, decryption) never blocks the network thread's keepalives.
+
+A handler that raises :class:`ProtocolError`, :class:`ConfigError` or
+:class:`KeyMismatchError` rejects that one message: the reason is logged and kept in
+``rejected``, and the service carries on. Any other exception is logged with its traceback
+and the service carries on too: one message never stops a service.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from senseshield.errors import ConfigError, KeyMismatchError, ProtocolError
+from senseshield.protocol import Frame
+from senseshield.protocol.envelope import DEFAULT_MAX_FRAME_BYTES
+from senseshield.protocol.messages import Message, Status, from_frame, to_frame
+from senseshield.transport import PREFIX, Link
+
+M = TypeVar("M", bound=Message)
+
+
+@dataclass(frozen=True)
+class Inbound:
+    """A decoded message with where it came from (topic suffix inside the fleet's tree)."""
+
+    suffix: str
+    frame: Frame
+    message: Message
+    received: float  # time.time() on arrival
+
+    @property
+    def round(self) -> int:
+        return self.frame.round
+
+    @property
+    def sender(self) -> str:
+        return self.frame.sender
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes of the message (its binary sections)."""
+        return sum(len(v) if isinstance(v, bytes) else v.nbytes for v in self.frame.sections.values())
+
+
+_RECONNECTED = object()
+
+
+class Service:
+    """Base of the key server, the coordinator and the edge agent."""
+
+    def __init__(
+        self,
+        broker: str,
+        *,
+        fleet: str,
+        client_id: str,
+        logger: logging.Logger,
+        protocol: str = "5",
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        status_topic: str | None = None,
+    ) -> None:
+        self.fleet = fleet
+        self.name = client_id
+        self.log = logger
+        self._queue: queue.Queue = queue.Queue()
+        self._handlers: dict[type[Message], Callable[[Inbound], None]] = {}
+        self.stopping = threading.Event()
+        self.status_topic = status_topic
+        will = None
+        if status_topic is not None:
+            will = (status_topic, self.frame(Status(online=False)))
+        self.link = Link(
+            broker, client_id=client_id, fleet=fleet, on_frame=self._on_frame, will=will,
+            protocol=protocol, max_frame_bytes=max_frame_bytes,
+        )
+        self.link.on_reconnect = lambda: self._queue.put(_RECONNECTED)
+        # one list of rejections: the link's (envelope, chunking, schema) and the handlers'
+        self.rejected: deque[str] = self.link.rejected
+
+    # -- wiring ---------------------------------------------------------------------------
+    def on(self, cls: type[M], handler: Callable[[Inbound], None]) -> None:
+        """Call ``handler`` for every accepted message of class ``cls``."""
+        self._handlers[cls] = handler
+
+    def frame(self, message: Message, *, round: int = 0) -> bytes:
+        return to_frame(message, fleet=self.fleet, sender=self.name, round=round)
+
+    def send(self, suffix: str, message: Message, *, round: int = 0, retain: bool = False) -> int:
+        """Publish ``message``; returns the frame's size in bytes."""
+        frame = self.frame(message, round=round)
+        self.link.publish(suffix, frame, retain=retain)
+        return len(frame)
+
+    def start(self, subscriptions: list[str], *, timeout: float = 30.0) -> None:
+        for suffix in subscriptions:
+            self.link.subscribe(suffix)
+        self.link.start(timeout=timeout)
+        if self.status_topic is not None:
+            self.send(self.status_topic, Status(online=True), retain=True)
+
+    def stop(self) -> None:
+        """Say goodbye (status offline) and disconnect."""
+        if self.status_topic is not None and self.link.connected:
+            try:
+                self.send(self.status_topic, Status(online=False), retain=True)
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                pass
+        self.link.stop()
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM and SIGINT end the loop cleanly (main thread only)."""
+        def _stop(signum, frame):  # noqa: ANN001
+            self.log.info("%s: signal %d, stopping", self.name, signum)
+            self.stopping.set()
+            self._queue.put(None)
+
+        signal.signal(signal.SIGTERM, _stop)
+        signal.signal(signal.SIGINT, _stop)
+
+    # -- the loop -------------------------------------------------------------------------
+    def pump(self, timeout: float) -> bool:
+        """Handle at most one queued message, waiting up to ``timeout`` s; False if none."""
+        try:
+            item = self._queue.get(timeout=max(timeout, 0.0))
+        except queue.Empty:
+            return False
+        if item is None:
+            return False
+        if item is _RECONNECTED:
+            self.log.info("%s: reconnected to the broker; re-sending state", self.name)
+            self._guard("reconnect", self.on_reconnect)
+            return True
+        handler = self._handlers.get(type(item.message))
+        if handler is None:
+            self.reject(item.suffix, f"{item.message.schema_name!r} is not expected here")
+            return True
+        self._guard(item.suffix, lambda: handler(item))
+        return True
+
+    def wait_until(self, predicate: Callable[[], bool], timeout: float | None = None) -> bool:
+        """Handle messages until ``predicate()`` holds (True), ``timeout`` passes or a stop (False)."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while not predicate():
+            if self.stopping.is_set():
+                return False
+            left = 0.5 if end is None else min(0.5, end - time.monotonic())
+            if end is not None and left <= 0:
+                return predicate()
+            self.pump(left)
+        return True
+
+    def drain(self) -> None:
+        """Handle everything already queued without waiting."""
+        while self.pump(0):
+            pass
+
+    def on_reconnect(self) -> None:
+        """Re-send what the broker may have lost (subclasses)."""
+
+    def reject(self, where: str, reason: str) -> None:
+        self.log.warning("%s: rejected message on %s: %s", self.name, where, reason)
+        self.rejected.append(f"{where}: {reason}")
+
+    # -- internals ------------------------------------------------------------------------
+    def _guard(self, where: str, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except (ProtocolError, ConfigError, KeyMismatchError) as exc:
+            self.reject(where, str(exc))
+        except Exception:  # noqa: BLE001 - one message never stops a service
+            self.log.exception("%s: failed handling %s", self.name, where)
+            self.rejected.append(f"{where}: internal error")
+
+    def _on_frame(self, full_topic: str, frame: Frame) -> None:
+        # network thread: decode into the typed message (raises ProtocolError -> Link rejects)
+        message = from_frame(frame)
+        suffix = full_topic.removeprefix(f"{PREFIX}/{self.fleet}/")
+        self._queue.put(Inbound(suffix, frame, message, time.time()))
+
+
+def agent_of(suffix: str) -> str | None:
+    """The agent id in ``agents/<id>/...``, else None."""
+    parts = suffix.split("/")
+    return parts[1] if len(parts) >= 3 and parts[0] == "agents" else None
+
+
+def check_sender(item: Inbound) -> str:
+    """An agent may only speak on its own topics: the frame's sender must match the topic."""
+    agent = agent_of(item.suffix)
+    if agent is None or agent != item.sender:
+        raise ProtocolError(f"Sender {item.sender!r} may not publish on {item.suffix!r}.")
+    return agent
