@@ -1,14 +1,71 @@
-"""Command line of the `edge_agent` role; the fleet runtime fills it in."""
+"""``edge-agent``: the light agent on each device (join a fleet, profile, predict)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
 
 import typer
 
-app = typer.Typer(help="SenseShield edge_agent (fleet runtime not built yet).", no_args_is_help=True, add_completion=False)
+from senseshield.cli_common import fail
+from senseshield.cli_run import Broker, Fleet, LogLevel, Mqtt, check_mqtt, setup_logging
+from senseshield.errors import ConfigError
+
+app = typer.Typer(help="SenseShield edge agent: trains locally and sends protected updates.",
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 
 
 @app.callback()
 def _root() -> None:
-    """SenseShield edge_agent."""
+    """SenseShield edge agent."""
+
+
+@app.command()
+def join(
+    broker: Broker = "mqtt://127.0.0.1:1883",
+    fleet: Fleet = "default",
+    agent_id: Annotated[Optional[str], typer.Option(help="This device's id (default: the host name).")] = None,
+    profile: Annotated[str, typer.Option(help="auto (measure now) | NAME (profiles/NAME.yaml) | FILE.yaml.")] = "auto",
+    dataset: Annotated[Optional[str], typer.Option(help="Local data: digits | mnist5k | idx:<dir> | synthetic (default: the run's).")] = None,
+    shard: Annotated[Optional[str], typer.Option(help="Use shard I/N of the dataset (0 <= I < N), cut by the run's partition.")] = None,
+    partition: Annotated[Optional[str], typer.Option(help="How shards are cut (default: the run's partition).")] = None,
+    threads: Annotated[Optional[int], typer.Option(help="Torch threads for training (default: torch's).")] = None,
+    mqtt: Mqtt = "5",
+    log_level: LogLevel = "info",
+) -> None:
+    """Join a fleet and take part in its run; exits 0 when the run is done, 3 if refused."""
+    import socket
+
+    from edge_agent.profile import load_profile
+    from edge_agent.service import DataSpec, EdgeAgent
+
+    setup_logging(log_level, f"agent:{agent_id or socket.gethostname()}")
+    try:
+        spec = DataSpec(dataset=dataset, shard=DataSpec.parse_shard(shard), partition=partition)
+        if threads is not None and threads < 1:
+            raise ConfigError(f"--threads {threads} is not allowed; use 1 or more.")
+        device = load_profile(profile, broker=broker, fleet=fleet, quick=True) if profile == "auto" else load_profile(profile)
+        agent = EdgeAgent(
+            broker, fleet=fleet, agent_id=agent_id or socket.gethostname(), bandwidth=device.bandwidth,
+            cpu_speed=device.cpu_speed, profile=device.model_dump(mode="json"), data=spec, threads=threads,
+            protocol=check_mqtt(mqtt),
+        )
+        agent.install_signal_handlers()
+        code = agent.serve()
+    except (ConfigError, ConnectionError) as exc:
+        fail(str(exc))
+    raise typer.Exit(code)
+
+
+from edge_agent.profile import profile_command  # noqa: E402
+from senseshield.inference import predict_command  # noqa: E402
+
+app.command(name="profile")(profile_command)
+app.command(name="predict")(predict_command)
 
 
 def main() -> None:
     app()
+
+
+if __name__ == "__main__":
+    main()

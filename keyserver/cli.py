@@ -1,14 +1,49 @@
-"""Command line of the `keyserver` role; the fleet runtime fills it in."""
+"""``keyserver``: the only holder of the fleet's secret key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
 
 import typer
 
-app = typer.Typer(help="SenseShield keyserver (fleet runtime not built yet).", no_args_is_help=True, add_completion=False)
+from senseshield.cli_common import fail
+from senseshield.cli_run import Broker, Fleet, LogLevel, Mqtt, check_mqtt, setup_logging
+from senseshield.errors import ConfigError
+
+app = typer.Typer(help="SenseShield key server: holds the secret key, decrypts aggregates only.",
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 
 
 @app.callback()
 def _root() -> None:
-    """SenseShield keyserver."""
+    """SenseShield key server."""
+
+
+@app.command()
+def serve(
+    broker: Broker = "mqtt://127.0.0.1:1883",
+    fleet: Fleet = "default",
+    key_dir: Annotated[Path, typer.Option(help="Directory of the key pair (created 0700; secret file 0600).")] = Path("keys"),
+    min_contributors: Annotated[int, typer.Option(help="Refuse aggregates with fewer distinct contributors.")] = 2,
+    mqtt: Mqtt = "5",
+    log_level: LogLevel = "info",
+) -> None:
+    """Publish the public key, decrypt aggregates, publish cluster models (until SIGTERM)."""
+    from keyserver.service import KeyServer
+
+    setup_logging(log_level, "keyserver")
+    try:
+        server = KeyServer(broker, fleet=fleet, key_dir=key_dir, min_contributors=min_contributors, protocol=check_mqtt(mqtt))
+        server.install_signal_handlers()
+        server.run()
+    except (ConfigError, ConnectionError) as exc:
+        fail(str(exc))
 
 
 def main() -> None:
     app()
+
+
+if __name__ == "__main__":
+    main()

@@ -261,6 +261,109 @@ def bench_he(
         console.print(f"wrote {out_file}")
 
 
+fleet_app = typer.Typer(help="Run a fleet of real processes on this machine.", no_args_is_help=True)
+app.add_typer(fleet_app, name="fleet")
+
+from senseshield import cli_run as _run  # noqa: E402
+
+
+@fleet_app.command("up")
+def fleet_up(
+    agents: Annotated[int, typer.Option(help="Edge agents to start (each one OS process with shard i/N).")] = 6,
+    strategy: _run.Strategy = "sensecrypt",
+    rounds: _run.Rounds = 3,
+    dataset: _run.Dataset = "digits",
+    model: _run.Model = "mlp",
+    partition: _run.Partition = "iid",
+    seed: _run.Seed = 0,
+    local_epochs: _run.LocalEpochs = 2,
+    batch_size: _run.BatchSize = 16,
+    lr: _run.LearningRate = 0.1,
+    scheme: _run.Scheme = None,
+    key_bits: _run.KeyBits = 2048,
+    set_: _run.Sets = None,
+    profile_file: Annotated[Optional[Path], typer.Option(help="YAML with `bandwidth:` and `cpu:` lists, cycled within each category (as in simulate).")] = None,
+    broker: Annotated[Optional[str], typer.Option(help="Use this MQTT broker (mqtt://HOST[:PORT], MQTT 5) instead of the embedded one.")] = None,
+    fleet: _run.Fleet = "local",
+    round_deadline: Annotated[float, typer.Option(help="Seconds a round waits for updates.")] = 120.0,
+    min_contributors: Annotated[int, typer.Option(help="Key server refuses aggregates with fewer distinct contributors.")] = 2,
+    threads: Annotated[int, typer.Option(help="Torch threads per agent.")] = 1,
+    out_dir: Annotated[Path, typer.Option("--out", help="Directory for report.json, models/, logs/, keys/.")] = Path("fleet-run"),
+    quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
+) -> None:
+    """Start a broker (embedded unless --broker), the key server, the coordinator and N agents
+    as OS processes; run the job; write DIR/report.json; print a summary."""
+    from senseshield.fleet import FleetOptions
+    from senseshield.fleet import fleet_up as _fleet_up
+
+    profiles = _profile_file(profile_file) if profile_file else {}
+    config = _run.build_run_config(
+        strategy=strategy, rounds=rounds, dataset=dataset, model=model, partition=partition, seed=seed,
+        local_epochs=local_epochs, batch_size=batch_size, lr=lr, scheme=scheme, key_bits=key_bits,
+        clients=agents, sets=set_, bandwidth=profiles.get("bandwidth"), cpu=profiles.get("cpu"),
+    )
+    if broker is not None:
+        from senseshield.transport import parse_broker
+
+        try:
+            parse_broker(broker)
+        except ConfigError as exc:
+            _fail(str(exc))
+    options = FleetOptions(agents=agents, out=out_dir, broker=broker, fleet=fleet, round_deadline=round_deadline,
+                           min_contributors=min_contributors, threads=threads)
+    with progress_bar(quiet) as bar:
+        tasks: dict[str, int] = {}
+
+        def progress(phase: str, done: int, total: int) -> None:
+            if phase not in tasks:
+                tasks[phase] = bar.add_task(f"fleet {phase}", total=total)
+            bar.update(tasks[phase], completed=done)
+
+        try:
+            report = _fleet_up(config, options, progress)
+        except ConfigError as exc:
+            bar.stop()
+            _fail(str(exc))
+    from senseshield.simulation import SimulationResult
+
+    _print_summary(SimulationResult.model_validate(report))
+    _print_phases(report)
+    console.print(f"wrote {out_dir / 'report.json'} (logs in {out_dir / 'logs'})")
+
+
+def _print_phases(report: dict) -> None:
+    """Mean seconds per agent and round of each phase, plus the server's."""
+    import numpy as np
+
+    phases = ("train", "sensitivity", "mask", "noise", "encrypt", "serialize", "upload", "wait")
+    values: dict[str, list[float]] = {p: [] for p in phases}
+    for agent in report["agents"]:
+        for rec in agent["rounds"].values():
+            for p in phases:
+                if p in rec["phases"]:
+                    values[p].append(rec["phases"][p])
+    server = {"aggregate": [], "decrypt": []}
+    for rec in report["server"]:
+        for c in rec["clusters"].values():
+            for p in server:
+                if p in c["timings"]:
+                    server[p].append(c["timings"][p])
+    table = Table(title="phase seconds (mean per agent and round; server per cluster and round)")
+    table.add_column("phase")
+    table.add_column("seconds", justify="right")
+    table.add_column("where")
+    for name in phases:
+        if values[name]:
+            table.add_row(name, f"{np.mean(values[name]):.3f}", "agent")
+    for name, vals in server.items():
+        if vals:
+            table.add_row(name, f"{np.mean(vals):.3f}", "coordinator" if name == "aggregate" else "key server")
+    out.print(table)
+    if report.get("straggling"):
+        out.print(f"[yellow]{len(report['straggling'])} straggling event(s): "
+                  + ", ".join(f"round {s['round']} {s['agent']}" for s in report["straggling"][:5]) + "[/]")
+
+
 def main() -> None:
     """Console entry point: user mistakes exit 2 with one sentence, no traceback."""
     try:

@@ -1,9 +1,10 @@
 """One MQTT connection of a SenseShield process, speaking :mod:`senseshield.protocol` frames.
 
-Thin on purpose: paho-mqtt (MQTT 5, QoS 1, ``CallbackAPIVersion.VERSION2``) does the
-network; this class adds the fleet's topic prefix, chunking of large frames, reassembly,
-decoding with every check of the envelope, and the rule that a bad message is logged,
-counted and dropped but never stops the process. paho reconnects by itself after a broker
+Thin on purpose: paho-mqtt (MQTT 5 by default, 3.1.1 for brokers without 5 such as the
+embedded amqtt one of :mod:`senseshield.broker`; QoS 1, ``CallbackAPIVersion.VERSION2``)
+does the network; this class adds the fleet's topic prefix, chunking of large frames,
+reassembly, decoding with every check of the envelope, and the rule that a bad message is
+logged, counted and dropped but never stops the process. paho reconnects by itself after a broker
 or network loss; subscriptions are renewed on every (re)connect.
 """
 
@@ -23,6 +24,7 @@ from senseshield.protocol import CHUNK_SCHEMA, Frame, Reassembler, decode_frame,
 from senseshield.protocol.envelope import DEFAULT_MAX_FRAME_BYTES
 
 PREFIX = "ss/v1"
+PROTOCOLS = {"5": mqtt.MQTTv5, "3.1.1": mqtt.MQTTv311}  # MQTT version -> paho constant
 DEFAULT_CHUNK_BYTES = 1 << 20  # well under every broker's default message limit
 
 log = logging.getLogger("senseshield.transport")
@@ -62,8 +64,13 @@ class Link:
         will: tuple[str, bytes] | None = None,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        protocol: str = "5",
     ) -> None:
+        """``protocol``: the MQTT version, "5" (default) or "3.1.1" (e.g. the embedded broker)."""
+        if protocol not in PROTOCOLS:
+            raise ConfigError(f"MQTT protocol {protocol!r} is not supported; use one of {sorted(PROTOCOLS)}.")
         self.host, self.port = parse_broker(broker)
+        self.protocol = protocol
         self.fleet = fleet
         self.client_id = client_id
         self.on_frame = on_frame
@@ -71,13 +78,19 @@ class Link:
         self.chunk_bytes = chunk_bytes
         self.rejected: deque[str] = deque(maxlen=1000)
         self._subscriptions: set[str] = set()
+        self.max_retained_bytes = 16 << 20  # brokers must accept messages this large
+        self._retained: dict[str, bytes] = {}  # re-published after a reconnect (brokers forget)
+        self._ever_connected = False
+        # called (on the network thread) after every reconnect, so services re-send what the
+        # broker may have lost; must be quick and must not raise
+        self.on_reconnect: Callable[[], None] | None = None
         self._connected = threading.Event()
         self._lock = threading.Lock()
         self._reassembler = Reassembler(max_bytes=max_frame_bytes)
         self._client = mqtt.Client(
             callback_api_version=CallbackAPIVersion.VERSION2,
             client_id=client_id,
-            protocol=mqtt.MQTTv5,
+            protocol=PROTOCOLS[protocol],
         )
         self._client.reconnect_delay_set(min_delay=1, max_delay=10)
         self._client.max_inflight_messages_set(100)
@@ -122,22 +135,47 @@ class Link:
         if self.connected:
             self._client.subscribe(full, qos=1)
 
-    def publish(self, suffix: str, frame: bytes, *, retain: bool = False, timeout: float = 30.0) -> None:
-        """Publish a frame at QoS 1, chunked if larger than ``chunk_bytes``; wait for PUBACKs."""
+    def publish(self, suffix: str, frame: bytes, *, retain: bool = False, timeout: float = 30.0) -> bool:
+        """Publish a frame at QoS 1, chunked if larger than ``chunk_bytes``; wait for PUBACKs.
+
+        Returns False when the broker is unreachable right now (the message stays queued).
+        A retained frame is remembered and re-published after every reconnect.
+        """
         decoded = decode_frame(frame, max_bytes=self.max_frame_bytes)  # never send what we'd refuse
         parts = split_frame(
             frame, limit=self.chunk_bytes, fleet=self.fleet, sender=decoded.sender, round=decoded.round
         )
         if retain and len(parts) > 1:
-            raise ValueError(f"A retained message must fit in one chunk ({self.chunk_bytes:,} bytes).")
+            # a retained message must be one MQTT message (a late subscriber gets only the
+            # last retained payload of a topic); up to max_retained_bytes it goes unchunked
+            if len(frame) > self.max_retained_bytes:
+                raise ValueError(
+                    f"A retained message of {len(frame):,} bytes exceeds the limit of "
+                    f"{self.max_retained_bytes:,} bytes."
+                )
+            parts = [frame]
+        if retain:
+            with self._lock:
+                self._retained[suffix] = frame
         infos = [self._client.publish(topic(self.fleet, suffix), p, qos=1, retain=retain) for p in parts]
-        for info in infos:
-            info.wait_for_publish(timeout)
+        try:
+            for info in infos:
+                info.wait_for_publish(timeout)
+        except RuntimeError as exc:
+            # not connected: paho keeps QoS 1 messages queued and sends them after the
+            # reconnect; the services also re-send their state then (on_reconnect)
+            log.warning("%s: publish to %s deferred (%s)", self.client_id, suffix, exc)
+            return False
+        return True
 
     def clear_retained(self, suffix: str) -> None:
+        with self._lock:
+            self._retained.pop(suffix, None)
         self._client.publish(topic(self.fleet, suffix), b"", qos=1, retain=True).wait_for_publish(10)
 
     # -- paho callbacks (network thread; must never raise) --------------------------------
+    # VERSION2 callbacks get a ReasonCode for MQTT 5 and for 3.1.1 alike (paho maps the 3.1.1
+    # CONNACK return code / socket error onto it), so one implementation serves both.
     def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:  # noqa: ANN001
         if reason_code.is_failure:
             log.warning("%s: broker refused the connection: %s", self.client_id, reason_code)
@@ -147,6 +185,17 @@ class Link:
         for full in subscriptions:
             client.subscribe(full, qos=1)
         self._connected.set()
+        if self._ever_connected:
+            with self._lock:
+                retained = list(self._retained.items())
+            for suffix, frame in retained:
+                client.publish(topic(self.fleet, suffix), frame, qos=1, retain=True)
+            if self.on_reconnect is not None:
+                try:
+                    self.on_reconnect()
+                except Exception:
+                    log.exception("%s: reconnect hook failed", self.client_id)
+        self._ever_connected = True
 
     def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:  # noqa: ANN001
         self._connected.clear()

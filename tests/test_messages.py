@@ -49,7 +49,7 @@ def test_small_messages_round_trip():
         Hello(run_id="r1", agent_id="pi-1", n_samples=70, bandwidth=40.0, cpu_speed=9.6, profile={"board": "Raspberry Pi 4"}),
         RoundPlan(cluster=2, encryption_budget=0.4, deadline=1e9, block_size=1, size=20,
                   has_shared_mask=True, shared_mask=pack_mask(mask)),
-        ClusterModel(run_id="r1", cluster=1, model="mlp", weights=np.linspace(-1, 1, 7)),
+        ClusterModel(run_id="r1", cluster=1, model="mlp", weights=np.linspace(-1, 1, 7, dtype=np.float32)),
     ):
         back = wire(msg)
         assert type(back) is type(msg)
@@ -134,8 +134,8 @@ def test_bad_messages_are_refused_with_a_reason(frame_kwargs, reason):
 
 def test_section_of_the_wrong_dtype_is_refused():
     data = encode_frame(schema="cluster-model", version=1, fleet="lab", sender="x", round=1,
-                        fields={"cluster": 0, "model": "mlp"}, sections={"weights": np.zeros(3, np.float32)})
-    with pytest.raises(ProtocolError, match="1-D f64"):
+                        fields={"cluster": 0, "model": "mlp"}, sections={"weights": np.zeros(3, np.float64)})
+    with pytest.raises(ProtocolError, match="1-D f32"):
         from_frame(decode_frame(data))
 
 

@@ -242,7 +242,8 @@ class ClusterModel(Message):
     """``clusters/<c>/model`` (retained): the cluster's global model after a round."""
 
     schema_name: ClassVar[str] = "cluster-model"
-    sections: ClassVar[dict[str, str]] = {"weights": "f64"}
+    # float32: what the model's parameters hold anyway (the key server keeps float64)
+    sections: ClassVar[dict[str, str]] = {"weights": "f32"}
     run_id: str
     cluster: int = Field(ge=0)
     model: str

@@ -1,0 +1,739 @@
+"""The coordinator: registry, bootstrap clustering, rounds with deadlines, blind aggregation.
+
+It publishes the run (``fleet/config``), registers agents from their hello (their public
+key id must match the key server's) and status (last will), collects bootstrap vectors,
+plans the fleet through the strategy (clusters, budgets, fixed masks), and runs each round
+for all clusters in parallel: round plans out, [proposals in, consensus mask out],
+protected updates in until every member delivered or the deadline passed (late updates are
+recorded as straggling and dropped), aggregation of ciphertext + plaintext parts with the
+union mask (it holds the public key only), the aggregate to the key server, the new
+cluster model back. State is checkpointed after every round so a restart resumes.
+
+The round's steps are the simulator's (:mod:`senseshield.rounds`), so a run gives the
+simulator's result for the same config and seed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from senseshield.engine.aggregation import ProtectedUpdate, aggregate_updates
+from senseshield.errors import ConfigError, ProtocolError
+from senseshield.he import SCHEMES, PublicKey
+from senseshield.protocol.messages import (
+    AggregateResult,
+    Assignment,
+    BootstrapVector,
+    ClusterModel,
+    FleetConfig,
+    Hello,
+    MaskDecision,
+    Metrics,
+    Notice,
+    Proposal,
+    PublicKeyAnnouncement,
+    RoundPlan,
+    Status,
+    UpdateMessage,
+    aggregate_to_message,
+    pack_mask,
+    unpack_mask,
+    update_from_message,
+)
+from senseshield.accounting import Accountant
+from senseshield.service import Inbound, Service, check_sender
+from senseshield.simulation import (
+    ClientRecord,
+    RoundRecord,
+    SimulationResult,
+    RoundTally,
+    SimulationConfig,
+    effective_scheme,
+    noise_multipliers,
+    weighted_accuracy,
+)
+from senseshield.strategies import BootstrapReport, FleetPlan, build_strategy
+
+log = logging.getLogger("senseshield.coordinator")
+
+Progress = Callable[[str, int, int], None]
+
+
+class FleetReport(SimulationResult):
+    """``DIR/report.json`` of a fleet run: :class:`SimulationResult`'s fields (a contract) plus
+    the fleet's: per-agent, per-round phase seconds and timestamps (Unix time, one clock on
+    one machine), the server's aggregate/decrypt seconds per cluster, straggling events,
+    refused agents and rejected messages."""
+
+    fleet: str
+    run_id: str
+    input_shape: list[int]
+    num_classes: int
+    round_deadline: float
+    bootstrap_seconds: float
+    agents: list[dict]
+    server: list[dict]
+    straggling: list[dict]
+    refused: dict[str, str] = {}
+    rejected_messages: list[str] = []
+
+
+@dataclass
+class AgentInfo:
+    hello: Hello
+    online: bool = True
+    vector: np.ndarray | None = None
+    joined_at: float = field(default_factory=time.time)
+
+
+@dataclass
+class ClusterRound:
+    """One cluster's part of a round."""
+
+    members: list[str]
+    deadline: float
+    phase: str  # "proposals" | "updates" | "decrypting" | "done"
+    proposals: dict[str, np.ndarray] = field(default_factory=dict)
+    expected: set[str] = field(default_factory=set)  # who must send an update
+    updates: dict[str, tuple[ProtectedUpdate, Inbound]] = field(default_factory=dict)
+    straggled: list[str] = field(default_factory=list)
+    request: bytes | None = None  # the aggregate frame, kept to re-send after a reconnect
+    requested_at: float = 0.0
+    accepted: bool | None = None
+    reason: str = ""
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class Coordinator(Service):
+    """``coordinator serve``: see the module docstring."""
+
+    def __init__(
+        self,
+        broker: str,
+        *,
+        fleet: str,
+        config: SimulationConfig,
+        agents: int,
+        input_shape: tuple[int, ...],
+        num_classes: int,
+        round_deadline: float = 120.0,
+        join_timeout: float = 300.0,
+        state_dir: Path | None = None,
+        out_dir: Path | None = None,
+        protocol: str = "5",
+        progress: Progress | None = None,
+    ) -> None:
+        if agents < 1:
+            raise ConfigError(f"--agents {agents} is not allowed; a fleet needs at least 1 agent.")
+        if round_deadline <= 0:
+            raise ConfigError(f"--round-deadline {round_deadline} is not allowed; it must be > 0 seconds.")
+        super().__init__(broker, fleet=fleet, client_id="coordinator", logger=log, protocol=protocol)
+        from senseshield.simulation import initial_model
+        from senseshield.training import layout_of
+
+        self.config = config
+        self.strategy = build_strategy(config.strategy, config.options)
+        self.scheme = effective_scheme(config, self.strategy)
+        self.expected_agents = agents
+        self.round_deadline = round_deadline
+        self.join_timeout = join_timeout
+        self.state_dir = Path(state_dir) if state_dir is not None else None
+        self.out_dir = Path(out_dir) if out_dir is not None else None
+        self.progress = progress
+        model, self.initial = initial_model(config, input_shape, num_classes)
+        self.size = layout_of(model).size
+        self.input_shape, self.num_classes = list(input_shape), num_classes
+        self.run_id = uuid.uuid4().hex[:12]
+        self.public: PublicKey | None = None
+        self.key_id: str | None = None
+        self.agents: dict[str, AgentInfo] = {}
+        self.refused: dict[str, str] = {}
+        self.plan: FleetPlan | None = None
+        self.sigma_user: float | None = None
+        self.sigma_record: dict[str, float] = {}
+        self.model_round: dict[int, int] = {}
+        self.models: dict[int, tuple[int, np.ndarray]] = {}  # last published model per cluster
+        self.round = 0
+        self.completed = 0
+        self.clusters: dict[int, ClusterRound] = {}
+        self.records: list[dict] = []  # per round, before accuracy is known
+        self.metrics: dict[tuple[str, int], Metrics] = {}
+        self.agent_rounds: dict[str, dict[int, dict]] = {}  # per agent per round: timings etc.
+        self.straggling: list[dict] = []
+        self.user_accountant = Accountant()
+        self.sampler = np.random.default_rng([config.seed, 5])
+        self.started = time.time()
+        self.bootstrap_seconds = 0.0
+        for cls, handler in {
+            PublicKeyAnnouncement: self._on_key,
+            Hello: self._on_hello,
+            Status: self._on_status,
+            BootstrapVector: self._on_bootstrap,
+            Proposal: self._on_proposal,
+            UpdateMessage: self._on_update,
+            Metrics: self._on_metrics,
+            AggregateResult: self._on_result,
+            ClusterModel: self._on_model,
+            FleetConfig: self._on_foreign_config,
+        }.items():
+            self.on(cls, handler)
+        self._resume()
+
+    # ---- registry -----------------------------------------------------------------------
+    def _on_key(self, item: Inbound) -> None:
+        msg: PublicKeyAnnouncement = item.message  # type: ignore[assignment]
+        if item.sender != "keyserver":
+            raise ProtocolError(f"keys/public from {item.sender!r}; only the key server may announce keys.")
+        want = self.scheme or ""
+        if msg.scheme != want:
+            raise ProtocolError(f"The key server announces scheme {msg.scheme!r}; this run needs {want!r}.")
+        self.public = SCHEMES.get(msg.scheme).public_key_from_bytes(msg.key) if msg.scheme else None
+        self.key_id = msg.key_id
+        for agent_id, info in list(self.agents.items()):
+            self._check_key(agent_id, info.hello)
+
+    def _check_key(self, agent_id: str, hello: Hello) -> bool:
+        if self.key_id is None or hello.key_id == self.key_id:
+            return True
+        reason = (
+            f"agent {agent_id!r} holds public key {hello.key_id!r}, not the fleet's key "
+            f"{self.key_id!r}; it is refused (re-fetch keys/public)"
+        )
+        self.log.warning(reason)
+        self.refused[agent_id] = reason
+        self.agents.pop(agent_id, None)
+        self.send(f"agents/{agent_id}/inbox", Notice(run_id=self.run_id, kind="refused", reason=reason))
+        return False
+
+    def _on_hello(self, item: Inbound) -> None:
+        agent_id = check_sender(item)
+        msg: Hello = item.message  # type: ignore[assignment]
+        if msg.run_id != self.run_id:
+            return  # the agent saw an older run's retained config; it will say hello again
+        if msg.agent_id != agent_id:
+            raise ProtocolError(f"Hello on {item.suffix!r} names agent {msg.agent_id!r}.")
+        if not self._check_key(agent_id, msg):
+            return
+        if self.plan is not None and agent_id not in self.plan.cluster_of:
+            self.log.warning("agent %s joined after the bootstrap; it takes part in the next run", agent_id)
+            return
+        known = self.agents.get(agent_id)
+        if known is None:
+            self.agents[agent_id] = AgentInfo(msg)
+            self.log.info("agent %s joined (%d/%d): %d samples, %.1f MB/s, cpu %.1f",
+                          agent_id, len(self.agents), self.expected_agents, msg.n_samples, msg.bandwidth, msg.cpu_speed)
+        else:
+            known.hello, known.online = msg, True
+        if self.plan is not None:  # a re-sent hello after a reconnect: repeat the assignment
+            self._assign(agent_id)
+
+    def _on_status(self, item: Inbound) -> None:
+        agent_id = check_sender(item)  # the last will is the agent's own frame, too
+        msg: Status = item.message  # type: ignore[assignment]
+        info = self.agents.get(agent_id)
+        if info is not None and info.online != msg.online:
+            info.online = msg.online
+            self.log.info("agent %s is %s", agent_id, "online" if msg.online else "offline")
+
+    def _on_bootstrap(self, item: Inbound) -> None:
+        agent_id = check_sender(item)
+        info = self.agents.get(agent_id)
+        if info is None:
+            raise ProtocolError(f"Bootstrap vector from {agent_id!r}, which has not said hello in this run.")
+        vector = item.message.sensitivity  # type: ignore[attr-defined]
+        if vector.size != self.size:
+            raise ProtocolError(f"Bootstrap vector of {agent_id!r} has {vector.size} values; the model has {self.size}.")
+        info.vector = vector
+
+    def _on_foreign_config(self, item: Inbound) -> None:
+        msg: FleetConfig = item.message  # type: ignore[assignment]
+        if msg.run_id != self.run_id:
+            self.log.warning("another coordinator published run %s on this fleet", msg.run_id)
+
+    def _online(self, agent_id: str) -> bool:
+        info = self.agents.get(agent_id)
+        return info is not None and info.online
+
+    def _ready(self, agent_id: str) -> bool:
+        info = self.agents.get(agent_id)
+        return info is not None and (not self.strategy.needs_bootstrap_sensitivity or info.vector is not None)
+
+    # ---- bootstrap ----------------------------------------------------------------------
+    def _bootstrap(self) -> None:
+        t = time.time()
+        ready = lambda: self.public is not None or (self.key_id is not None and self.scheme is None)  # noqa: E731
+        if not self.wait_until(ready, self.join_timeout):
+            raise ConfigError(f"No public key from the key server within {self.join_timeout:g} s; is `keyserver serve` running for fleet {self.fleet!r}?")
+        all_ready = lambda: sum(self._ready(a) for a in self.agents) >= self.expected_agents  # noqa: E731
+        last = -1
+        end = time.monotonic() + self.join_timeout
+        while not all_ready() and time.monotonic() < end and not self.stopping.is_set():
+            self.wait_until(lambda: sum(self._ready(a) for a in self.agents) != last, 1.0)
+            n = sum(self._ready(a) for a in self.agents)
+            if n != last and self.progress:
+                self.progress("join", n, self.expected_agents)
+            last = n
+        if self.stopping.is_set():
+            raise KeyboardInterrupt
+        ids = sorted(a for a in self.agents if self._ready(a))
+        if not ids:
+            raise ConfigError(f"No agent joined fleet {self.fleet!r} within {self.join_timeout:g} s.")
+        if len(ids) < self.expected_agents:
+            self.log.warning("%d of %d agents joined within %g s; starting with them", len(ids), self.expected_agents, self.join_timeout)
+        reports = [
+            BootstrapReport(a, self.agents[a].hello.n_samples, self.agents[a].hello.bandwidth,
+                            self.agents[a].hello.cpu_speed, self.agents[a].vector)
+            for a in ids
+        ]
+        block = self.public.block_size if self.public is not None else 1
+        self.plan = self.strategy.plan_fleet(reports, size=self.size, block_size=block)
+        self.sigma_user, self.sigma_record = noise_multipliers(
+            self.config, self.strategy, {a: self.agents[a].hello.n_samples for a in ids}
+        )
+        self.model_round = {k: 0 for k in self.plan.clusters}
+        for a in ids:
+            self._assign(a)
+        self.bootstrap_seconds = time.time() - t
+        self.log.info("bootstrap: %d agents in %d cluster(s) %s", len(ids), len(self.plan.clusters),
+                      {k: self.plan.members(k) for k in self.plan.clusters})
+        self._checkpoint()
+
+    def _assign(self, agent_id: str) -> None:
+        assert self.plan is not None
+        self.send(f"agents/{agent_id}/inbox", Assignment(
+            cluster=self.plan.cluster_of[agent_id], encryption_budget=self.plan.budget_of[agent_id]))
+
+    # ---- rounds -------------------------------------------------------------------------
+    def _start_round(self, r: int) -> None:
+        assert self.plan is not None
+        o = self.config.options
+        ids = sorted(self.plan.cluster_of)
+        sampled = set(ids) if o.sample_rate >= 1.0 else {a for a in ids if self.sampler.random() < o.sample_rate}
+        self.round, self.clusters = r, {}
+        self.round_started = time.time()
+        self.sampled = sampled
+        block = self.public.block_size if self.public is not None else 1
+        for k in self.plan.clusters:
+            members = [a for a in self.plan.members(k) if a in sampled]
+            if not members:
+                continue
+            deadline = time.time() + self.round_deadline
+            negotiating = self.strategy.negotiates
+            cr = ClusterRound(members, deadline, "proposals" if negotiating else "updates")
+            if not negotiating:
+                cr.expected = set(members)
+            self.clusters[k] = cr
+            shared = self.plan.fixed_masks.get(k)
+            for a in members:
+                plan = RoundPlan(
+                    cluster=k,
+                    encryption_budget=self.plan.budget_of[a],
+                    deadline=deadline,
+                    block_size=block,
+                    size=self.size,
+                    model_round=self.model_round[k],
+                    negotiate=negotiating,
+                    participants=len(members),
+                    noise_multiplier=self.sigma_user,
+                    record_noise=self.sigma_record.get(a),
+                    has_shared_mask=shared is not None,
+                    shared_mask=pack_mask(shared) if shared is not None else np.zeros(0, np.uint8),
+                )
+                self.send(f"agents/{a}/inbox", plan, round=r)
+                self.agent_rounds.setdefault(a, {})[r] = {"cluster": k, "plan_sent": time.time()}
+
+    def _on_proposal(self, item: Inbound) -> None:
+        agent_id = check_sender(item)
+        cr = self._cluster_round_of(agent_id, item.round, "proposal")
+        msg: Proposal = item.message  # type: ignore[assignment]
+        if cr.phase != "proposals":
+            self._late(agent_id, item.round, "proposal", item.received)
+            return
+        cr.proposals[agent_id] = unpack_mask(msg.proposal, self.size)
+        self._advance()
+
+    def _on_update(self, item: Inbound) -> None:
+        agent_id = check_sender(item)
+        cr = self._cluster_round_of(agent_id, item.round, "update")
+        msg: UpdateMessage = item.message  # type: ignore[assignment]
+        if agent_id in cr.updates:
+            return  # a re-sent duplicate
+        if cr.phase != "updates" or agent_id not in cr.expected:
+            self._late(agent_id, item.round, "update", item.received)
+            return
+        if msg.size != self.size:
+            raise ProtocolError(f"Update of {agent_id!r} has {msg.size} parameters; the model has {self.size}.")
+        if msg.cluster != self.plan.cluster_of[agent_id]:
+            raise ProtocolError(f"Update of {agent_id!r} is for cluster {msg.cluster}; it belongs to {self.plan.cluster_of[agent_id]}.")
+        update = update_from_message(msg, self.public, client_id=agent_id, round=item.round)
+        cr.updates[agent_id] = (update, item)
+        self.agent_rounds[agent_id][item.round]["update_received"] = item.received
+        self._advance()
+
+    def _cluster_round_of(self, agent_id: str, r: int, what: str) -> ClusterRound:
+        if self.plan is None or agent_id not in self.plan.cluster_of:
+            raise ProtocolError(f"{what.capitalize()} from {agent_id!r}, which is not in this run.")
+        if r != self.round:
+            if 0 < r < self.round:
+                self._late(agent_id, r, what, time.time())
+                raise ProtocolError(f"{what.capitalize()} of {agent_id!r} is for round {r}, which is closed (now {self.round}).")
+            raise ProtocolError(f"{what.capitalize()} of {agent_id!r} is for round {r}; the current round is {self.round}.")
+        cr = self.clusters.get(self.plan.cluster_of[agent_id])
+        if cr is None or agent_id not in cr.members:
+            raise ProtocolError(f"{what.capitalize()} from {agent_id!r}, which was not sampled in round {r}.")
+        return cr
+
+    def _late(self, agent_id: str, r: int, what: str, when: float) -> None:
+        self.log.warning("round %d: late %s from %s dropped (straggling)", r, what, agent_id)
+        for s in self.straggling:
+            if s["agent"] == agent_id and s["round"] == r:
+                s["arrived_late"] = True
+                s["late_seconds"] = round(when - s["deadline"], 3)
+
+    def _advance(self) -> None:
+        now = time.time()
+        for k, cr in self.clusters.items():
+            if cr.phase == "proposals":
+                half = cr.deadline - self.round_deadline / 2
+                if len(cr.proposals) == len(cr.members) or now >= half:
+                    self._straggle(k, cr, [a for a in cr.members if a not in cr.proposals], "proposal", half)
+                    proposers = sorted(cr.proposals)
+                    if proposers:
+                        shared = self.strategy.consensus(
+                            [cr.proposals[a] for a in proposers], size=self.size,
+                            block_size=self.public.block_size if self.public is not None else 1,
+                        )
+                        decision = MaskDecision(cluster=k, size=self.size, shared_mask=pack_mask(shared))
+                        for a in proposers:
+                            self.send(f"agents/{a}/inbox", decision, round=self.round)
+                    cr.expected = set(proposers)
+                    cr.phase = "updates"
+            if cr.phase == "updates":
+                if set(cr.updates) >= cr.expected or now >= cr.deadline:
+                    self._straggle(k, cr, sorted(cr.expected - set(cr.updates)), "update", cr.deadline)
+                    self._aggregate(k, cr)
+            if cr.phase == "decrypting" and now - cr.requested_at > self.round_deadline + 60:
+                cr.phase, cr.accepted, cr.reason = "done", False, "no answer from the key server"
+                self.log.warning("round %d cluster %d: %s", self.round, k, cr.reason)
+
+    def _straggle(self, k: int, cr: ClusterRound, missing: list[str], what: str, deadline: float) -> None:
+        for a in missing:
+            cr.straggled.append(a)
+            self.straggling.append({"round": self.round, "cluster": k, "agent": a, "missing": what,
+                                    "deadline": deadline, "online": self._online(a),
+                                    "arrived_late": False})
+            self.log.warning("round %d cluster %d: no %s from %s by the deadline; closing without it", self.round, k, what, a)
+
+    def _aggregate(self, k: int, cr: ClusterRound) -> None:
+        if not cr.updates:
+            cr.phase, cr.accepted, cr.reason = "done", False, "no update arrived before the deadline"
+            return
+        t = time.perf_counter()
+        updates = [cr.updates[a][0] for a in sorted(cr.updates)]
+        aggregate = aggregate_updates(updates, self.public, round=self.round, cluster=k)
+        request = aggregate_to_message(aggregate, self.public, run_id=self.run_id)
+        cr.timings["aggregate"] = time.perf_counter() - t
+        cr.union_ratio = float(aggregate.union_mask.mean())  # type: ignore[attr-defined]
+        cr.request = self.frame(request, round=self.round)
+        cr.requested_at = time.time()
+        cr.phase = "decrypting"
+        self.link.publish("keyserver/requests", cr.request)
+
+    def _on_result(self, item: Inbound) -> None:
+        if item.sender != "keyserver":
+            raise ProtocolError(f"Aggregate result from {item.sender!r}; only the key server answers.")
+        msg: AggregateResult = item.message  # type: ignore[assignment]
+        if msg.run_id != self.run_id or item.round != self.round:
+            return  # an answer to an earlier (re-sent) request
+        cr = self.clusters.get(msg.cluster)
+        if cr is None or cr.phase != "decrypting":
+            return
+        cr.accepted, cr.reason, cr.phase = msg.accepted, msg.reason, "done"
+        cr.timings.update(msg.timings)
+        cr.timings["decrypt_roundtrip"] = time.time() - cr.requested_at
+        if msg.accepted:
+            self.model_round[msg.cluster] = self.round
+        else:
+            self.log.warning("round %d cluster %d: key server %s", self.round, msg.cluster, msg.reason)
+
+    def _on_model(self, item: Inbound) -> None:
+        msg: ClusterModel = item.message  # type: ignore[assignment]
+        if item.sender != "keyserver" or msg.run_id != self.run_id:
+            return
+        if msg.weights.size != self.size:
+            raise ProtocolError(f"Cluster model of {msg.weights.size} parameters; the model has {self.size}.")
+        self.models[msg.cluster] = (item.round, msg.weights)
+        self.model_bytes = item.nbytes
+        self._save_model(item.round, msg.cluster, msg.weights)
+
+    def _on_metrics(self, item: Inbound) -> None:
+        agent_id = check_sender(item)
+        msg: Metrics = item.message  # type: ignore[assignment]
+        if self.plan is None or agent_id not in self.plan.cluster_of:
+            raise ProtocolError(f"Metrics from {agent_id!r}, which is not in this run.")
+        self.metrics[(agent_id, item.round)] = msg
+
+    def on_reconnect(self) -> None:
+        """The broker may have lost in-flight messages: re-send the round's pending parts."""
+        self.link.publish("fleet/config", self._config_frame, retain=True)
+        if self.plan is None:
+            return
+        for a in self.plan.cluster_of:
+            self._assign(a)
+        for k, cr in self.clusters.items():
+            if cr.phase in ("proposals", "updates"):
+                pending = [a for a in cr.members if a not in cr.updates]
+                self.log.info("round %d cluster %d: re-sending plans to %s", self.round, k, pending)
+                self._resend_plans(k, pending)
+            elif cr.phase == "decrypting" and cr.request is not None:
+                self.link.publish("keyserver/requests", cr.request)
+
+    def _resend_plans(self, k: int, agents: list[str]) -> None:
+        # the plan is rebuilt exactly (same deadline, same everything)
+        cr = self.clusters[k]
+        shared = self.plan.fixed_masks.get(k)  # type: ignore[union-attr]
+        for a in agents:
+            plan = RoundPlan(
+                cluster=k, encryption_budget=self.plan.budget_of[a], deadline=cr.deadline,  # type: ignore[union-attr]
+                block_size=self.public.block_size if self.public is not None else 1, size=self.size,
+                model_round=self.model_round[k], negotiate=self.strategy.negotiates,
+                participants=len(cr.members), noise_multiplier=self.sigma_user,
+                record_noise=self.sigma_record.get(a), has_shared_mask=shared is not None,
+                shared_mask=pack_mask(shared) if shared is not None else np.zeros(0, np.uint8),
+            )
+            self.send(f"agents/{a}/inbox", plan, round=self.round)
+
+    def _finish_round(self, r: int) -> None:
+        o = self.config.options
+        tally = RoundTally()
+        for k, cr in sorted(self.clusters.items()):
+            for a in sorted(cr.updates):
+                update, item = cr.updates[a]
+                report = item.message.report  # type: ignore[attr-defined]
+                tally.add_update(a, update.timings, update.he_ratio, item.nbytes, report)
+                self.agent_rounds[a][r].update({"he_ratio": update.he_ratio, "bytes_up": item.nbytes,
+                                                "agent_timings": dict(update.timings)})
+            tally.phases["aggregate"] += cr.timings.get("aggregate", 0.0)
+            tally.phases["decrypt"] += cr.timings.get("decrypt", 0.0)
+            if hasattr(cr, "union_ratio"):
+                tally.union_ratios.append(cr.union_ratio)  # type: ignore[attr-defined]
+            if cr.accepted:
+                tally.bytes_down += len(self.plan.members(k)) * getattr(self, "model_bytes", self.size * 4)  # type: ignore[union-attr]
+            else:
+                tally.notes.append(f"round {r} cluster {k}: model unchanged ({cr.reason})")
+            if cr.straggled:
+                tally.notes.append(f"round {r} cluster {k}: closed without {', '.join(sorted(cr.straggled))} (deadline)")
+        if self.strategy.user_dp_round(r) and self.sampled:
+            self.user_accountant.step(noise_multiplier=self.sigma_user or 0.0, sample_rate=o.sample_rate)
+        self.records.append({
+            "tally": tally,
+            "round": r,
+            "seconds": time.time() - self.round_started,
+            "participants": len(self.sampled),
+            "user_epsilon": self.user_accountant.epsilon(o.delta) if self.strategy.dp_level else None,
+            "clusters": {k: {"members": cr.members, "updates": sorted(cr.updates), "straggled": cr.straggled,
+                             "accepted": cr.accepted, "reason": cr.reason, "timings": cr.timings}
+                         for k, cr in self.clusters.items()},
+        })
+        self.completed = r
+        self._checkpoint()
+
+    # ---- results ------------------------------------------------------------------------
+    def round_records(self) -> list[RoundRecord]:
+        """Per round: the tally plus accuracy from the agents' metrics (latest at or before r)."""
+        assert self.plan is not None
+        out = []
+        ids = sorted(self.plan.cluster_of)
+        for rec in self.records:
+            r = rec["round"]
+            pairs = []
+            for a in ids:
+                known = [m for (aid, rr), m in self.metrics.items() if aid == a and rr <= r]
+                if known:
+                    latest = max(((rr, m) for (aid, rr), m in self.metrics.items() if aid == a and rr <= r), key=lambda x: x[0])[1]
+                    pairs.append((latest.accuracy, latest.n_test))
+            eps = rec["user_epsilon"]
+            if self.strategy.dp_level is not None:
+                agent_eps = [m.epsilon for (aid, rr), m in self.metrics.items() if rr == r and m.epsilon is not None]
+                eps = max([eps or 0.0, *agent_eps])
+            out.append(rec["tally"].record(
+                r, self.strategy, accuracy=weighted_accuracy(pairs), seconds=rec["seconds"],
+                participants=rec["participants"], sample_rate=self.config.options.sample_rate,
+                epsilon=eps, delta=self.config.options.delta,
+            ))
+        return out
+
+    def report(self) -> "FleetReport":
+        """The run's report: the simulator's fields plus per-agent phase timings and straggling."""
+        import platform
+
+        import torch
+
+        assert self.plan is not None
+        rounds = self.round_records()
+        latest: dict[str, Metrics] = {}
+        for (a, r), m in sorted(self.metrics.items(), key=lambda x: x[0][1]):
+            latest[a] = m
+        clients = []
+        agents = []
+        for a in sorted(self.plan.cluster_of):
+            hello = self.agents[a].hello if a in self.agents else None
+            ratios = [v["he_ratio"] for v in self.agent_rounds.get(a, {}).values() if "he_ratio" in v]
+            clients.append(ClientRecord(
+                id=a, cluster=self.plan.cluster_of[a], category=None,
+                encryption_budget=self.plan.budget_of[a], he_ratio=float(np.mean(ratios)) if ratios else 0.0,
+                accuracy=latest[a].accuracy if a in latest else 0.0,
+                n_train=hello.n_samples if hello else 0, n_test=latest[a].n_test if a in latest else 0,
+                bandwidth=hello.bandwidth if hello else 0.0, cpu_speed=hello.cpu_speed if hello else 0.0,
+            ))
+            per_round = {}
+            for r, info in sorted(self.agent_rounds.get(a, {}).items()):
+                m = self.metrics.get((a, r))
+                per_round[str(r)] = {
+                    "cluster": info["cluster"],
+                    "delivered": "update_received" in info,
+                    "he_ratio": info.get("he_ratio"),
+                    "bytes_up": info.get("bytes_up"),
+                    "phases": {k: round(v, 6) for k, v in (m.timings if m else info.get("agent_timings", {})).items()
+                               if not k.endswith("_at")},
+                    "timestamps": {k: v for k, v in (m.timings if m else {}).items() if k.endswith("_at")}
+                    | {k: v for k, v in info.items() if k in ("plan_sent", "update_received")},
+                    "accuracy": m.accuracy if m else None,
+                }
+            agents.append({"id": a, "profile": hello.profile if hello else {}, "online": self._online(a),
+                           "rounds": per_round})
+        server = [{"round": rec["round"], "clusters": {str(k): v for k, v in rec["clusters"].items()}}
+                  for rec in self.records]
+        o = self.config.options
+        dp = self.strategy.dp_level is not None
+        return FleetReport(
+            strategy=self.config.strategy, scheme=self.scheme, dataset=self.config.dataset,
+            model=self.config.model, partition=self.config.partition, seed=self.config.seed,
+            num_params=self.size, num_clusters=len(self.plan.clusters), cluster_ari=None,
+            clustering_epsilon=o.cluster_epsilon if self.strategy.clusters_clients else None,
+            final_accuracy=rounds[-1].accuracy if rounds else 0.0,
+            seconds_total=time.time() - self.started, rounds=rounds, clients=clients,
+            config=self.config.model_dump(mode="json"),
+            machine={"python": platform.python_version(), "processor": platform.processor() or platform.machine(),
+                     "torch": torch.__version__},
+            epsilon=rounds[-1].epsilon if rounds else None, delta=o.delta if dp else None,
+            noise_multiplier=self.sigma_user if self.sigma_user is not None else (max(self.sigma_record.values()) if self.sigma_record else None),
+            fleet=self.fleet, run_id=self.run_id, input_shape=self.input_shape, num_classes=self.num_classes,
+            round_deadline=self.round_deadline, bootstrap_seconds=self.bootstrap_seconds,
+            agents=agents, server=server, straggling=self.straggling, refused=self.refused,
+            rejected_messages=list(self.rejected),
+        )
+
+    def _save_model(self, r: int, k: int, weights: np.ndarray) -> None:
+        if self.out_dir is None:
+            return
+        folder = self.out_dir / "models" / f"round-{r}"
+        folder.mkdir(parents=True, exist_ok=True)
+        np.save(folder / f"cluster-{k}.npy", weights.astype(np.float64))
+
+    # ---- checkpoint ---------------------------------------------------------------------
+    def _state_file(self) -> Path | None:
+        return None if self.state_dir is None else self.state_dir / f"coordinator-{self.fleet}.json"
+
+    def _checkpoint(self) -> None:
+        path = self._state_file()
+        if path is None or self.plan is None:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        state = {
+            "run_id": self.run_id,
+            "config": self.config.model_dump(mode="json"),
+            "completed": self.completed,
+            "cluster_of": self.plan.cluster_of,
+            "budget_of": self.plan.budget_of,
+            "fixed_masks": {str(k): np.flatnonzero(m).tolist() for k, m in self.plan.fixed_masks.items()},
+            "model_round": {str(k): r for k, r in self.model_round.items()},
+            "sigma_user": self.sigma_user,
+            "sigma_record": self.sigma_record,
+            "hellos": {a: i.hello.model_dump(mode="json") for a, i in self.agents.items()},
+            "sampler": self.sampler.bit_generator.state,
+            "accountant": self.user_accountant.history,
+        }
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state))
+        os.replace(tmp, path)
+
+    def _resume(self) -> None:
+        path = self._state_file()
+        if path is None or not path.exists():
+            return
+        state = json.loads(path.read_text())
+        if state["config"] != self.config.model_dump(mode="json"):
+            self.log.warning("state in %s is for another configuration; starting a new run", path)
+            return
+        self.run_id = state["run_id"]
+        self.completed = self.round = int(state["completed"])
+        fixed = {}
+        for k, idx in state["fixed_masks"].items():
+            m = np.zeros(self.size, dtype=bool)
+            m[idx] = True
+            fixed[int(k)] = m
+        self.plan = FleetPlan(state["cluster_of"], state["budget_of"], fixed)
+        self.model_round = {int(k): r for k, r in state["model_round"].items()}
+        self.sigma_user, self.sigma_record = state["sigma_user"], state["sigma_record"]
+        self.agents = {a: AgentInfo(Hello(**h)) for a, h in state["hellos"].items()}
+        self.sampler.bit_generator.state = state["sampler"]
+        self.user_accountant = Accountant([tuple(h) for h in state["accountant"]])
+        self.log.info("resuming run %s after round %d", self.run_id, self.completed)
+
+    # ---- main ---------------------------------------------------------------------------
+    def run(self) -> None:
+        """Run the whole job; returns when every round is done (or on SIGTERM)."""
+        config_msg = FleetConfig(
+            run_id=self.run_id, config=self.config.model_dump(mode="json"), input_shape=self.input_shape,
+            num_classes=self.num_classes, round_deadline=self.round_deadline, initial=self.initial,
+        )
+        self._config_frame = self.frame(config_msg)
+        self.start([
+            "keys/public", "keyserver/results", "clusters/+/model", "fleet/config",
+            "agents/+/hello", "agents/+/status", "agents/+/bootstrap", "agents/+/proposal",
+            "agents/+/update", "agents/+/metrics",
+        ])
+        try:
+            self.link.clear_retained("fleet/control")
+            self.link.publish("fleet/config", self._config_frame, retain=True)
+            if self.plan is None:
+                self._bootstrap()
+            else:
+                self.wait_until(lambda: self.public is not None or self.key_id is not None, self.join_timeout)
+                for a in self.plan.cluster_of:
+                    self._assign(a)
+            for r in range(self.completed + 1, self.config.rounds + 1):
+                self._start_round(r)
+                while not all(cr.phase == "done" for cr in self.clusters.values()):
+                    if self.stopping.is_set():
+                        raise KeyboardInterrupt
+                    self.pump(0.2)
+                    self._advance()
+                self._finish_round(r)
+                if self.progress:
+                    self.progress("round", r, self.config.rounds)
+            self._wait_final_metrics()
+            self.send("fleet/control", Notice(run_id=self.run_id, kind="done"), retain=True)
+            if self.out_dir is not None:
+                self.out_dir.mkdir(parents=True, exist_ok=True)
+                (self.out_dir / "report.json").write_text(json.dumps(self.report().model_dump(mode="json"), indent=2))
+        finally:
+            self.stop()
+
+    def _wait_final_metrics(self, timeout: float = 30.0) -> None:
+        """Give agents a moment to report their accuracy on the final models."""
+        assert self.plan is not None
+        last = self.config.rounds
+        updated = {k for k, r in self.model_round.items() if r == last}
+        want = {a for a, k in self.plan.cluster_of.items() if k in updated and self._online(a)}
+        self.wait_until(lambda: all((a, last) in self.metrics for a in want), timeout)

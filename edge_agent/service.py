@@ -1,0 +1,392 @@
+"""The edge agent: one device's side of the round, over MQTT.
+
+``edge-agent join``: connect, wait for the run (``fleet/config``) and the key server's
+public key, load the local data, say hello with the device profile, send the bootstrap
+vector, then for every round plan: start from the cluster model the plan names, train,
+score, [propose and wait for the consensus mask], choose the mask, add DP noise, encrypt,
+upload; on every new model of its cluster: merge its personalised zone, evaluate on its
+local test split, report accuracy and phase timings. The steps are the simulator's
+(:mod:`senseshield.rounds`), with the simulator's seeds, so a device computes what the
+simulator computes for the client with the same index.
+
+paho reconnects after a broker or network loss; the agent then says hello again and
+re-sends its last update (the coordinator drops duplicates). SIGTERM ends it cleanly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from senseshield.data import load_dataset
+from senseshield.errors import ConfigError, ProtocolError
+from senseshield.he import SCHEMES, PublicKey
+from senseshield.models import build_model
+from senseshield.protocol.messages import (
+    Assignment,
+    BootstrapVector,
+    ClusterModel,
+    FleetConfig,
+    Hello,
+    MaskDecision,
+    Metrics,
+    Notice,
+    Proposal,
+    PublicKeyAnnouncement,
+    RoundPlan,
+    pack_mask,
+    unpack_mask,
+    update_to_message,
+)
+from senseshield.rounds import (
+    ClientState,
+    LocalData,
+    choice_report,
+    client_seed,
+    fit_synthetic,
+    keep_personal,
+    local_update,
+    merge_personal,
+    protect_local,
+)
+from senseshield.accounting import Accountant
+from senseshield.service import Inbound, Service
+from senseshield.simulation import SimulationConfig, build_clients, client_bootstrap, protect_rng, train_config
+from senseshield.strategies import ClientContext, build_strategy
+from senseshield.training import evaluate, layout_of, set_vector
+
+log = logging.getLogger("senseshield.agent")
+
+
+class AgentExit(Exception):
+    """The agent stops: ``code`` 0 (run done) or 3 (refused by the coordinator)."""
+
+    def __init__(self, code: int, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """Where the agent's data comes from: a dataset, optionally one shard of a partition."""
+
+    dataset: str | None = None  # None: the run's dataset
+    shard: tuple[int, int] | None = None  # (index, count)
+    partition: str | None = None  # None: the run's partition
+
+    @staticmethod
+    def parse_shard(text: str | None) -> tuple[int, int] | None:
+        if text is None:
+            return None
+        try:
+            i, n = (int(v) for v in text.split("/"))
+        except ValueError:
+            raise ConfigError(f"--shard {text!r} is not allowed; use I/N with 0 <= I < N, e.g. 3/20.") from None
+        if not 0 <= i < n:
+            raise ConfigError(f"--shard {text!r} is not allowed; use I/N with 0 <= I < N, e.g. 3/20.")
+        return i, n
+
+
+@dataclass
+class RunState:
+    """What the agent knows about the current run."""
+
+    run_id: str
+    config: SimulationConfig
+    initial: np.ndarray
+    input_shape: tuple[int, ...]
+    num_classes: int
+    index: int = 0
+    data: LocalData | None = None
+    model: torch.nn.Module | None = None
+    client: ClientState = field(default_factory=ClientState)
+    cluster: int | None = None
+    budget: float | None = None
+    models: dict[int, tuple[int, np.ndarray]] = field(default_factory=dict)  # cluster -> (round, w)
+    evaluated: int = -1
+    last_update: tuple[int, bytes] | None = None  # (round, frame) to re-send after a reconnect
+    done_rounds: set[int] = field(default_factory=set)
+    timings: dict[int, dict[str, float]] = field(default_factory=dict)
+    hello: Hello | None = None
+
+
+class EdgeAgent(Service):
+    """``edge-agent join``: see the module docstring."""
+
+    def __init__(
+        self,
+        broker: str,
+        *,
+        fleet: str,
+        agent_id: str,
+        bandwidth: float,
+        cpu_speed: float,
+        profile: dict | None = None,
+        data: DataSpec = DataSpec(),
+        threads: int | None = None,
+        protocol: str = "5",
+    ) -> None:
+        if not agent_id or any(c in agent_id for c in "/+#"):
+            raise ConfigError(f"Agent id {agent_id!r} is not allowed; use letters, digits, '-' or '_'.")
+        super().__init__(
+            broker, fleet=fleet, client_id=agent_id, logger=log, protocol=protocol,
+            status_topic=f"agents/{agent_id}/status",
+        )
+        self.agent_id = agent_id
+        self.bandwidth, self.cpu_speed = bandwidth, cpu_speed
+        self.profile = profile or {}
+        self.data_spec = data
+        if threads is not None:
+            torch.set_num_threads(threads)
+        self.run: RunState | None = None
+        self.pending_config: FleetConfig | None = None
+        self.key: PublicKeyAnnouncement | None = None
+        self.public: PublicKey | None = None
+        self.plans: list[tuple[int, RoundPlan]] = []
+        self.decisions: dict[int, MaskDecision] = {}
+        self.exit: AgentExit | None = None
+        for cls, handler in {
+            FleetConfig: self._on_config,
+            PublicKeyAnnouncement: self._on_key,
+            Assignment: self._on_assignment,
+            RoundPlan: self._on_plan,
+            MaskDecision: self._on_decision,
+            ClusterModel: self._on_model,
+            Notice: self._on_notice,
+        }.items():
+            self.on(cls, handler)
+
+    # ---- handlers (they only record; the main loop acts) --------------------------------
+    def _on_config(self, item: Inbound) -> None:
+        if item.sender != "coordinator":
+            raise ProtocolError(f"fleet/config from {item.sender!r}; only the coordinator may set it.")
+        msg: FleetConfig = item.message  # type: ignore[assignment]
+        if self.run is None or msg.run_id != self.run.run_id:
+            self.pending_config = msg
+
+    def _on_key(self, item: Inbound) -> None:
+        if item.sender != "keyserver":
+            raise ProtocolError(f"keys/public from {item.sender!r}; only the key server may announce keys.")
+        msg: PublicKeyAnnouncement = item.message  # type: ignore[assignment]
+        self.key = msg
+        self.public = SCHEMES.get(msg.scheme).public_key_from_bytes(msg.key) if msg.scheme else None
+
+    def _inbox(self, item: Inbound) -> None:
+        if item.suffix != f"agents/{self.agent_id}/inbox" or item.sender != "coordinator":
+            raise ProtocolError(f"{item.message.schema_name!r} from {item.sender!r} on {item.suffix!r} is not for this agent.")
+
+    def _on_assignment(self, item: Inbound) -> None:
+        self._inbox(item)
+        if self.run is not None:
+            msg: Assignment = item.message  # type: ignore[assignment]
+            if self.run.cluster != msg.cluster:
+                self.link.subscribe(f"clusters/{msg.cluster}/model")
+            self.run.cluster, self.run.budget = msg.cluster, msg.encryption_budget
+
+    def _on_plan(self, item: Inbound) -> None:
+        self._inbox(item)
+        msg: RoundPlan = item.message  # type: ignore[assignment]
+        if self.run is None:
+            raise ProtocolError("A round plan arrived before the agent joined a run.")
+        if msg.size != self.run.initial.size:
+            raise ProtocolError(f"Round plan for {msg.size} parameters; the model has {self.run.initial.size}.")
+        self.plans.append((item.round, msg))
+
+    def _on_decision(self, item: Inbound) -> None:
+        self._inbox(item)
+        self.decisions[item.round] = item.message  # type: ignore[assignment]
+
+    def _on_model(self, item: Inbound) -> None:
+        msg: ClusterModel = item.message  # type: ignore[assignment]
+        if item.sender != "keyserver":
+            raise ProtocolError(f"Cluster model from {item.sender!r}; only the key server publishes models.")
+        run = self.run
+        if run is None or msg.run_id != run.run_id:
+            return
+        if msg.weights.size != run.initial.size:
+            raise ProtocolError(f"Cluster model of {msg.weights.size} parameters; the model has {run.initial.size}.")
+        known = run.models.get(msg.cluster)
+        if known is None or item.round > known[0]:
+            run.models[msg.cluster] = (item.round, msg.weights.astype(np.float64))
+            if msg.cluster == run.cluster:
+                run.timings.setdefault(item.round, {})["model_received_at"] = item.received
+
+    def _on_notice(self, item: Inbound) -> None:
+        msg: Notice = item.message  # type: ignore[assignment]
+        if item.sender != "coordinator" or self.run is None or msg.run_id != self.run.run_id:
+            return
+        if msg.kind == "refused":
+            self.exit = AgentExit(3, f"the coordinator refused this agent: {msg.reason}")
+        elif msg.kind == "done":
+            self.exit = AgentExit(0, "the run is done")
+
+    def on_reconnect(self) -> None:
+        if self.run is not None and self.run.hello is not None:
+            self.send(f"agents/{self.agent_id}/hello", self.run.hello)
+            if self.run.last_update is not None:
+                r, frame = self.run.last_update
+                self.link.publish(f"agents/{self.agent_id}/update", frame)
+
+    # ---- joining ------------------------------------------------------------------------
+    def _join(self, msg: FleetConfig) -> None:
+        """Set up for a new run: data, model, hello, bootstrap vector, synthetic data."""
+        config = SimulationConfig(**msg.config)
+        strategy = build_strategy(config.strategy, config.options)
+        spec = self.data_spec
+        index, count = spec.shard if spec.shard is not None else (0, 1)
+        local_config = config.model_copy(update={
+            "dataset": spec.dataset or config.dataset,
+            "clients": count,
+            "partition": spec.partition or (config.partition if spec.shard is not None else "iid"),
+        })
+        dataset = load_dataset(local_config.dataset, seed=config.seed)
+        if tuple(dataset.input_shape) != tuple(msg.input_shape) or dataset.num_classes != msg.num_classes:
+            raise ConfigError(
+                f"Dataset {local_config.dataset!r} has inputs {tuple(dataset.input_shape)} and "
+                f"{dataset.num_classes} classes; the run's model needs {tuple(msg.input_shape)} and {msg.num_classes}."
+            )
+        data = build_clients(local_config, dataset)[index].data
+        model = build_model(config.model, tuple(msg.input_shape), msg.num_classes)
+        if layout_of(model).size != msg.initial.size:
+            raise ConfigError(f"The run's model {config.model!r} has {msg.initial.size} parameters here it has {layout_of(model).size}; versions differ.")
+        run = RunState(msg.run_id, config, msg.initial.astype(np.float64), tuple(msg.input_shape), msg.num_classes,
+                       index=index, data=data, model=model)
+        self.run, self.plans, self.decisions = run, [], {}
+        self.deadline_s = msg.round_deadline
+        hello = Hello(
+            run_id=run.run_id, agent_id=self.agent_id, n_samples=data.n_train, bandwidth=self.bandwidth,
+            cpu_speed=self.cpu_speed, profile=self.profile, key_id=self.key.key_id if self.key else None, index=index,
+        )
+        run.hello = hello
+        self.send(f"agents/{self.agent_id}/hello", hello)
+        self.log.info("%s joined run %s (%s, %d samples, shard %d/%d)", self.agent_id, run.run_id,
+                      config.strategy, data.n_train, index, count)
+        if strategy.needs_bootstrap_sensitivity:
+            t = time.perf_counter()
+            vector = client_bootstrap(config, strategy, model, run.initial, data, index)
+            run.timings.setdefault(0, {})["bootstrap"] = time.perf_counter() - t
+            self.send(f"agents/{self.agent_id}/bootstrap", BootstrapVector(sensitivity=vector))
+        if strategy.needs_synthetic:
+            fit_synthetic(run.client, data, num_classes=msg.num_classes, epsilon=config.options.synthetic_epsilon,
+                          delta=config.options.delta, seed=client_seed(config.seed, 0, index))
+        self.strategy = strategy
+        self.accountant_delta = config.options.delta
+
+    # ---- one round ----------------------------------------------------------------------
+    def _global(self, cluster: int, model_round: int) -> np.ndarray | None:
+        run = self.run
+        assert run is not None
+        if model_round == 0:
+            return run.initial
+        known = run.models.get(cluster)
+        return known[1] if known is not None and known[0] == model_round else None
+
+    def _do_round(self, r: int, plan: RoundPlan) -> None:
+        run = self.run
+        assert run is not None and run.data is not None and run.model is not None
+        if r in run.done_rounds:  # a re-sent plan: re-send the update
+            if run.last_update is not None and run.last_update[0] == r:
+                self.link.publish(f"agents/{self.agent_id}/update", run.last_update[1])
+            return
+        t_plan = time.time()
+        tm = run.timings.setdefault(r, {})
+        tm["plan_received_at"] = t_plan
+        if run.cluster != plan.cluster:
+            self.link.subscribe(f"clusters/{plan.cluster}/model")
+            run.cluster = plan.cluster
+        left = max(plan.deadline - time.time(), 1.0)
+        if not self.wait_until(lambda: self._global(plan.cluster, plan.model_round) is not None, left):
+            self.log.warning("round %d: model %d of cluster %d never arrived; skipping the round", r, plan.model_round, plan.cluster)
+            return
+        tm["wait_model"] = time.time() - t_plan
+        start = self._global(plan.cluster, plan.model_round)
+        config, strategy = run.config, self.strategy
+        local = local_update(
+            strategy, run.model, merge_personal(start, run.client),
+            run.data, train=train_config(config), seed=client_seed(config.seed, r, run.index), round=r,
+            state=run.client, noise_multiplier=plan.record_noise,
+        )
+        shared = plan.mask()
+        if plan.negotiate:
+            t = time.time()
+            proposal = strategy.propose(local.sensitivity, block_size=plan.block_size)
+            self.send(f"agents/{self.agent_id}/proposal",
+                      Proposal(cluster=plan.cluster, size=plan.size, proposal=pack_mask(proposal)), round=r)
+            if not self.wait_until(lambda: r in self.decisions, max(plan.deadline - time.time(), 1.0)):
+                self.log.warning("round %d: no consensus mask before the deadline; skipping the round", r)
+                return
+            decision = self.decisions.pop(r)
+            shared = unpack_mask(decision.shared_mask, decision.size)
+            tm["negotiate"] = time.time() - t
+        context = ClientContext(
+            self.agent_id, r, plan.cluster, plan.encryption_budget, shared, plan.block_size,
+            participants=plan.participants, noise_multiplier=plan.noise_multiplier,
+        )
+        update, choice = protect_local(
+            strategy, context, local, self.public, n_samples=run.data.n_train,
+            rng=protect_rng(config.seed, r, run.index),
+        )
+        keep_personal(run.client, local, choice.withheld)
+        t = time.perf_counter()
+        frame = self.frame(update_to_message(update, self.public, report=choice_report(choice)), round=r)
+        t_serialize = time.perf_counter() - t
+        t = time.perf_counter()
+        self.link.publish(f"agents/{self.agent_id}/update", frame)
+        t_upload = time.perf_counter() - t
+        run.last_update = (r, frame)
+        run.done_rounds.add(r)
+        tm.update({k: v for k, v in update.timings.items()})
+        tm.update({"serialize": t_serialize, "upload": t_upload, "uploaded_at": time.time(),
+                   "bytes_up": float(len(frame))})
+
+    def _evaluate_new_model(self) -> None:
+        run = self.run
+        if run is None or run.cluster is None or run.cluster not in run.models:
+            return
+        r, weights = run.models[run.cluster]
+        if r <= run.evaluated:
+            return
+        t = time.perf_counter()
+        set_vector(run.model, merge_personal(weights, run.client))
+        tm = run.timings.setdefault(r, {})
+        t_apply = time.perf_counter() - t
+        t = time.perf_counter()
+        accuracy = evaluate(run.model, run.data.x_test, run.data.y_test)
+        tm.update({"apply": t_apply, "evaluate": time.perf_counter() - t})
+        if "uploaded_at" in tm and "model_received_at" in tm:
+            tm["wait"] = tm["model_received_at"] - tm["uploaded_at"]
+        epsilon = None
+        if run.client.dp_history:
+            epsilon = Accountant(run.client.dp_history).epsilon(run.config.options.delta)
+        run.evaluated = r
+        self.send(f"agents/{self.agent_id}/metrics", Metrics(
+            cluster=run.cluster, accuracy=accuracy, n_test=len(run.data.y_test),
+            timings={k: float(v) for k, v in tm.items()}, epsilon=epsilon,
+        ), round=r)
+
+    # ---- main ---------------------------------------------------------------------------
+    def serve(self) -> int:
+        """Run until the coordinator says done, refuses us, or SIGTERM; returns the exit code."""
+        self.start([
+            "fleet/config", "keys/public", "fleet/control", f"agents/{self.agent_id}/inbox",
+        ])
+        try:
+            while not self.stopping.is_set() and self.exit is None:
+                self.pump(0.5)
+                if self.pending_config is not None and self.key is not None:
+                    msg, self.pending_config = self.pending_config, None
+                    self._join(msg)
+                while self.plans and self.exit is None and not self.stopping.is_set():
+                    r, plan = self.plans.pop(0)
+                    self._do_round(r, plan)
+                self._evaluate_new_model()
+            if self.exit is not None:
+                (log.info if self.exit.code == 0 else log.error)("%s: %s", self.agent_id, self.exit)
+                return self.exit.code
+            return 0
+        finally:
+            self.stop()

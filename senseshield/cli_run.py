@@ -1,0 +1,93 @@
+"""Options that define a run, shared by `coordinator serve` and `senseshield fleet up`.
+
+The main knobs are flags; every other strategy option is ``--set NAME=VALUE`` (repeatable),
+validated by :class:`~senseshield.strategies.StrategyOptions` (``senseshield strategies
+--options`` lists them), so the fleet commands do not repeat simulate's forty flags.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from pydantic import ValidationError
+
+from senseshield.cli_common import fail, validation_sentence
+from senseshield.errors import ConfigError
+
+Strategy = Annotated[str, typer.Option(help="Strategy name (see `senseshield strategies`).")]
+Rounds = Annotated[int, typer.Option(help="Federated rounds.")]
+Dataset = Annotated[str, typer.Option(help="digits | mnist5k | idx:<dir> | synthetic (agents may override theirs).")]
+Model = Annotated[str, typer.Option(help="mlp | simplecnn | lenet5 | linear.")]
+Partition = Annotated[str, typer.Option(help="iid | dirichlet:ALPHA | categories:K (how shards are cut).")]
+Seed = Annotated[int, typer.Option(help="Seed; the same seed gives the simulator's result.")]
+LocalEpochs = Annotated[int, typer.Option(help="Local epochs per round.")]
+BatchSize = Annotated[int, typer.Option(help="Local minibatch size.")]
+LearningRate = Annotated[float, typer.Option(help="Local SGD learning rate.")]
+Scheme = Annotated[Optional[str], typer.Option(help="HE scheme override (see `senseshield schemes`).")]
+KeyBits = Annotated[int, typer.Option(help="Paillier modulus bits.")]
+Sets = Annotated[Optional[list[str]], typer.Option("--set", help="Strategy option NAME=VALUE, repeatable (e.g. --set he_ratio=0.2).")]
+Broker = Annotated[str, typer.Option(help="MQTT broker, mqtt://HOST[:PORT].")]
+Fleet = Annotated[str, typer.Option(help="Fleet name (the topic tree ss/v1/<fleet>/...).")]
+Mqtt = Annotated[str, typer.Option("--mqtt", help="MQTT protocol version: 5, or 3.1.1 for brokers without 5.")]
+LogLevel = Annotated[str, typer.Option(help="debug | info | warning | error.")]
+
+
+def parse_sets(sets: list[str] | None) -> dict[str, object]:
+    """``["tau=0.2", "eta_mi=none"]`` -> ``{"tau": 0.2, "eta_mi": None}`` (YAML scalars)."""
+    import yaml
+
+    options: dict[str, object] = {}
+    for item in sets or []:
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip():
+            fail(f"--set {item!r} is not allowed; use NAME=VALUE, e.g. --set he_ratio=0.2.")
+        text = value.strip()
+        options[name.strip().replace("-", "_")] = None if text.lower() in ("none", "null") else yaml.safe_load(text)
+    return options
+
+
+def build_run_config(
+    *, strategy: str, rounds: int, dataset: str, model: str, partition: str, seed: int,
+    local_epochs: int, batch_size: int, lr: float, scheme: str | None, key_bits: int,
+    clients: int, sets: list[str] | None, bandwidth: list[float] | None = None, cpu: list[float] | None = None,
+):  # -> SimulationConfig
+    """The run's :class:`SimulationConfig`; user mistakes end in one sentence (exit 2)."""
+    from senseshield.simulation import SimulationConfig
+    from senseshield.strategies import StrategyOptions
+
+    try:
+        options = StrategyOptions(**parse_sets(sets))
+        return SimulationConfig(
+            strategy=strategy, rounds=rounds, dataset=dataset, model=model, partition=partition,
+            seed=seed, local_epochs=local_epochs, batch_size=batch_size, lr=lr, scheme=scheme,
+            key_bits=key_bits, clients=clients, bandwidth=bandwidth, cpu=cpu, options=options,
+        )
+    except ValidationError as exc:
+        fail(validation_sentence(exc))
+    except ConfigError as exc:
+        fail(str(exc))
+
+
+def check_mqtt(version: str) -> str:
+    if version not in ("5", "3.1.1"):
+        fail(f"--mqtt {version!r} is not allowed; use 5 or 3.1.1.")
+    return version
+
+
+def setup_logging(level: str, role: str, file: Path | None = None) -> None:
+    """Log lines with time, role and level on stderr (and to ``file``)."""
+    value = getattr(logging, level.upper(), None)
+    if not isinstance(value, int):
+        fail(f"--log-level {level!r} is not allowed; use debug, info, warning or error.")
+    handlers: list[logging.Handler] = [logging.StreamHandler()]
+    if file is not None:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        handlers.append(logging.FileHandler(file))
+    logging.basicConfig(
+        level=value, handlers=handlers, force=True,
+        format=f"%(asctime)s.%(msecs)03d {role} %(levelname)s %(message)s", datefmt="%H:%M:%S",
+    )
+    logging.getLogger("amqtt").setLevel(logging.WARNING)

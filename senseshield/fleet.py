@@ -1,0 +1,245 @@
+"""``senseshield fleet up``: a whole fleet on this machine, every role its own OS process.
+
+The launcher starts (1) an embedded MQTT broker in this process unless ``--broker`` names
+one, (2) ``keyserver serve``, (3) ``coordinator serve --out DIR`` and (4) N ``edge-agent
+join`` processes, each with shard i/N of the dataset and its own device profile (written
+to ``DIR/profiles/<id>.yaml``: bandwidth and CPU speed, cycled within each category as the
+simulator does). It watches the fleet over MQTT as a read-only observer for the progress
+bar, waits for the coordinator to write ``DIR/report.json``, then stops everything.
+Each process logs to ``DIR/logs/<role>.log``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from senseshield.data import load_dataset
+from senseshield.errors import ConfigError
+from senseshield.simulation import SimulationConfig, build_clients
+
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass
+class FleetOptions:
+    agents: int
+    out: Path
+    broker: str | None = None  # None: embedded broker
+    fleet: str = "local"
+    round_deadline: float = 120.0
+    join_timeout: float = 300.0
+    min_contributors: int = 2
+    threads: int = 1  # torch threads per agent (the agents share the machine's cores)
+    log_level: str = "info"
+    extra_agent_args: dict[str, list[str]] = field(default_factory=dict)  # agent id -> more flags
+
+
+def _python(module: str) -> list[str]:
+    return [sys.executable, "-m", module]
+
+
+def agent_ids(n: int) -> list[str]:
+    """``c000``, ``c001``, ...: the simulator's client ids, so reports line up."""
+    return [f"c{i:03d}" for i in range(n)]
+
+
+def run_args(config: SimulationConfig) -> list[str]:
+    """The ``coordinator serve`` flags that reproduce ``config``."""
+    args = [
+        "--strategy", config.strategy, "--rounds", str(config.rounds), "--dataset", config.dataset,
+        "--model", config.model, "--partition", config.partition, "--seed", str(config.seed),
+        "--local-epochs", str(config.local_epochs), "--batch-size", str(config.batch_size),
+        "--lr", repr(config.lr), "--key-bits", str(config.key_bits),
+    ]
+    if config.scheme:
+        args += ["--scheme", config.scheme]
+    defaults = type(config.options)().model_dump()
+    for name, value in config.options.model_dump().items():
+        if value != defaults[name]:
+            args += ["--set", f"{name}={'none' if value is None else json.dumps(value)}"]
+    if config.bootstrap_epochs != SimulationConfig().bootstrap_epochs:
+        raise ConfigError("fleet up runs with the default bootstrap epochs (1).")
+    return args
+
+
+class Fleet:
+    """The processes of one local fleet; use as a context manager so they always stop."""
+
+    def __init__(self, config: SimulationConfig, options: FleetOptions, progress: Progress | None = None) -> None:
+        if options.agents < 1:
+            raise ConfigError(f"--agents {options.agents} is not allowed; a fleet needs at least 1 agent.")
+        self.config = config.model_copy(update={"clients": options.agents})
+        self.options = options
+        self.progress = progress
+        self.out = Path(options.out)
+        self.broker = None
+        self.url = options.broker
+        self.mqtt = "5"
+        self.processes: dict[str, subprocess.Popen] = {}
+        self.observer = None
+        self.started = time.time()
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def __enter__(self) -> "Fleet":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "logs").mkdir(exist_ok=True)
+        report = self.out / "report.json"
+        if report.exists():
+            report.unlink()
+        if self.url is None:
+            from senseshield.broker import EmbeddedBroker
+
+            import logging
+
+            # amqtt logs every probe and disconnect at ERROR; the fleet's own logs say what matters
+            logging.getLogger("amqtt").setLevel(logging.CRITICAL)
+            self.broker = EmbeddedBroker().start()
+            self.url, self.mqtt = self.broker.url, EmbeddedBroker.protocol
+        common = ["--broker", self.url, "--fleet", self.options.fleet, "--mqtt", self.mqtt,
+                  "--log-level", self.options.log_level]
+        self._spawn("keyserver", [*_python("keyserver.cli"), "serve", *common, "--key-dir", str(self.out / "keys"),
+                                  "--min-contributors", str(self.options.min_contributors)])
+        self._spawn("coordinator", [
+            *_python("coordinator.cli"), "serve", *common, *run_args(self.config),
+            "--agents", str(self.options.agents), "--round-deadline", str(self.options.round_deadline),
+            "--join-timeout", str(self.options.join_timeout), "--out", str(self.out),
+        ])
+        self._start_observer()
+        for i, (agent, profile) in enumerate(zip(agent_ids(self.options.agents), self._profiles())):
+            self._spawn(agent, [
+                *_python("edge_agent.cli"), "join", *common, "--agent-id", agent, "--profile", str(profile),
+                "--shard", f"{i}/{self.options.agents}", "--threads", str(self.options.threads),
+                *self.options.extra_agent_args.get(agent, []),
+            ])
+
+    def _profiles(self) -> list[Path]:
+        """One profile file per agent with the simulator's bandwidth and CPU speed for it."""
+        dataset = load_dataset(self.config.dataset, seed=self.config.seed)
+        clients = build_clients(self.config, dataset)
+        folder = self.out / "profiles"
+        folder.mkdir(exist_ok=True)
+        paths = []
+        for client in clients:
+            path = folder / f"{client.id}.yaml"
+            path.write_text(yaml.safe_dump({"bandwidth": client.bandwidth, "cpu_speed": client.cpu_speed,
+                                            "board": "emulated (fleet up)"}))
+            paths.append(path)
+        self.categories = {c.id: c.category for c in clients}
+        return paths
+
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        log = (self.out / "logs" / f"{name}.log").open("ab")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(self.options.threads))
+        self.processes[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                                start_new_session=True)
+
+    def _start_observer(self) -> None:
+        """A read-only MQTT client that counts finished cluster rounds for the progress bar."""
+        from senseshield.protocol.messages import AggregateResult, Hello, from_frame
+        from senseshield.transport import Link
+
+        self.seen = {"agents": set(), "rounds": set()}
+
+        def on_frame(topic: str, frame) -> None:  # noqa: ANN001
+            msg = from_frame(frame)
+            if isinstance(msg, Hello):
+                self.seen["agents"].add(msg.agent_id)
+            elif isinstance(msg, AggregateResult):
+                self.seen["rounds"].add(frame.round)
+
+        self.observer = Link(self.url, client_id="fleet-up-observer", fleet=self.options.fleet,
+                             on_frame=on_frame, protocol=self.mqtt)
+        self.observer.subscribe("agents/+/hello")
+        self.observer.subscribe("keyserver/results")
+        self.observer.start()
+
+    def wait(self, timeout: float | None = None) -> dict:
+        """Wait for the coordinator to finish; returns the report (ConfigError if it failed)."""
+        coordinator = self.processes["coordinator"]
+        end = None if timeout is None else time.monotonic() + timeout
+        while coordinator.poll() is None:
+            if end is not None and time.monotonic() > end:
+                raise ConfigError(f"The fleet did not finish within {timeout:g} s; see {self.out / 'logs'}.")
+            if self.progress:
+                self.progress("join", len(self.seen["agents"]), self.options.agents)
+                self.progress("round", max(self.seen["rounds"], default=0), self.config.rounds)
+            time.sleep(0.2)
+        if self.progress:
+            self.progress("round", max(self.seen["rounds"], default=0), self.config.rounds)
+        report = self.out / "report.json"
+        if coordinator.returncode != 0 or not report.exists():
+            tail = (self.out / "logs" / "coordinator.log").read_text(errors="replace").strip().splitlines()[-3:]
+            raise ConfigError(f"The coordinator failed (exit {coordinator.returncode}): {' / '.join(tail)}")
+        data = json.loads(report.read_text())
+        self._augment(data)
+        report.write_text(json.dumps(data, indent=2))
+        return data
+
+    def _augment(self, data: dict) -> None:
+        """What only the launcher knows: planted categories (ARI) and the processes' exits."""
+        from sklearn.metrics import adjusted_rand_score
+
+        for client in data["clients"]:
+            client["category"] = self.categories.get(client["id"])
+        cats = [c["category"] for c in data["clients"]]
+        if cats and all(c is not None for c in cats):
+            data["cluster_ari"] = float(adjusted_rand_score(cats, [c["cluster"] for c in data["clients"]]))
+        data["broker"] = "embedded (amqtt, MQTT 3.1.1)" if self.broker is not None else self.url
+
+    def stop(self, grace: float = 15.0) -> dict[str, int | None]:
+        """Agents exit by themselves when the run is done; anything left gets SIGTERM, then SIGKILL."""
+        end = time.monotonic() + grace
+        for name, proc in self.processes.items():
+            if name.startswith("c"):
+                try:
+                    proc.wait(max(end - time.monotonic(), 0.1))
+                except subprocess.TimeoutExpired:
+                    pass
+        for proc in self.processes.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.processes.values():
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self.observer is not None:
+            self.observer.stop()
+            self.observer = None
+        if self.broker is not None:
+            self.broker.stop()
+            self.broker = None
+        return {name: proc.returncode for name, proc in self.processes.items()}
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one process (fault tests)."""
+        self.processes[name].kill()
+
+
+def fleet_up(config: SimulationConfig, options: FleetOptions, progress: Progress | None = None,
+             timeout: float | None = None) -> dict:
+    """Start a local fleet, run ``config`` on it, stop it; returns the report."""
+    with Fleet(config, options, progress) as fleet:
+        fleet.start()
+        report = fleet.wait(timeout)
+    report["exit_codes"] = fleet.stop()
+    (Path(options.out) / "report.json").write_text(json.dumps(report, indent=2))
+    return report
