@@ -1,0 +1,634 @@
+"""What a device can do, measured in a couple of seconds: the profile behind `edge-agent profile`.
+
+The coordinator needs two numbers per agent (SenseCrypt sec. 3.2, sent in ``Hello``):
+
+* ``cpu_speed`` -- v_i, GHz x cores: ``clock_mhz / 1000 * cores``, or
+  :data:`DEFAULT_CLOCK_GHZ` x cores when the clock cannot be read;
+* ``bandwidth`` -- r_i, MB/s (10^6 bytes per second): the measured up bandwidth through the
+  broker (:func:`measure_bandwidth`), else the declared :data:`DEFAULT_BANDWIDTH_MBPS`.
+
+:func:`measure_profile` also records what the device is (board, CPU, cores, memory) and two
+microbenchmarks that explain its round times: float32 matmul GFLOP/s with torch and values
+encrypted per second with the fleet's HE scheme and key size. Every measurement reports how
+long it took in ``timings`` (seconds). With the defaults the whole profile takes about a
+second on a 2-core x86 (key generation is random and can take longer on small boards).
+
+:func:`load_profile` turns ``--profile`` specs into a :class:`DeviceProfile`: ``"auto"``
+measures, a path reads a YAML file, a NAME reads ``NAME.yaml`` from the profile directories
+(:func:`profile_dirs`: ``$SENSESHIELD_PROFILES``, the repository's ``profiles/``, then
+``<prefix>/share/senseshield/profiles``). A YAML profile needs only ``bandwidth`` and
+``cpu_speed`` (or what derives them: ``clock_mhz`` and ``cores``, ``bandwidth_up_mbps``);
+any other :class:`DeviceProfile` field is optional. Mistakes raise :class:`ConfigError`.
+
+Usage::
+
+    profile = measure_profile(quick=True)                    # this device
+    profile = load_profile("pi4")                            # profiles/pi4.yaml
+    hello = Hello(..., bandwidth=profile.bandwidth, cpu_speed=profile.cpu_speed,
+                  profile=profile.model_dump())
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+import platform
+import queue
+import re
+import secrets
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import numpy as np
+import typer
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from senseshield.errors import ConfigError
+
+DEFAULT_SCHEME = "packed-paillier"
+DEFAULT_FLEET = "default"
+DEFAULT_BANDWIDTH_MBPS = 10.0
+"""Declared r_i (MB/s) when the bandwidth is not measured (~80 Mbit/s, a decent Wi-Fi link)."""
+DEFAULT_CLOCK_GHZ = 1.5
+"""Clock assumed per core when it cannot be read (a Raspberry Pi 4's 1.5 GHz)."""
+
+DEVICE_TREE_MODEL = Path("/proc/device-tree/model")
+TEGRA_RELEASE = Path("/etc/nv_tegra_release")
+CPUINFO = Path("/proc/cpuinfo")
+
+PROFILES_ENV = "SENSESHIELD_PROFILES"
+"""Extra profile directories (``os.pathsep``-separated), searched before the built-in ones."""
+
+PROBE_SCHEMA = "bandwidth-probe"
+
+# (implementer, part) from /proc/cpuinfo on ARM, which has no "model name" line.
+ARM_PARTS = {
+    ("0x41", "0xb76"): "ARM1176", ("0x41", "0xc07"): "Cortex-A7",
+    ("0x41", "0xd03"): "Cortex-A53", ("0x41", "0xd04"): "Cortex-A35",
+    ("0x41", "0xd05"): "Cortex-A55", ("0x41", "0xd07"): "Cortex-A57",
+    ("0x41", "0xd08"): "Cortex-A72", ("0x41", "0xd09"): "Cortex-A73",
+    ("0x41", "0xd0a"): "Cortex-A75", ("0x41", "0xd0b"): "Cortex-A76",
+    ("0x41", "0xd0c"): "Neoverse-N1", ("0x41", "0xd0d"): "Cortex-A77",
+    ("0x41", "0xd41"): "Cortex-A78", ("0x41", "0xd42"): "Cortex-A78AE",
+    ("0x41", "0xd4b"): "Cortex-A78C", ("0x4e", "0x004"): "NVIDIA Carmel",
+}
+
+
+class DeviceProfile(BaseModel):
+    """One device's facts and measurements; ``bandwidth`` and ``cpu_speed`` feed the coordinator.
+
+    Measured profiles fill every field except the bandwidths without a broker; a YAML profile
+    (an emulated device class) may give only ``bandwidth`` and ``cpu_speed``, the rest is None.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    board: str = Field("unknown", description="Raspberry Pi / Jetson model, else the CPU name.")
+    cpu_name: str = Field("unknown", description="CPU model ('model name', or the ARM core).")
+    cores: Optional[int] = Field(None, ge=1, description="Logical CPUs.")
+    physical_cores: Optional[int] = Field(None, ge=1, description="Physical cores.")
+    clock_mhz: Optional[float] = Field(
+        None, gt=0, description="Maximum (else current) CPU clock in MHz; None if unreadable."
+    )
+    memory_mb: Optional[int] = Field(None, ge=1, description="Total RAM in MiB.")
+    gflops: Optional[float] = Field(
+        None, gt=0, description="float32 matmul GFLOP/s with torch (best of a few n x n products, 2n^3 flops)."
+    )
+    he_scheme: Optional[str] = Field(None, description="HE scheme the encryption rate was measured with.")
+    he_key_bits: Optional[int] = Field(
+        None, gt=0, description="Key size of he_scheme in bits; None for schemes without key_bits (CKKS)."
+    )
+    he_encryptions_per_s: Optional[float] = Field(
+        None,
+        gt=0,
+        description=(
+            "Plaintext values encrypted per second with he_scheme at he_key_bits; for packed "
+            "schemes (packed Paillier, CKKS) this counts values, not ciphertexts."
+        ),
+    )
+    bandwidth_up_mbps: Optional[float] = Field(
+        None, gt=0, description="Measured MB/s through the broker; None unless measured."
+    )
+    bandwidth_down_mbps: Optional[float] = Field(
+        None,
+        gt=0,
+        description=(
+            "Measured MB/s from the broker; None unless measured. One round trip cannot tell "
+            "the directions apart, so it equals bandwidth_up_mbps."
+        ),
+    )
+    cpu_speed: float = Field(
+        gt=0,
+        description=(
+            f"v_i for the coordinator, GHz x cores: clock_mhz / 1000 * cores, or "
+            f"{DEFAULT_CLOCK_GHZ:g} GHz x cores when the clock is unknown."
+        ),
+    )
+    bandwidth: float = Field(
+        gt=0,
+        description=(
+            f"r_i for the coordinator, MB/s: bandwidth_up_mbps if measured, else the declared "
+            f"default {DEFAULT_BANDWIDTH_MBPS:g}."
+        ),
+    )
+    timings: dict[str, Annotated[float, Field(ge=0)]] = Field(
+        default_factory=dict, description="Seconds each measurement took (and 'total')."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _derive(cls, data: Any) -> Any:
+        """A YAML profile may give clock_mhz and cores instead of cpu_speed, and a measured
+        bandwidth_up_mbps instead of bandwidth."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        clock, cores = data.get("clock_mhz"), data.get("cores")
+        if "cpu_speed" not in data and _number(clock) and _number(cores):
+            data["cpu_speed"] = cpu_speed_of(float(clock), int(cores))
+        if "bandwidth" not in data and _number(data.get("bandwidth_up_mbps")):
+            data["bandwidth"] = float(data["bandwidth_up_mbps"])
+        return data
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def cpu_speed_of(clock_mhz: float | None, cores: int) -> float:
+    """v_i in GHz x cores; :data:`DEFAULT_CLOCK_GHZ` per core when ``clock_mhz`` is None."""
+    ghz = DEFAULT_CLOCK_GHZ if clock_mhz is None else clock_mhz / 1000.0
+    return ghz * cores
+
+
+# ---- what the device is ----------------------------------------------------------------------
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_bytes().decode("utf-8", errors="replace")
+    except OSError:
+        return None
+
+
+def _cpuinfo_fields(cpuinfo: Path) -> dict[str, str]:
+    """First value of every key in /proc/cpuinfo (keys lower-cased)."""
+    fields: dict[str, str] = {}
+    for line in (_read_text(cpuinfo) or "").splitlines():
+        key, sep, value = line.partition(":")
+        key = key.strip().lower()
+        if sep and key and key not in fields:
+            fields[key] = value.strip()
+    return fields
+
+
+def cpu_name(*, cpuinfo: Path = CPUINFO) -> str:
+    """``model name`` of /proc/cpuinfo, else the ARM core from its implementer/part codes,
+    else :func:`platform.processor` / :func:`platform.machine`."""
+    fields = _cpuinfo_fields(cpuinfo)
+    if fields.get("model name"):
+        return fields["model name"]
+    part = ARM_PARTS.get((fields.get("cpu implementer", "").lower(), fields.get("cpu part", "").lower()))
+    if part:
+        return part
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def _tegra_release(text: str) -> str:
+    """``# R32 (release), REVISION: 7.1, ...`` -> ``R32.7.1`` (the text itself if unparsable)."""
+    match = re.search(r"R(\d+)\s*\(release\),\s*REVISION:\s*([\d.]+)", text)
+    if match:
+        return f"R{match.group(1)}.{match.group(2)}"
+    return text.strip().lstrip("# ").split(",")[0] or "unknown"
+
+
+def detect_board(
+    *,
+    device_tree_model: Path = DEVICE_TREE_MODEL,
+    tegra_release: Path = TEGRA_RELEASE,
+    cpuinfo: Path = CPUINFO,
+) -> str:
+    """The board: ``"Jetson (L4T R32.7.1): <device-tree model>"`` on a Jetson, the device-tree
+    model (``"Raspberry Pi 4 Model B Rev 1.4"``, trailing NUL stripped) on a Raspberry Pi or
+    another device-tree board, else the CPU name (:func:`cpu_name`)."""
+    raw_model = _read_text(device_tree_model)
+    model = raw_model.replace("\x00", "").strip() if raw_model is not None else ""
+    release = _read_text(tegra_release)
+    if release is not None:
+        board = f"Jetson (L4T {_tegra_release(release)})"
+        return f"{board}: {model}" if model else board
+    if model:
+        return model
+    return cpu_name(cpuinfo=cpuinfo)
+
+
+def clock_mhz(*, cpuinfo: Path = CPUINFO) -> float | None:
+    """Maximum CPU clock (psutil, cpufreq), else the current one, else the largest
+    ``cpu MHz`` of /proc/cpuinfo; None if none is known."""
+    import psutil
+
+    try:
+        freq = psutil.cpu_freq()
+    except (OSError, NotImplementedError, RuntimeError):
+        freq = None
+    if freq is not None:
+        for value in (freq.max, freq.current):
+            if value and value > 0:
+                return float(value)
+    speeds = []
+    for line in (_read_text(cpuinfo) or "").splitlines():
+        key, _, value = line.partition(":")
+        if key.strip().lower() == "cpu mhz":
+            try:
+                speeds.append(float(value))
+            except ValueError:
+                pass
+    speeds = [s for s in speeds if s > 0 and math.isfinite(s)]
+    return max(speeds) if speeds else None
+
+
+# ---- microbenchmarks ---------------------------------------------------------------------------
+
+
+def measure_gflops(n: int = 512, repeats: int = 5) -> float:
+    """float32 GFLOP/s of an ``n x n`` torch matmul (2 n^3 flops), best of ``repeats`` after
+    one warm-up product; torch's default thread count."""
+    import torch
+
+    if n < 1 or repeats < 1:
+        raise ConfigError(f"Matmul n={n}, repeats={repeats} is not allowed; both must be >= 1.")
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, generator=generator, dtype=torch.float32)
+    b = torch.randn(n, n, generator=generator, dtype=torch.float32)
+    torch.mm(a, b)
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * n**3 / max(best, 1e-9) / 1e9
+
+
+@dataclass(frozen=True)
+class HEMeasurement:
+    """Result of :func:`measure_encryption`; times in seconds."""
+
+    scheme: str
+    key_bits: int | None
+    encryptions_per_s: float  # plaintext values per second
+    keygen_s: float  # 0 when a public key was given
+    setup_s: float  # the first encryption (builds tables such as packed Paillier's fixed-base table)
+    encrypt_s: float  # the timed encryptions
+
+
+def resolve_key_bits(scheme: str, key_bits: int | None) -> int | None:
+    """``key_bits`` checked against ``scheme``: its default when None; ConfigError if the scheme
+    has no ``key_bits`` parameter."""
+    from senseshield.he import SCHEMES
+
+    params = SCHEMES.get(scheme).info().params
+    if "key_bits" not in params:
+        if key_bits is not None:
+            sized = [n for n, s in SCHEMES.items() if "key_bits" in s.info().params]
+            raise ConfigError(
+                f"--key-bits={key_bits} does not apply to scheme {scheme!r}; only "
+                f"{', '.join(sized)} take a key size."
+            )
+        return None
+    return int(params["key_bits"]) if key_bits is None else key_bits
+
+
+def measure_encryption(
+    scheme: str = DEFAULT_SCHEME,
+    key_bits: int | None = None,
+    *,
+    public_key: Any = None,
+    budget_s: float = 0.3,
+    max_values: int = 1 << 16,
+) -> HEMeasurement:
+    """Plaintext values encrypted per second with ``scheme`` at ``key_bits`` (scheme default
+    when None), or with ``public_key`` (e.g. the fleet's, which skips key generation).
+
+    The key is generated once (``keygen_s``); one warm-up encryption of one block
+    (``setup_s``); then vectors of whole blocks, doubling in length while one encryption
+    takes under ``budget_s / 8``, are encrypted until ``budget_s`` is spent. The rate is the
+    best values/second of a single call, so per-value schemes and packed ones (66 values per
+    packed-Paillier ciphertext, thousands per CKKS ciphertext) are both counted in values.
+    """
+    from senseshield.he import SCHEMES
+
+    keygen_s = 0.0
+    if public_key is None:
+        key_bits = resolve_key_bits(scheme, key_bits)
+        params = {} if key_bits is None else {"key_bits": key_bits}
+        start = time.perf_counter()
+        public_key = SCHEMES.get(scheme).generate(**params).public_key
+        keygen_s = time.perf_counter() - start
+    else:
+        scheme = public_key.scheme
+        key_bits = getattr(public_key, "key_bits", None)
+    rng = np.random.default_rng(0)
+    n = max(1, int(public_key.block_size))
+
+    def encrypt(count: int) -> float:
+        values = rng.uniform(-0.5, 0.5, count)
+        start = time.perf_counter()
+        public_key.encrypt(values, np.arange(count, dtype=np.int64))
+        return time.perf_counter() - start
+
+    setup_s = encrypt(n)
+    rate, spent = 0.0, 0.0
+    while True:
+        elapsed = encrypt(n)
+        spent += elapsed
+        rate = max(rate, n / max(elapsed, 1e-9))
+        if spent >= budget_s:
+            break
+        if elapsed < budget_s / 8 and 2 * n <= max_values:
+            n *= 2
+    return HEMeasurement(scheme, key_bits, rate, keygen_s, setup_s, spent)
+
+
+@dataclass(frozen=True)
+class BandwidthMeasurement:
+    """Result of :func:`measure_bandwidth`."""
+
+    mbps: float  # MB/s (10^6 bytes) each way, assuming a symmetric link
+    round_trip_s: float  # best round trip of the probe
+    frame_bytes: int  # probe frame size on the wire (payload + envelope header)
+    seconds: float  # how long the whole measurement took (connect included)
+
+
+def measure_bandwidth(
+    broker: str,
+    fleet: str = DEFAULT_FLEET,
+    *,
+    nbytes: int = 1_000_000,
+    repeats: int = 3,
+    timeout: float = 10.0,
+    link_factory: Callable[..., Any] | None = None,
+) -> BandwidthMeasurement:
+    """MB/s through ``broker``: publish an ``nbytes`` probe on ``ss/v1/<fleet>/probe/<id>``,
+    which the same client subscribes to, and time until it comes back.
+
+    The probe crosses the device's link twice (up to the broker, then down), and the broker
+    forwards it only once it has it whole, so one round trip of ``L`` bytes taking ``t``
+    seconds gives ``2 L / t`` MB/s per direction, latency included. A single round trip
+    cannot separate up from down: the profile reports the same number for both (on
+    loopback it measures the broker and the MQTT stack, not a network). Best of ``repeats``
+    after a small warm-up probe. ``link_factory`` builds the :class:`senseshield.transport.Link`
+    (default ``Link``; e.g. ``functools.partial(Link, ...)`` for other link options).
+    Raises :class:`ConnectionError` when the broker is unreachable or does not echo in time.
+    """
+    from senseshield.protocol import encode_frame
+    from senseshield.transport import Link
+
+    if nbytes < 1 or repeats < 1:
+        raise ConfigError(f"Bandwidth probe of {nbytes} bytes x {repeats} is not allowed; both must be >= 1.")
+    began = time.perf_counter()
+    client_id = f"profile-{secrets.token_hex(4)}"
+    suffix = f"probe/{client_id}"
+    echoes: queue.Queue[int] = queue.Queue()
+
+    def on_frame(_topic: str, frame: Any) -> None:
+        if frame.schema == PROBE_SCHEMA and frame.sender == client_id:
+            echoes.put(int(frame.fields.get("seq", -1)))
+
+    link = (link_factory or Link)(broker, client_id=client_id, fleet=fleet, on_frame=on_frame)
+    link.subscribe(suffix)
+    link.start(timeout=timeout)
+    try:
+
+        def round_trip(seq: int, data: bytes) -> tuple[float, int]:
+            frame = encode_frame(
+                schema=PROBE_SCHEMA, version=1, fleet=fleet, sender=client_id, round=0,
+                fields={"seq": seq}, sections={"data": data},
+            )
+            start = time.perf_counter()
+            link.publish(suffix, frame, timeout=timeout)
+            deadline = start + timeout
+            while True:
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    raise ConnectionError(
+                        f"Broker {broker} did not echo a {len(frame):,}-byte probe within {timeout:g} s."
+                    )
+                try:
+                    if echoes.get(timeout=left) == seq:
+                        break
+                except queue.Empty:
+                    pass
+            return time.perf_counter() - start, len(frame)
+
+        round_trip(0, b"")
+        payload = os.urandom(nbytes)
+        best, size = min(round_trip(seq, payload) for seq in range(1, repeats + 1))
+    finally:
+        link.stop()
+    return BandwidthMeasurement(2 * size / max(best, 1e-9) / 1e6, best, size, time.perf_counter() - began)
+
+
+# ---- the profile ----------------------------------------------------------------------------
+
+
+def measure_profile(
+    *,
+    scheme: str = DEFAULT_SCHEME,
+    key_bits: int | None = None,
+    broker: str | None = None,
+    fleet: str = DEFAULT_FLEET,
+    quick: bool = False,
+    public_key: Any = None,
+    device_tree_model: Path = DEVICE_TREE_MODEL,
+    tegra_release: Path = TEGRA_RELEASE,
+    cpuinfo: Path = CPUINFO,
+) -> DeviceProfile:
+    """Profile this device: facts, matmul GFLOP/s, HE encryptions/s and, with ``broker``,
+    the bandwidth through it (:func:`measure_bandwidth`).
+
+    ``key_bits`` defaults to the scheme's (2048 for the Paillier schemes); ``public_key``
+    (the fleet's) replaces key generation. ``quick`` shrinks every benchmark (256 x 256
+    matmul, 0.15 s of encryption, a 250 kB probe) for tests and impatient users. The bandwidth
+    is measured first, so an unreachable broker fails fast. Timings: ``bandwidth`` (with a
+    broker), ``system``, ``matmul``, ``he_keygen``, ``he_setup``, ``he_encrypt`` and ``total``,
+    in seconds.
+    """
+    import psutil
+
+    began = time.perf_counter()
+    if public_key is None:
+        key_bits = resolve_key_bits(scheme, key_bits)  # fail before any measurement
+    if broker is not None:
+        from senseshield.transport import parse_broker, topic
+
+        parse_broker(broker)
+        topic(fleet, "probe")
+    timings: dict[str, float] = {}
+
+    up = None
+    if broker is not None:  # first: an unreachable broker fails before the benchmarks run
+        bw = measure_bandwidth(broker, fleet, nbytes=250_000 if quick else 1_000_000, repeats=2 if quick else 3)
+        timings["bandwidth"] = bw.seconds
+        up = bw.mbps
+
+    start = time.perf_counter()
+    cores = psutil.cpu_count(logical=True) or os.cpu_count() or 1
+    facts: dict[str, Any] = {
+        "board": detect_board(device_tree_model=device_tree_model, tegra_release=tegra_release, cpuinfo=cpuinfo),
+        "cpu_name": cpu_name(cpuinfo=cpuinfo),
+        "cores": cores,
+        "physical_cores": psutil.cpu_count(logical=False) or cores,
+        "clock_mhz": clock_mhz(cpuinfo=cpuinfo),
+        "memory_mb": max(1, psutil.virtual_memory().total >> 20),
+    }
+    timings["system"] = time.perf_counter() - start
+
+    import torch  # noqa: F401  (imported before the clock starts: the import is no benchmark)
+
+    start = time.perf_counter()
+    gflops = measure_gflops(*((256, 3) if quick else (512, 5)))
+    timings["matmul"] = time.perf_counter() - start
+
+    he = measure_encryption(scheme, key_bits, public_key=public_key, budget_s=0.15 if quick else 0.3)
+    timings.update(he_keygen=he.keygen_s, he_setup=he.setup_s, he_encrypt=he.encrypt_s)
+
+    timings["total"] = time.perf_counter() - began
+    return DeviceProfile(
+        **facts,
+        gflops=gflops,
+        he_scheme=he.scheme,
+        he_key_bits=he.key_bits,
+        he_encryptions_per_s=he.encryptions_per_s,
+        bandwidth_up_mbps=up,
+        bandwidth_down_mbps=up,
+        cpu_speed=cpu_speed_of(facts["clock_mhz"], cores),
+        bandwidth=DEFAULT_BANDWIDTH_MBPS if up is None else up,
+        timings=timings,
+    )
+
+
+def profile_dirs() -> list[Path]:
+    """Where profile NAMEs are looked up, in order: ``$SENSESHIELD_PROFILES`` entries, the
+    repository's ``profiles/`` (source checkouts and editable installs), and
+    ``<sys.prefix>/share/senseshield/profiles`` (installed data files). Only existing ones."""
+    candidates = [Path(p) for p in os.environ.get(PROFILES_ENV, "").split(os.pathsep) if p]
+    candidates.append(Path(__file__).resolve().parent.parent / "profiles")
+    candidates.append(Path(sys.prefix) / "share" / "senseshield" / "profiles")
+    seen: list[Path] = []
+    for path in candidates:
+        if path.is_dir() and path not in seen:
+            seen.append(path)
+    return seen
+
+
+def profile_names() -> list[str]:
+    """NAMEs :func:`load_profile` accepts (``*.yaml`` stems of :func:`profile_dirs`)."""
+    return sorted({p.stem for d in profile_dirs() for p in d.glob("*.yaml")})
+
+
+def _sentence(exc: ValidationError, source: str) -> str:
+    """One sentence for the most telling error: unknown fields, then bad values, then missing."""
+    rank = {"extra_forbidden": 0, "missing": 2}
+    first = min(exc.errors(), key=lambda e: rank.get(e.get("type", ""), 1))
+    where = ".".join(str(p) for p in first.get("loc", ())) or "the profile"
+    kind = first.get("type", "")
+    if kind == "extra_forbidden":
+        close = difflib.get_close_matches(where, DeviceProfile.model_fields, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        return (
+            f"Profile {source} has unknown field {where!r}{hint}; allowed fields: "
+            f"{', '.join(DeviceProfile.model_fields)}."
+        )
+    if kind == "missing":
+        return (
+            f"Profile {source} lacks {where!r}; a profile needs bandwidth (r_i, MB/s) and "
+            "cpu_speed (v_i, GHz x cores), or clock_mhz and cores instead of cpu_speed."
+        )
+    msg = first.get("msg", "is not allowed").removeprefix("Value error, ").rstrip(".")
+    msg = msg[:1].lower() + msg[1:]
+    return f"Profile {source} has {where}={first.get('input')!r}, which is not allowed: {msg}."
+
+
+def read_profile(path: Path | str) -> DeviceProfile:
+    """A :class:`DeviceProfile` from a YAML (or JSON) file; ConfigError naming the problem."""
+    import yaml
+
+    path = Path(path)
+    source = repr(str(path))
+    if not path.is_file():
+        raise ConfigError(f"Profile file {source} does not exist.")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"Profile file {source} is not valid YAML ({exc.__class__.__name__}).") from None
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"Profile file {source} must be a mapping with at least 'bandwidth' and 'cpu_speed'."
+        )
+    try:
+        return DeviceProfile.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_sentence(exc, source)) from None
+
+
+def load_profile(spec: str, **measure: Any) -> DeviceProfile:
+    """``"auto"`` -> :func:`measure_profile` (with ``measure`` as its keyword arguments);
+    a path (contains a ``/`` or ends in ``.yaml``/``.yml``/``.json``) -> :func:`read_profile`;
+    a NAME -> ``NAME.yaml`` in :func:`profile_dirs`. Unknown names raise ConfigError listing
+    the available ones."""
+    if spec == "auto":
+        return measure_profile(**measure)
+    if "/" in spec or os.sep in spec or spec.endswith((".yaml", ".yml", ".json")):
+        return read_profile(spec)
+    for directory in profile_dirs():
+        candidate = directory / f"{spec}.yaml"
+        if candidate.is_file():
+            return read_profile(candidate)
+    names = profile_names()
+    choices = ", ".join(["auto", *names])
+    raise ConfigError(
+        f"Unknown profile {spec!r}; use a YAML file path or one of: {choices}."
+    )
+
+
+# ---- `edge-agent profile` --------------------------------------------------------------------
+
+
+def profile_command(
+    scheme: Annotated[
+        str, typer.Option(help="HE scheme to time, the fleet's (see `senseshield schemes`).")
+    ] = DEFAULT_SCHEME,
+    key_bits: Annotated[
+        Optional[int],
+        typer.Option(help="Key size in bits for the Paillier schemes (default: the scheme's, 2048)."),
+    ] = None,
+    broker: Annotated[
+        Optional[str],
+        typer.Option(help="mqtt://HOST[:PORT] to measure bandwidth through (default: not measured)."),
+    ] = None,
+    fleet: Annotated[str, typer.Option(help="Fleet whose topic tree carries the bandwidth probe.")] = DEFAULT_FLEET,
+    quick: Annotated[bool, typer.Option("--quick", help="Shorter benchmarks (smaller matmul, fewer encryptions, smaller probe).")] = False,
+) -> None:
+    """Measure this device and print its profile as JSON on stdout.
+
+    Board, CPU, cores, clock and memory; float32 matmul GFLOP/s (torch); values encrypted per
+    second with the fleet's HE scheme and key size; with --broker, MB/s through the broker
+    (one round trip, reported for up and down alike). `cpu_speed` (GHz x cores) and
+    `bandwidth` (MB/s) are the v_i and r_i the coordinator uses; `timings` says how long each
+    measurement took in seconds.
+    """
+    from senseshield.cli_common import console, fail
+
+    try:
+        console.print(f"Profiling this device ({scheme}{', quick' if quick else ''})...", highlight=False)
+        profile = measure_profile(scheme=scheme, key_bits=key_bits, broker=broker, fleet=fleet, quick=quick)
+    except ConfigError as exc:
+        fail(str(exc))
+    except ConnectionError as exc:
+        fail(str(exc))
+    typer.echo(profile.model_dump_json(indent=2))
