@@ -182,6 +182,9 @@ def local_update(
             raise ValueError(f"{strategy.name} trains on synthetic data but the client has no fitted provider.")
         x, y = state.synthetic.sample(data.n_train, np.random.default_rng([seed, 13]))
     set_vector(model, global_vector)
+    # the update is measured from the weights the device actually starts from (float32),
+    # so it is the same whether the global model arrived as float64 or float32
+    start = get_vector(model).astype(np.float64)
     t = time.perf_counter()
     if plan.dpsgd:
         if state is None:
@@ -200,7 +203,7 @@ def local_update(
             "usually because DP noise or the learning rate is too large for the model; lower "
             "--lr or --sigma, or raise --target-epsilon."
         )
-    delta = weights - global_vector
+    delta = weights - start
     t_train = time.perf_counter() - t
     t = time.perf_counter()
     inputs = score_inputs(model, data.x_train, data.y_train, needs=score.needs, delta=delta)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 from sklearn.metrics import adjusted_rand_score
 
 from senseshield.data import Dataset, load_dataset, partition_dataset, split_train_test
@@ -157,6 +157,12 @@ class SimulationResult(BaseModel):
     delta: float | None = None
     noise_multiplier: float | None = None  # sigma used (calibrated when target_epsilon is set)
     synthetic_epsilon: float | None = None  # epsilon of the DP synthetic-data provider
+    # the final global model of every cluster (float64); not part of the JSON
+    _models: dict[int, np.ndarray] = PrivateAttr(default_factory=dict)
+
+    @property
+    def models(self) -> dict[int, np.ndarray]:
+        return self._models
 
 
 @dataclass
@@ -422,7 +428,7 @@ def run_simulation(config: SimulationConfig, progress: Progress | None = None) -
         if all(c is not None for c in categories)
         else None
     )
-    return SimulationResult(
+    result = SimulationResult(
         strategy=config.strategy,
         scheme=scheme,
         dataset=config.dataset,
@@ -460,6 +466,8 @@ def run_simulation(config: SimulationConfig, progress: Progress | None = None) -
             max(c.state.synthetic_epsilon or 0.0 for c in clients) if strategy.needs_synthetic else None
         ),
     )
+    result._models = {k: v.copy() for k, v in globals_.items()}
+    return result
 
 
 def _epsilon(strategy: Strategy, user: Accountant, histories: list[list], delta: float) -> float | None:
