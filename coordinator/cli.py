@@ -44,6 +44,7 @@ def serve(
     join_timeout: Annotated[float, typer.Option(help="Seconds to wait for --agents to join before starting with who is there.")] = 300.0,
     state_dir: Annotated[Optional[Path], typer.Option(help="Checkpoint directory; a restart with the same config resumes.")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Write report.json and models/ here.")] = None,
+    max_message_mb: Annotated[float, typer.Option(help="Refuse messages larger than this (MB).")] = 256.0,
     mqtt: Mqtt = "5",
     log_level: LogLevel = "info",
 ) -> None:
@@ -52,6 +53,8 @@ def serve(
     from senseshield.data import load_dataset
 
     setup_logging(log_level, "coordinator")
+    if agents < 1:
+        fail(f"--agents {agents} is not allowed; a fleet needs at least 1 agent.")
     config = build_run_config(
         strategy=strategy, rounds=rounds, dataset=dataset, model=model, partition=partition, seed=seed,
         local_epochs=local_epochs, batch_size=batch_size, lr=lr, scheme=scheme, key_bits=key_bits,
@@ -63,6 +66,7 @@ def serve(
             broker, fleet=fleet, config=config, agents=agents, input_shape=facts.input_shape,
             num_classes=facts.num_classes, round_deadline=round_deadline, join_timeout=join_timeout,
             state_dir=state_dir, out_dir=out, protocol=check_mqtt(mqtt),
+            max_frame_bytes=int(max_message_mb * 1e6),
         )
         server.install_signal_handlers()
         server.run()

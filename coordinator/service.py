@@ -29,6 +29,7 @@ import numpy as np
 from senseshield.engine.aggregation import ProtectedUpdate, aggregate_updates
 from senseshield.errors import ConfigError, ProtocolError
 from senseshield.he import SCHEMES, PublicKey
+from senseshield.protocol.envelope import DEFAULT_MAX_FRAME_BYTES
 from senseshield.protocol.messages import (
     AggregateResult,
     Assignment,
@@ -130,13 +131,15 @@ class Coordinator(Service):
         state_dir: Path | None = None,
         out_dir: Path | None = None,
         protocol: str = "5",
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         progress: Progress | None = None,
     ) -> None:
         if agents < 1:
             raise ConfigError(f"--agents {agents} is not allowed; a fleet needs at least 1 agent.")
         if round_deadline <= 0:
             raise ConfigError(f"--round-deadline {round_deadline} is not allowed; it must be > 0 seconds.")
-        super().__init__(broker, fleet=fleet, client_id="coordinator", logger=log, protocol=protocol)
+        super().__init__(broker, fleet=fleet, client_id="coordinator", logger=log, protocol=protocol,
+                         max_frame_bytes=max_frame_bytes)
         from senseshield.simulation import initial_model
         from senseshield.training import layout_of
 
@@ -318,12 +321,19 @@ class Coordinator(Service):
         o = self.config.options
         ids = sorted(self.plan.cluster_of)
         sampled = set(ids) if o.sample_rate >= 1.0 else {a for a in ids if self.sampler.random() < o.sample_rate}
-        self.round, self.clusters = r, {}
+        self.round, self.clusters, self.offline_notes = r, {}, []
         self.round_started = time.time()
         self.sampled = sampled
         block = self.public.block_size if self.public is not None else 1
         for k in self.plan.clusters:
             members = [a for a in self.plan.members(k) if a in sampled]
+            offline = [a for a in members if not self._online(a)]
+            if offline:  # known gone (last will): not waited for
+                members = [a for a in members if a not in offline]
+                for a in offline:
+                    self.straggling.append({"round": r, "cluster": k, "agent": a, "missing": "offline",
+                                            "deadline": None, "online": False, "arrived_late": False})
+                self.offline_notes.append(f"round {r} cluster {k}: {', '.join(offline)} offline, not waited for")
             if not members:
                 continue
             deadline = time.time() + self.round_deadline
@@ -515,6 +525,7 @@ class Coordinator(Service):
     def _finish_round(self, r: int) -> None:
         o = self.config.options
         tally = RoundTally()
+        tally.notes.extend(self.offline_notes)
         for k, cr in sorted(self.clusters.items()):
             for a in sorted(cr.updates):
                 update, item = cr.updates[a]

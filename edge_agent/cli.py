@@ -31,6 +31,7 @@ def join(
     threads: Annotated[Optional[int], typer.Option(help="Torch threads for training (default: torch's).")] = None,
     mqtt: Mqtt = "5",
     log_level: LogLevel = "info",
+    kill_at_round: Annotated[Optional[int], typer.Option(help="Fault drill: SIGKILL this agent when round R's plan arrives.", hidden=True)] = None,
 ) -> None:
     """Join a fleet and take part in its run; exits 0 when the run is done, 3 if refused."""
     import socket
@@ -47,7 +48,7 @@ def join(
         agent = EdgeAgent(
             broker, fleet=fleet, agent_id=agent_id or socket.gethostname(), bandwidth=device.bandwidth,
             cpu_speed=device.cpu_speed, profile=device.model_dump(mode="json"), data=spec, threads=threads,
-            protocol=check_mqtt(mqtt),
+            protocol=check_mqtt(mqtt), kill_at_round=kill_at_round,
         )
         agent.install_signal_handlers()
         code = agent.serve()

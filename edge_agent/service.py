@@ -129,6 +129,7 @@ class EdgeAgent(Service):
         data: DataSpec = DataSpec(),
         threads: int | None = None,
         protocol: str = "5",
+        kill_at_round: int | None = None,
     ) -> None:
         if not agent_id or any(c in agent_id for c in "/+#"):
             raise ConfigError(f"Agent id {agent_id!r} is not allowed; use letters, digits, '-' or '_'.")
@@ -137,6 +138,7 @@ class EdgeAgent(Service):
             status_topic=f"agents/{agent_id}/status",
         )
         self.agent_id = agent_id
+        self.kill_at_round = kill_at_round  # fault drills: SIGKILL itself when this round's plan arrives
         self.bandwidth, self.cpu_speed = bandwidth, cpu_speed
         self.profile = profile or {}
         self.data_spec = data
@@ -292,6 +294,12 @@ class EdgeAgent(Service):
             if run.last_update is not None and run.last_update[0] == r:
                 self.link.publish(f"agents/{self.agent_id}/update", run.last_update[1])
             return
+        if self.kill_at_round == r:
+            import os
+            import signal
+
+            self.log.warning("fault drill: killing myself (SIGKILL) in round %d", r)
+            os.kill(os.getpid(), signal.SIGKILL)
         t_plan = time.time()
         tm = run.timings.setdefault(r, {})
         tm["plan_received_at"] = t_plan

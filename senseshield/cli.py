@@ -296,6 +296,8 @@ def fleet_up(
     from senseshield.fleet import FleetOptions
     from senseshield.fleet import fleet_up as _fleet_up
 
+    if agents < 1:
+        _fail(f"--agents {agents} is not allowed; a fleet needs at least 1 agent.")
     profiles = _profile_file(profile_file) if profile_file else {}
     config = _run.build_run_config(
         strategy=strategy, rounds=rounds, dataset=dataset, model=model, partition=partition, seed=seed,

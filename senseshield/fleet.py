@@ -43,6 +43,7 @@ class FleetOptions:
     threads: int = 1  # torch threads per agent (the agents share the machine's cores)
     log_level: str = "info"
     extra_agent_args: dict[str, list[str]] = field(default_factory=dict)  # agent id -> more flags
+    extra_coordinator_args: list[str] = field(default_factory=list)
 
 
 def _python(module: str) -> list[str]:
@@ -120,6 +121,7 @@ class Fleet:
             *_python("coordinator.cli"), "serve", *common, *run_args(self.config),
             "--agents", str(self.options.agents), "--round-deadline", str(self.options.round_deadline),
             "--join-timeout", str(self.options.join_timeout), "--out", str(self.out),
+            *self.options.extra_coordinator_args,
         ])
         self._start_observer()
         for i, (agent, profile) in enumerate(zip(agent_ids(self.options.agents), self._profiles())):
@@ -227,7 +229,8 @@ class Fleet:
         if self.broker is not None:
             self.broker.stop()
             self.broker = None
-        return {name: proc.returncode for name, proc in self.processes.items()}
+        self.exit_codes = {name: proc.returncode for name, proc in self.processes.items()}
+        return self.exit_codes
 
     def kill(self, name: str) -> None:
         """SIGKILL one process (fault tests)."""

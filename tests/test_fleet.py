@@ -1,0 +1,232 @@
+"""The fleet runtime end to end: real Mosquitto (or the embedded broker), real OS processes.
+
+Each test starts a key server, a coordinator and a few agents as processes through
+:class:`senseshield.fleet.Fleet`; models are small so a run takes seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from senseshield.fleet import Fleet, FleetOptions, fleet_up
+from senseshield.protocol import encode_frame
+from senseshield.protocol.messages import Hello, Notice, UpdateMessage, from_frame, to_frame
+from senseshield.simulation import SimulationConfig, run_simulation
+from senseshield.strategies import StrategyOptions
+from senseshield.transport import Link
+
+
+def keyserver_models(out: Path, fleet: str) -> dict[int, np.ndarray]:
+    """The key server's float64 cluster models (its checkpoint)."""
+    with np.load(out / "keys" / f"models-{fleet}.npz") as data:
+        meta = json.loads(bytes(data["meta"]).decode())
+        return {int(k): data[f"c{k}"].copy() for k in meta["rounds"]}
+
+
+class Capture:
+    """Every payload published in the fleet's topic tree, as a raw-byte log."""
+
+    def __init__(self, url: str, fleet: str) -> None:
+        import paho.mqtt.client as mqtt
+        from paho.mqtt.enums import CallbackAPIVersion
+
+        from senseshield.transport import parse_broker
+
+        self.payloads: list[tuple[str, bytes]] = []
+        host, port = parse_broker(url)
+        self.client = mqtt.Client(callback_api_version=CallbackAPIVersion.VERSION2, client_id="capture")
+        self.client.on_message = lambda c, u, m: self.payloads.append((m.topic, bytes(m.payload)))
+        self.client.on_connect = lambda c, u, f, rc, p: c.subscribe(f"ss/v1/{fleet}/#", qos=1)
+        self.client.connect(host, port)
+        self.client.loop_start()
+        time.sleep(0.3)
+
+    def stop(self) -> None:
+        self.client.disconnect()
+        self.client.loop_stop()
+
+
+@pytest.mark.parametrize(
+    "strategy, model, partition, extra",
+    [
+        ("plaintext", "mlp", "iid", {}),
+        ("paillier-full", "linear", "iid", {"key_bits": 1024}),
+        ("sensecrypt", "mlp", "categories:2", {"key_bits": 1024}),
+    ],
+)
+def test_fleet_ends_with_the_simulators_model(mosquitto, tmp_path, strategy, model, partition, extra):
+    config = SimulationConfig(strategy=strategy, model=model, partition=partition, clients=4, rounds=2,
+                              bandwidth=[50, 30], cpu=[24, 8], **extra)
+    capture = Capture(mosquitto.url, "same")
+    report = fleet_up(config, FleetOptions(agents=4, out=tmp_path, broker=mosquitto.url, fleet="same",
+                                           round_deadline=120, min_contributors=1), timeout=400)
+    capture.stop()
+    sim = run_simulation(config)
+    fleet_models = keyserver_models(tmp_path, "same")
+    assert sorted(fleet_models) == sorted(sim.models)
+    for k, weights in sim.models.items():
+        assert np.abs(fleet_models[k] - weights).max() <= 1e-6, f"cluster {k}"
+    assert [r["accuracy"] for r in report["rounds"]] == pytest.approx([r.accuracy for r in sim.rounds], abs=1e-9)
+    assert [c["cluster"] for c in report["clients"]] == [c.cluster for c in sim.clients]
+    assert report["exit_codes"] == {name: 0 for name in report["exit_codes"]}
+    # per-agent, per-round phase timings and the server's
+    phases = report["agents"][0]["rounds"]["1"]["phases"]
+    assert {"train", "sensitivity", "mask", "encrypt", "upload", "wait"} <= set(phases)
+    assert {"aggregate", "decrypt"} <= set(report["server"][0]["clusters"]["0"]["timings"])
+    # no secret material in any message (the broker saw every payload of the run)
+    secrets = sorted((tmp_path / "keys").glob("*.key"))
+    assert bool(secrets) == (strategy != "plaintext")
+    assert len(capture.payloads) > 10
+    assert_no_secrets(secrets, b"".join(p for _, p in capture.payloads))
+
+
+def assert_no_secrets(files: list[Path], blob: bytes) -> None:
+    """For Paillier key files (JSON) the primes p and q, in hex, decimal or binary, appear
+    nowhere in ``blob``; for other key files no 64-byte window of the file does."""
+    for path in files:
+        secret = path.read_bytes()
+        try:
+            fields = json.loads(secret)
+        except ValueError:
+            for i in range(0, max(len(secret) - 64, 1), 32):
+                assert secret[i:i + 64] not in blob, f"{path.name} bytes {i}..{i + 64} were sent"
+            continue
+        assert {"p", "q"} <= set(fields), sorted(fields)
+        for name in ("p", "q"):
+            prime = int(fields[name], 16)
+            width = (prime.bit_length() + 7) // 8
+            for form in (fields[name].encode(), str(prime).encode(),
+                         prime.to_bytes(width, "big"), prime.to_bytes(width, "little")):
+                assert form not in blob, f"secret prime {name} was sent"
+
+def test_faults_are_rejected_and_a_killed_agent_only_delays_its_round(mosquitto, tmp_path):
+    """Malformed, oversized, wrong-version, wrong-round and wrong-fleet messages are rejected
+    with a logged reason; an agent killed mid-round makes the round close at its deadline;
+    an agent holding another public key id is refused."""
+    config = SimulationConfig(strategy="plaintext", model="linear", clients=3, rounds=3)
+    options = FleetOptions(agents=3, out=tmp_path, broker=mosquitto.url, fleet="faults", round_deadline=8,
+                           min_contributors=1, extra_agent_args={"c002": ["--kill-at-round", "2"]},
+                           extra_coordinator_args=["--max-message-mb", "0.5"])
+    notices: list[Notice] = []
+    intruder = Link(mosquitto.url, client_id="intruder", fleet="faults",
+                    on_frame=lambda t, f: notices.append(from_frame(f)))
+    intruder.subscribe("agents/intruder/inbox")
+    intruder.start()
+    with Fleet(config, options) as fleet:
+        fleet.start()
+        deadline = time.monotonic() + 120
+        while len(fleet.seen["agents"]) < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        run_id = _run_id(mosquitto.url, "faults")
+        bad = {
+            "malformed": b"\x00garbage\xff" * 10,
+            "wrong-version": encode_frame(schema="metrics", version=9, fleet="faults", sender="c000", round=1, fields={}),
+            "wrong-fleet": encode_frame(schema="status", version=1, fleet="elsewhere", sender="c000", round=0, fields={"online": True}),
+            "wrong-round": to_frame(_update(), fleet="faults", sender="c000", round=99),
+            "oversized": to_frame(_update(size=200_000), fleet="faults", sender="c000", round=1),
+        }
+        for name, payload in bad.items():
+            intruder.publish("agents/c000/update", payload) if name not in ("malformed", "wrong-fleet") else \
+                intruder._client.publish(f"ss/v1/faults/agents/c000/update", payload, qos=1).wait_for_publish(5)
+        hello = Hello(run_id=run_id, agent_id="intruder", n_samples=10, bandwidth=1, cpu_speed=1, key_id="not-the-fleet-key")
+        intruder.publish("agents/intruder/hello", to_frame(hello, fleet="faults", sender="intruder", round=0))
+        report = fleet.wait(timeout=300)
+    intruder.stop()
+    log = (tmp_path / "logs" / "coordinator.log").read_text()
+    for reason in ("magic", "version 9", "fleet 'elsewhere'", "round 99", "exceeds"):
+        assert reason in log, reason
+    assert len(report["rounds"]) == 3
+    # c002 was killed when round 2's plan arrived: round 2 closed at its deadline without it
+    missed = [(s["round"], s["missing"]) for s in report["straggling"] if s["agent"] == "c002"]
+    assert (2, "update") in missed and (3, "offline") in missed
+    r2 = report["rounds"][1]
+    assert r2["seconds"] >= 8 - 0.5
+    assert any("closed without c002" in n for n in r2["notes"])
+    assert report["rounds"][2]["seconds"] < 8  # known offline: not waited for again
+    assert fleet.exit_codes["c002"] == -9
+    assert fleet.exit_codes["c000"] == 0
+    # the intruder with the wrong key id was refused, and told so
+    assert "intruder" in report["refused"]
+    assert any(isinstance(n, Notice) and n.kind == "refused" and "not-the-fleet-key" in n.reason for n in notices)
+
+
+def test_a_broker_restart_mid_run_is_survived(mosquitto, tmp_path):
+    config = SimulationConfig(strategy="plaintext", model="linear", clients=3, rounds=4)
+    options = FleetOptions(agents=3, out=tmp_path, broker=mosquitto.url, fleet="restart", round_deadline=60,
+                           min_contributors=1)
+    with Fleet(config, options) as fleet:
+        fleet.start()
+        deadline = time.monotonic() + 120
+        while not fleet.seen["rounds"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        mosquitto.stop()
+        time.sleep(1.0)
+        mosquitto.start()
+        report = fleet.wait(timeout=300)
+    assert [r["round"] for r in report["rounds"]] == [1, 2, 3, 4]
+    assert report["final_accuracy"] > 0.5
+    sim = run_simulation(config)
+    assert report["final_accuracy"] == pytest.approx(sim.final_accuracy, abs=1e-9)
+    assert "reconnected" in (tmp_path / "logs" / "coordinator.log").read_text()
+
+
+def test_fleet_up_on_the_embedded_broker(tmp_path):
+    from typer.testing import CliRunner
+
+    from senseshield.cli import app
+
+    result = CliRunner().invoke(app, [
+        "fleet", "up", "--agents", "3", "--strategy", "plaintext", "--model", "linear", "--rounds", "2",
+        "--min-contributors", "1", "--out", str(tmp_path), "--quiet",
+    ])
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["broker"].startswith("embedded")
+    assert len(report["rounds"]) == 2 and report["final_accuracy"] > 0.3
+    assert "phase" in result.output and "aggregate" in result.output
+    assert (tmp_path / "models" / "round-2" / "cluster-0.npy").exists()
+
+
+def test_fleet_up_bad_input_is_one_sentence(tmp_path):
+    from typer.testing import CliRunner
+
+    from senseshield.cli import app
+
+    runner = CliRunner()
+    for args, needle in (
+        (["--agents", "0"], "--agents 0 is not allowed"),
+        (["--strategy", "nope"], "nope"),
+        (["--broker", "http://x"], "is not allowed"),
+        (["--set", "tau"], "NAME=VALUE"),
+        (["--set", "tau=7"], "tau"),
+    ):
+        result = runner.invoke(app, ["fleet", "up", *args, "--out", str(tmp_path), "--quiet"])
+        assert result.exit_code == 2, (args, result.output)
+        assert needle in result.output
+        assert "Traceback" not in result.output
+
+
+def _run_id(url: str, fleet: str, timeout: float = 30) -> str:
+    got: list[str] = []
+    link = Link(url, client_id="peek", fleet=fleet, on_frame=lambda t, f: got.append(f.fields.get("run_id")))
+    link.subscribe("fleet/config")
+    link.start()
+    end = time.monotonic() + timeout
+    while not got and time.monotonic() < end:
+        time.sleep(0.05)
+    link.stop()
+    return got[0]
+
+
+def _update(size: int = 650) -> UpdateMessage:
+    from senseshield.protocol.messages import pack_mask
+
+    mask = np.zeros(size, dtype=bool)
+    return UpdateMessage(cluster=0, n_samples=10, size=size, mask=pack_mask(mask), withheld=np.zeros(0, np.uint8),
+                         plaintext=np.random.default_rng(0).normal(size=size).astype(np.float32), ciphertext=b"")
