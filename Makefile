@@ -41,13 +41,16 @@ test: $(STAMP) broker
 test-slow: $(STAMP) broker
 	$(PY) -m pytest -m slow $(PYTEST_ARGS)
 
+# The main job: a local fleet (embedded MQTT broker, key server, coordinator and 6 agents as
+# OS processes) running SenseCrypt on mixed device profiles; report in demo-fleet/report.json.
 demo: $(STAMP)
-	$(VENV)/bin/senseshield simulate --strategy sensecrypt --dataset digits --model mlp \
-	    --clients 20 --partition categories:4 --rounds 5 \
-	    --profile-file profiles/sensecrypt-system-heterogeneity.yaml --out demo-result.json
+	$(VENV)/bin/senseshield fleet up --agents 6 --strategy sensecrypt --dataset digits --model mlp \
+	    --partition categories:3 --rounds 4 \
+	    --profile-file profiles/sensecrypt-system-heterogeneity.yaml --out demo-fleet
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_foundation.py
+	$(PY) benchmarks/bench_fleet.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis demo-result.json

@@ -1,0 +1,94 @@
+"""Round time of `fleet up` with 6 agents: plaintext vs maskcrypt vs sensecrypt, by phase.
+
+Same data (digits, categories:3), same seed, same SenseCrypt heterogeneity profiles, MLP,
+packed Paillier 2048-bit for the HE strategies. Each strategy is one `fleet up` run (real
+processes, embedded broker unless --broker). Round time excludes round 1 (warm-up: first
+encryption builds the fixed-base tables). Ratios are to plaintext in the same run.
+
+    python benchmarks/bench_fleet.py [--rounds 4] [--broker mqtt://...] [--out benchmarks/results/fleet.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from senseshield.fleet import FleetOptions, fleet_up
+from senseshield.simulation import SimulationConfig
+
+PHASES = ("train", "sensitivity", "mask", "noise", "encrypt", "serialize", "upload", "wait")
+
+
+def summarise(report: dict) -> dict:
+    rounds = report["rounds"][1:] or report["rounds"]
+    agent = {p: [] for p in PHASES}
+    for a in report["agents"]:
+        for r, rec in a["rounds"].items():
+            if int(r) == 1 and len(report["rounds"]) > 1:
+                continue
+            for p in PHASES:
+                if p in rec["phases"]:
+                    agent[p].append(rec["phases"][p])
+    server = {"aggregate": [], "decrypt": []}
+    for rec in report["server"][1:] or report["server"]:
+        for c in rec["clusters"].values():
+            for p in server:
+                if p in c["timings"]:
+                    server[p].append(c["timings"][p])
+    return {
+        "round_seconds": float(np.mean([r["seconds"] for r in rounds])),
+        "final_accuracy": report["final_accuracy"],
+        "he_ratio": float(np.mean([r["he_ratio_mean"] for r in rounds])),
+        "mb_up_per_round": float(np.mean([r["bytes_up"] for r in rounds]) / 1e6),
+        "mb_down_per_round": float(np.mean([r["bytes_down"] for r in rounds]) / 1e6),
+        "agent_phase_mean_s": {p: float(np.mean(v)) for p, v in agent.items() if v},
+        "server_phase_mean_s": {p: float(np.mean(v)) for p, v in server.items() if v},
+        "clusters": report["num_clusters"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--agents", type=int, default=6)
+    parser.add_argument("--broker", default=None)
+    parser.add_argument("--strategies", default="plaintext,maskcrypt,sensecrypt")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/fleet.json"))
+    args = parser.parse_args()
+    results = {}
+    for strategy in args.strategies.split(","):
+        config = SimulationConfig(
+            strategy=strategy, rounds=args.rounds, partition="categories:3", model="mlp",
+            scheme="packed-paillier" if strategy != "plaintext" else None,
+            bandwidth=[50, 45, 40, 35, 30], cpu=[24, 16, 12, 10, 8],
+        )
+        with tempfile.TemporaryDirectory() as tmp:
+            report = fleet_up(config, FleetOptions(agents=args.agents, out=Path(tmp), broker=args.broker,
+                                                   fleet=f"bench-{strategy}"), timeout=1800)
+        results[strategy] = summarise(report)
+        print(strategy, json.dumps(results[strategy]))
+    base = results.get("plaintext", {}).get("round_seconds")
+    if base:
+        for r in results.values():
+            r["round_ratio_to_plaintext"] = r["round_seconds"] / base
+    out = {"machine": {"processor": platform.processor() or platform.machine(), "python": platform.python_version()},
+           "agents": args.agents, "rounds": args.rounds, "broker": args.broker or "embedded (amqtt)", "results": results}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2))
+    print("| strategy | round s | x plaintext | train | encrypt | upload | wait | aggregate | decrypt | MB up | MB down | accuracy |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, r in results.items():
+        a, s = r["agent_phase_mean_s"], r["server_phase_mean_s"]
+        print(f"| {name} | {r['round_seconds']:.2f} | {r.get('round_ratio_to_plaintext', float('nan')):.2f} | "
+              f"{a.get('train', 0):.3f} | {a.get('encrypt', 0):.3f} | {a.get('upload', 0):.3f} | {a.get('wait', 0):.3f} | "
+              f"{s.get('aggregate', 0):.3f} | {s.get('decrypt', 0):.3f} | {r['mb_up_per_round']:.2f} | "
+              f"{r['mb_down_per_round']:.2f} | {r['final_accuracy']:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
