@@ -21,7 +21,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -673,6 +673,12 @@ class Coordinator(Service):
             "hellos": {a: i.hello.model_dump(mode="json") for a, i in self.agents.items()},
             "sampler": self.sampler.bit_generator.state,
             "accountant": self.user_accountant.history,
+            "records": [{**rec, "tally": asdict(rec["tally"])} for rec in self.records],
+            "metrics": [[a, r, m.model_dump(mode="json")] for (a, r), m in self.metrics.items()],
+            "agent_rounds": self.agent_rounds,
+            "straggling": self.straggling,
+            "refused": self.refused,
+            "bootstrap_seconds": self.bootstrap_seconds,
         }
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(state))
@@ -699,6 +705,11 @@ class Coordinator(Service):
         self.agents = {a: AgentInfo(Hello(**h)) for a, h in state["hellos"].items()}
         self.sampler.bit_generator.state = state["sampler"]
         self.user_accountant = Accountant([tuple(h) for h in state["accountant"]])
+        self.records = [{**rec, "tally": RoundTally(**rec["tally"])} for rec in state["records"]]
+        self.metrics = {(a, int(r)): Metrics(**m) for a, r, m in state["metrics"]}
+        self.agent_rounds = {a: {int(r): v for r, v in rounds.items()} for a, rounds in state["agent_rounds"].items()}
+        self.straggling, self.refused = state["straggling"], state["refused"]
+        self.bootstrap_seconds = state["bootstrap_seconds"]
         self.log.info("resuming run %s after round %d", self.run_id, self.completed)
 
     # ---- main ---------------------------------------------------------------------------
@@ -723,6 +734,7 @@ class Coordinator(Service):
                 self.wait_until(lambda: self.public is not None or self.key_id is not None, self.join_timeout)
                 for a in self.plan.cluster_of:
                     self._assign(a)
+                    self.send(f"agents/{a}/inbox", Notice(run_id=self.run_id, kind="resend-metrics"))
             for r in range(self.completed + 1, self.config.rounds + 1):
                 self._start_round(r)
                 while not all(cr.phase == "done" for cr in self.clusters.values()):

@@ -112,6 +112,7 @@ class RunState:
     done_rounds: set[int] = field(default_factory=set)
     timings: dict[int, dict[str, float]] = field(default_factory=dict)
     hello: Hello | None = None
+    sent_metrics: dict[int, Metrics] = field(default_factory=dict)
 
 
 class EdgeAgent(Service):
@@ -225,6 +226,9 @@ class EdgeAgent(Service):
             self.exit = AgentExit(3, f"the coordinator refused this agent: {msg.reason}")
         elif msg.kind == "done":
             self.exit = AgentExit(0, "the run is done")
+        elif msg.kind == "resend-metrics":
+            for r, metrics in sorted(self.run.sent_metrics.items()):
+                self.send(f"agents/{self.agent_id}/metrics", metrics, round=r)
 
     def on_reconnect(self) -> None:
         if self.run is not None and self.run.hello is not None:
@@ -371,10 +375,12 @@ class EdgeAgent(Service):
         if run.client.dp_history:
             epsilon = Accountant(run.client.dp_history).epsilon(run.config.options.delta)
         run.evaluated = r
-        self.send(f"agents/{self.agent_id}/metrics", Metrics(
+        metrics = Metrics(
             cluster=run.cluster, accuracy=accuracy, n_test=len(run.data.y_test),
             timings={k: float(v) for k, v in tm.items()}, epsilon=epsilon,
-        ), round=r)
+        )
+        run.sent_metrics[r] = metrics
+        self.send(f"agents/{self.agent_id}/metrics", metrics, round=r)
 
     # ---- main ---------------------------------------------------------------------------
     def serve(self) -> int:

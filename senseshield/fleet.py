@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -88,6 +89,7 @@ class Fleet:
         self.url = options.broker
         self.mqtt = "5"
         self.processes: dict[str, subprocess.Popen] = {}
+        self.argv: dict[str, list[str]] = {}
         self.observer = None
         self.started = time.time()
 
@@ -101,9 +103,11 @@ class Fleet:
     def start(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "logs").mkdir(exist_ok=True)
-        report = self.out / "report.json"
-        if report.exists():
-            report.unlink()
+        for stale in (self.out / "report.json", self.out / "state"):
+            if stale.is_file():
+                stale.unlink()
+            elif stale.is_dir():
+                shutil.rmtree(stale)
         if self.url is None:
             from senseshield.broker import EmbeddedBroker
 
@@ -121,7 +125,7 @@ class Fleet:
             *_python("coordinator.cli"), "serve", *common, *run_args(self.config),
             "--agents", str(self.options.agents), "--round-deadline", str(self.options.round_deadline),
             "--join-timeout", str(self.options.join_timeout), "--out", str(self.out),
-            *self.options.extra_coordinator_args,
+            "--state-dir", str(self.out / "state"), *self.options.extra_coordinator_args,
         ])
         self._start_observer()
         for i, (agent, profile) in enumerate(zip(agent_ids(self.options.agents), self._profiles())):
@@ -146,7 +150,15 @@ class Fleet:
         self.categories = {c.id: c.category for c in clients}
         return paths
 
+    def restart(self, name: str) -> None:
+        """SIGKILL a process and start it again with the same command line (fault tests)."""
+        proc = self.processes[name]
+        proc.kill()
+        proc.wait()
+        self._spawn(name, self.argv[name])
+
     def _spawn(self, name: str, argv: list[str]) -> None:
+        self.argv[name] = argv
         log = (self.out / "logs" / f"{name}.log").open("ab")
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(self.options.threads))
         self.processes[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,

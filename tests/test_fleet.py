@@ -176,6 +176,23 @@ def test_a_broker_restart_mid_run_is_survived(mosquitto, tmp_path):
     assert "reconnected" in (tmp_path / "logs" / "coordinator.log").read_text()
 
 
+def test_a_restarted_coordinator_resumes_from_its_checkpoint(mosquitto, tmp_path):
+    config = SimulationConfig(strategy="plaintext", model="linear", clients=3, rounds=4)
+    options = FleetOptions(agents=3, out=tmp_path, broker=mosquitto.url, fleet="resume", round_deadline=60,
+                           min_contributors=1)
+    with Fleet(config, options) as fleet:
+        fleet.start()
+        deadline = time.monotonic() + 120
+        while not fleet.seen["rounds"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        fleet.restart("coordinator")  # SIGKILL, then the same command line again
+        report = fleet.wait(timeout=300)
+    assert [r["round"] for r in report["rounds"]] == [1, 2, 3, 4]
+    assert "resuming run" in (tmp_path / "logs" / "coordinator.log").read_text()
+    sim = run_simulation(config)
+    assert [r["accuracy"] for r in report["rounds"]] == pytest.approx([r.accuracy for r in sim.rounds], abs=1e-9)
+
+
 def test_fleet_up_on_the_embedded_broker(tmp_path):
     from typer.testing import CliRunner
 
@@ -230,3 +247,29 @@ def _update(size: int = 650) -> UpdateMessage:
     mask = np.zeros(size, dtype=bool)
     return UpdateMessage(cluster=0, n_samples=10, size=size, mask=pack_mask(mask), withheld=np.zeros(0, np.uint8),
                          plaintext=np.random.default_rng(0).normal(size=size).astype(np.float32), ciphertext=b"")
+
+
+def test_an_agent_exits_cleanly_on_sigterm(mosquitto, tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    statuses: list[bool] = []
+    watcher = Link(mosquitto.url, client_id="watcher", fleet="term",
+                   on_frame=lambda t, f: statuses.append(from_frame(f).online))
+    watcher.subscribe("agents/pi-7/status")
+    watcher.start()
+    profile = tmp_path / "p.yaml"
+    profile.write_text("bandwidth: 10\ncpu_speed: 4\n")
+    proc = subprocess.Popen([sys.executable, "-m", "edge_agent.cli", "join", "--broker", mosquitto.url,
+                             "--fleet", "term", "--agent-id", "pi-7", "--profile", str(profile)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    end = time.monotonic() + 60
+    while not statuses and time.monotonic() < end:
+        time.sleep(0.05)
+    assert statuses == [True]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(15) == 0, proc.stdout.read().decode()
+    time.sleep(0.3)
+    assert statuses[-1] is False
+    watcher.stop()

@@ -229,11 +229,12 @@ class Metrics(Message):
 
 @message
 class Notice(Message):
-    """``agents/<id>/inbox`` or ``fleet/control``: ``refused`` (with the reason) or ``done``."""
+    """``agents/<id>/inbox`` or ``fleet/control``: ``refused`` (with the reason), ``done``, or
+    ``resend-metrics`` (a resumed coordinator asks for the metrics it may have missed)."""
 
     schema_name: ClassVar[str] = "notice"
     run_id: str = ""
-    kind: str = Field(pattern="^(refused|done)$")
+    kind: str = Field(pattern="^(refused|done|resend-metrics)$")
     reason: str = ""
 
 
