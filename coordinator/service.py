@@ -621,7 +621,7 @@ class Coordinator(Service):
                     "accuracy": m.accuracy if m else None,
                 }
             agents.append({"id": a, "profile": hello.profile if hello else {}, "online": self._online(a),
-                           "rounds": per_round})
+                           "inference": latest[a].inference if a in latest else {}, "rounds": per_round})
         server = [{"round": rec["round"], "clusters": {str(k): v for k, v in rec["clusters"].items()}}
                   for rec in self.records]
         o = self.config.options

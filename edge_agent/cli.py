@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -28,7 +29,8 @@ def join(
     dataset: Annotated[Optional[str], typer.Option(help="Local data: digits | mnist5k | idx:<dir> | synthetic (default: the run's).")] = None,
     shard: Annotated[Optional[str], typer.Option(help="Use shard I/N of the dataset (0 <= I < N), cut by the run's partition.")] = None,
     partition: Annotated[Optional[str], typer.Option(help="How shards are cut (default: the run's partition).")] = None,
-    threads: Annotated[Optional[int], typer.Option(help="Torch threads for training (default: torch's).")] = None,
+    threads: Annotated[Optional[int], typer.Option(help="Torch and onnxruntime threads (default: torch's).")] = None,
+    model_dir: Annotated[Optional[Path], typer.Option(help="Where the agent keeps its cluster's latest ONNX model, merged with its personalised zone (default: ~/.senseshield/FLEET/ID).")] = None,
     mqtt: Mqtt = "5",
     log_level: LogLevel = "info",
     kill_at_round: Annotated[Optional[int], typer.Option(help="Fault drill: SIGKILL this agent when round R's plan arrives.", hidden=True)] = None,
@@ -48,7 +50,7 @@ def join(
         agent = EdgeAgent(
             broker, fleet=fleet, agent_id=agent_id or socket.gethostname(), bandwidth=device.bandwidth,
             cpu_speed=device.cpu_speed, profile=device.model_dump(mode="json"), data=spec, threads=threads,
-            protocol=check_mqtt(mqtt), kill_at_round=kill_at_round,
+            protocol=check_mqtt(mqtt), kill_at_round=kill_at_round, model_dir=model_dir,
         )
         agent.install_signal_handlers()
         code = agent.serve()

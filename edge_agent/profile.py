@@ -136,6 +136,10 @@ class DeviceProfile(BaseModel):
             f"default {DEFAULT_BANDWIDTH_MBPS:g}."
         ),
     )
+    inference_ms: Optional[dict[str, float]] = Field(
+        None,
+        description="onnxruntime latency of the fleet's model (with --model): p50/p95 ms at batch 1 and 32.",
+    )
     timings: dict[str, Annotated[float, Field(ge=0)]] = Field(
         default_factory=dict, description="Seconds each measurement took (and 'total')."
     )
@@ -605,6 +609,20 @@ def load_profile(spec: str, **measure: Any) -> DeviceProfile:
 # ---- `edge-agent profile` --------------------------------------------------------------------
 
 
+def with_inference_latency(profile: DeviceProfile, model: Path, *, repeats: int) -> DeviceProfile:
+    """``profile`` plus the onnxruntime latency of ``model`` (p50/p95 per sample and per batch of 32)."""
+    import time
+
+    from senseshield.inference import latency, load_session
+
+    t = time.perf_counter()
+    session = load_session(model, threads=profile.cores)
+    result = latency(session, session.input_shape, repeats=repeats)
+    numbers = {f"b{b}_{q}_ms": float(v[f"{q}_ms"]) for b, v in result["batches"].items() for q in ("p50", "p95")}
+    timings = dict(profile.timings, inference=time.perf_counter() - t)
+    return profile.model_copy(update={"inference_ms": numbers, "timings": timings})
+
+
 def profile_command(
     scheme: Annotated[
         str, typer.Option(help="HE scheme to time, the fleet's (see `senseshield schemes`).")
@@ -619,6 +637,10 @@ def profile_command(
     ] = None,
     fleet: Annotated[str, typer.Option(help="Fleet whose topic tree carries the bandwidth probe.")] = DEFAULT_FLEET,
     quick: Annotated[bool, typer.Option("--quick", help="Shorter benchmarks (smaller matmul, fewer encryptions, smaller probe).")] = False,
+    model: Annotated[
+        Optional[Path],
+        typer.Option(help="The fleet's ONNX model (`senseshield export`): also measure its inference latency."),
+    ] = None,
 ) -> None:
     """Measure this device and print its profile as JSON on stdout.
 
@@ -633,6 +655,8 @@ def profile_command(
     try:
         console.print(f"Profiling this device ({scheme}{', quick' if quick else ''})...", highlight=False)
         profile = measure_profile(scheme=scheme, key_bits=key_bits, broker=broker, fleet=fleet, quick=quick)
+        if model is not None:
+            profile = with_inference_latency(profile, model, repeats=30 if quick else 200)
     except ConfigError as exc:
         fail(str(exc))
     except ConnectionError as exc:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -57,9 +58,18 @@ from senseshield.accounting import Accountant
 from senseshield.service import Inbound, Service
 from senseshield.simulation import SimulationConfig, build_clients, client_bootstrap, protect_rng, train_config
 from senseshield.strategies import ClientContext, build_strategy
-from senseshield.training import evaluate, layout_of, set_vector
+from senseshield.inference import export_onnx, latency, load_session
+from senseshield.training import layout_of
 
 log = logging.getLogger("senseshield.agent")
+
+
+def _accuracy(session, x: np.ndarray, y: np.ndarray) -> float:  # noqa: ANN001
+    """Test accuracy with onnxruntime (what the device runs for inference)."""
+    if len(y) == 0:
+        return 0.0
+    classes, _ = session.predict(x)
+    return float(np.mean(classes == y))
 
 
 class AgentExit(Exception):
@@ -131,6 +141,8 @@ class EdgeAgent(Service):
         threads: int | None = None,
         protocol: str = "5",
         kill_at_round: int | None = None,
+        model_dir: Path | None = None,
+        latency_repeats: int = 20,
     ) -> None:
         if not agent_id or any(c in agent_id for c in "/+#"):
             raise ConfigError(f"Agent id {agent_id!r} is not allowed; use letters, digits, '-' or '_'.")
@@ -139,6 +151,9 @@ class EdgeAgent(Service):
             status_topic=f"agents/{agent_id}/status",
         )
         self.agent_id = agent_id
+        self.model_dir = Path(model_dir) if model_dir is not None else Path.home() / ".senseshield" / fleet / agent_id
+        self.model_dir.mkdir(parents=True, exist_ok=True)
+        self.latency_repeats = latency_repeats
         self.kill_at_round = kill_at_round  # fault drills: SIGKILL itself when this round's plan arrives
         self.bandwidth, self.cpu_speed = bandwidth, cpu_speed
         self.profile = profile or {}
@@ -363,12 +378,20 @@ class EdgeAgent(Service):
         if r <= run.evaluated:
             return
         t = time.perf_counter()
-        set_vector(run.model, merge_personal(weights, run.client))
+        merged = merge_personal(weights, run.client)  # the device's own (personalised) model
         tm = run.timings.setdefault(r, {})
+        onnx_path = self.model_dir / "model.onnx"
+        export_onnx(run.config.model, run.input_shape, run.num_classes, merged, onnx_path,
+                    fleet=self.fleet, cluster=run.cluster, round=r)
+        session = load_session(onnx_path, threads=torch.get_num_threads())
         t_apply = time.perf_counter() - t
         t = time.perf_counter()
-        accuracy = evaluate(run.model, run.data.x_test, run.data.y_test)
+        accuracy = _accuracy(session, run.data.x_test, run.data.y_test)
         tm.update({"apply": t_apply, "evaluate": time.perf_counter() - t})
+        speed = latency(session, run.input_shape, repeats=self.latency_repeats, warmup=2)
+        inference = {
+            f"b{b}_{q}_ms": float(v[f"{q}_ms"]) for b, v in speed["batches"].items() for q in ("p50", "p95")
+        }
         if "uploaded_at" in tm and "model_received_at" in tm:
             tm["wait"] = tm["model_received_at"] - tm["uploaded_at"]
         epsilon = None
@@ -377,7 +400,7 @@ class EdgeAgent(Service):
         run.evaluated = r
         metrics = Metrics(
             cluster=run.cluster, accuracy=accuracy, n_test=len(run.data.y_test),
-            timings={k: float(v) for k, v in tm.items()}, epsilon=epsilon,
+            timings={k: float(v) for k, v in tm.items()}, epsilon=epsilon, inference=inference,
         )
         run.sent_metrics[r] = metrics
         self.send(f"agents/{self.agent_id}/metrics", metrics, round=r)

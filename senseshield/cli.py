@@ -261,6 +261,10 @@ def bench_he(
         console.print(f"wrote {out_file}")
 
 
+from senseshield.inference import export_command as _export  # noqa: E402
+
+app.command(name="export")(_export)
+
 fleet_app = typer.Typer(help="Run a fleet of real processes on this machine.", no_args_is_help=True)
 app.add_typer(fleet_app, name="fleet")
 

@@ -132,6 +132,7 @@ class Fleet:
             self._spawn(agent, [
                 *_python("edge_agent.cli"), "join", *common, "--agent-id", agent, "--profile", str(profile),
                 "--shard", f"{i}/{self.options.agents}", "--threads", str(self.options.threads),
+                "--model-dir", str(self.out / "agents" / agent),
                 *self.options.extra_agent_args.get(agent, []),
             ])
 

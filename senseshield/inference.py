@@ -872,9 +872,9 @@ def predict_command(
 
 
 def export_command(
-    run: Path = typer.Argument(
-        ...,
-        help="Fleet run directory: report.json and models/round-<R>/cluster-<K>.npy.",
+    run: Path = typer.Option(
+        ..., "--run",
+        help="Fleet run directory (`fleet up --out` / `coordinator serve --out`): report.json and models/round-<R>/cluster-<K>.npy.",
         show_default=False,
     ),
     cluster: int = typer.Option(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+
+import numpy as np
 from pathlib import Path
 
 import pytest
@@ -222,3 +224,19 @@ def test_profile_command_refuses_bad_options_in_one_sentence():
     assert result.exit_code == 2
     assert result.stdout == ""
     assert "error:" in result.stderr and "does not apply to scheme 'ckks'" in result.stderr
+
+
+def test_profile_with_the_fleets_model_adds_inference_latency(tmp_path):
+    from senseshield.inference import export_onnx
+    from senseshield.models import build_model
+    from senseshield.training import get_vector
+
+    model = tmp_path / "model.onnx"
+    weights = get_vector(build_model("mlp", (1, 8, 8), 10)).astype(np.float64)
+    export_onnx("mlp", (1, 8, 8), 10, weights, model, fleet="lab", cluster=0, round=1)
+    result = CliRunner().invoke(_app(), ["profile", "--quick", "--model", str(model)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout[result.stdout.index("{"):])
+    lat = data["inference_ms"]
+    assert 0 < lat["b1_p50_ms"] <= lat["b1_p95_ms"] and 0 < lat["b32_p50_ms"] <= lat["b32_p95_ms"]
+    assert data["timings"]["inference"] > 0

@@ -208,6 +208,20 @@ def test_fleet_up_on_the_embedded_broker(tmp_path):
     assert len(report["rounds"]) == 2 and report["final_accuracy"] > 0.3
     assert "phase" in result.output and "aggregate" in result.output
     assert (tmp_path / "models" / "round-2" / "cluster-0.npy").exists()
+    # every agent evaluated with onnxruntime and measured its inference latency
+    for agent in report["agents"]:
+        assert (tmp_path / "agents" / agent["id"] / "model.onnx").exists()
+        assert 0 < agent["inference"]["b1_p50_ms"] <= agent["inference"]["b1_p95_ms"]
+        assert "b32_p50_ms" in agent["inference"]
+    # the run's cluster model exports to ONNX for on-device use
+    onnx = tmp_path / "export" / "model.onnx"
+    result = CliRunner().invoke(app, ["export", "--run", str(tmp_path), "--cluster", "0", "--out", str(onnx)])
+    assert result.exit_code == 0, result.output
+    from senseshield.inference import load_session
+
+    session = load_session(onnx)
+    classes, scores = session.predict(np.zeros((3, 1, 8, 8), np.float32))
+    assert classes.shape == (3,) and scores.shape == (3, 10)
 
 
 def test_fleet_up_bad_input_is_one_sentence(tmp_path):
@@ -262,7 +276,8 @@ def test_an_agent_exits_cleanly_on_sigterm(mosquitto, tmp_path):
     profile = tmp_path / "p.yaml"
     profile.write_text("bandwidth: 10\ncpu_speed: 4\n")
     proc = subprocess.Popen([sys.executable, "-m", "edge_agent.cli", "join", "--broker", mosquitto.url,
-                             "--fleet", "term", "--agent-id", "pi-7", "--profile", str(profile)],
+                             "--fleet", "term", "--agent-id", "pi-7", "--profile", str(profile),
+                             "--model-dir", str(tmp_path / "m")],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     end = time.monotonic() + 60
     while not statuses and time.monotonic() < end:

@@ -225,6 +225,7 @@ class Metrics(Message):
     n_test: int = Field(ge=0)
     timings: dict[str, float] = {}
     epsilon: float | None = None
+    inference: dict[str, float] = {}  # onnxruntime latency of the model: p50/p95 ms, batch 1 and 32
 
 
 @message
