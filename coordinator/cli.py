@@ -9,8 +9,9 @@ import typer
 
 from senseshield.cli_common import console, fail
 from senseshield.cli_run import (
-    BatchSize, Broker, Dataset, Fleet, KeyBits, LearningRate, LocalEpochs, LogLevel, Model, Mqtt,
-    Partition, Rounds, Scheme, Seed, Sets, Strategy, build_run_config, check_mqtt, setup_logging,
+    BatchSize, Broker, CaFile, Dataset, Fleet, KeyBits, LearningRate, LocalEpochs, LogLevel, Model, Mqtt,
+    Partition, PasswordFile, Rounds, Scheme, Seed, Sets, Strategy, Username, build_run_config, check_mqtt,
+    mqtt_security, setup_logging,
 )
 from senseshield.errors import ConfigError
 
@@ -46,6 +47,9 @@ def serve(
     out: Annotated[Optional[Path], typer.Option(help="Write report.json and models/ here.")] = None,
     max_message_mb: Annotated[float, typer.Option(help="Refuse messages larger than this (MB).")] = 256.0,
     mqtt: Mqtt = "5",
+    ca_file: CaFile = None,
+    username: Username = None,
+    password_file: PasswordFile = None,
     log_level: LogLevel = "info",
 ) -> None:
     """Run a federated job on the agents that join the fleet, then exit."""
@@ -60,6 +64,7 @@ def serve(
         local_epochs=local_epochs, batch_size=batch_size, lr=lr, scheme=scheme, key_bits=key_bits,
         clients=agents, sets=set_,
     )
+    security = mqtt_security(broker, ca_file=ca_file, username=username, password_file=password_file)
     try:
         facts = load_dataset(dataset, seed=seed)  # the model's input shape and classes
         server = Coordinator(
@@ -68,6 +73,7 @@ def serve(
             state_dir=state_dir, out_dir=out, protocol=check_mqtt(mqtt),
             max_frame_bytes=int(max_message_mb * 1e6),
         )
+        server.link.secure(**security)
         server.install_signal_handlers()
         server.run()
     except (ConfigError, ConnectionError) as exc:

@@ -8,7 +8,9 @@ from typing import Annotated, Optional
 import typer
 
 from senseshield.cli_common import fail
-from senseshield.cli_run import Broker, Fleet, LogLevel, Mqtt, check_mqtt, setup_logging
+from senseshield.cli_run import (
+    Broker, CaFile, Fleet, LogLevel, Mqtt, PasswordFile, Username, check_mqtt, mqtt_security, setup_logging,
+)
 from senseshield.errors import ConfigError
 
 app = typer.Typer(help="SenseShield edge agent: trains locally and sends protected updates.",
@@ -32,26 +34,37 @@ def join(
     threads: Annotated[Optional[int], typer.Option(help="Torch and onnxruntime threads (default: torch's).")] = None,
     model_dir: Annotated[Optional[Path], typer.Option(help="Where the agent keeps its cluster's latest ONNX model, merged with its personalised zone (default: ~/.senseshield/FLEET/ID).")] = None,
     mqtt: Mqtt = "5",
+    ca_file: CaFile = None,
+    username: Username = None,
+    password_file: PasswordFile = None,
     log_level: LogLevel = "info",
     kill_at_round: Annotated[Optional[int], typer.Option(help="Fault drill: SIGKILL this agent when round R's plan arrives.", hidden=True)] = None,
 ) -> None:
     """Join a fleet and take part in its run; exits 0 when the run is done, 3 if refused."""
+    import logging
     import socket
 
     from edge_agent.profile import load_profile
     from edge_agent.service import DataSpec, EdgeAgent
 
     setup_logging(log_level, f"agent:{agent_id or socket.gethostname()}")
+    security = mqtt_security(broker, ca_file=ca_file, username=username, password_file=password_file)
     try:
         spec = DataSpec(dataset=dataset, shard=DataSpec.parse_shard(shard), partition=partition)
         if threads is not None and threads < 1:
             raise ConfigError(f"--threads {threads} is not allowed; use 1 or more.")
-        device = load_profile(profile, broker=broker, fleet=fleet, quick=True) if profile == "auto" else load_profile(profile)
+        if profile == "auto" and security:
+            # the bandwidth probe's anonymous client and topic are not allowed on a secured broker
+            logging.getLogger("edge_agent").warning(
+                "--profile auto on a secured broker: bandwidth not measured, declared default used")
+        probe = None if security else broker
+        device = load_profile(profile, broker=probe, fleet=fleet, quick=True) if profile == "auto" else load_profile(profile)
         agent = EdgeAgent(
             broker, fleet=fleet, agent_id=agent_id or socket.gethostname(), bandwidth=device.bandwidth,
             cpu_speed=device.cpu_speed, profile=device.model_dump(mode="json"), data=spec, threads=threads,
             protocol=check_mqtt(mqtt), kill_at_round=kill_at_round, model_dir=model_dir,
         )
+        agent.link.secure(**security)
         agent.install_signal_handlers()
         code = agent.serve()
     except (ConfigError, ConnectionError) as exc:

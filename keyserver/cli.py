@@ -8,7 +8,9 @@ from typing import Annotated
 import typer
 
 from senseshield.cli_common import fail
-from senseshield.cli_run import Broker, Fleet, LogLevel, Mqtt, check_mqtt, setup_logging
+from senseshield.cli_run import (
+    Broker, CaFile, Fleet, LogLevel, Mqtt, PasswordFile, Username, check_mqtt, mqtt_security, setup_logging,
+)
 from senseshield.errors import ConfigError
 
 app = typer.Typer(help="SenseShield key server: holds the secret key, decrypts aggregates only.",
@@ -27,14 +29,19 @@ def serve(
     key_dir: Annotated[Path, typer.Option(help="Directory of the key pair (created 0700; secret file 0600).")] = Path("keys"),
     min_contributors: Annotated[int, typer.Option(help="Refuse aggregates with fewer distinct contributors.")] = 2,
     mqtt: Mqtt = "5",
+    ca_file: CaFile = None,
+    username: Username = None,
+    password_file: PasswordFile = None,
     log_level: LogLevel = "info",
 ) -> None:
     """Publish the public key, decrypt aggregates, publish cluster models (until SIGTERM)."""
     from keyserver.service import KeyServer
 
     setup_logging(log_level, "keyserver")
+    security = mqtt_security(broker, ca_file=ca_file, username=username, password_file=password_file)
     try:
         server = KeyServer(broker, fleet=fleet, key_dir=key_dir, min_contributors=min_contributors, protocol=check_mqtt(mqtt))
+        server.link.secure(**security)
         server.install_signal_handlers()
         server.run()
     except (ConfigError, ConnectionError) as exc:

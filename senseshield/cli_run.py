@@ -17,6 +17,9 @@ from pydantic import ValidationError
 from senseshield.cli_common import fail, validation_sentence
 from senseshield.errors import ConfigError
 
+PASSWORD_ENV = "SENSESHIELD_MQTT_PASSWORD"
+"""Environment variable with the MQTT password, used when ``--password-file`` is not given."""
+
 Strategy = Annotated[str, typer.Option(help="Strategy name (see `senseshield strategies`).")]
 Rounds = Annotated[int, typer.Option(help="Federated rounds.")]
 Dataset = Annotated[str, typer.Option(help="digits | mnist5k | idx:<dir> | synthetic (agents may override theirs).")]
@@ -33,6 +36,10 @@ Broker = Annotated[str, typer.Option(help="MQTT broker, mqtt://HOST[:PORT].")]
 Fleet = Annotated[str, typer.Option(help="Fleet name (the topic tree ss/v1/<fleet>/...).")]
 Mqtt = Annotated[str, typer.Option("--mqtt", help="MQTT protocol version: 5, or 3.1.1 for brokers without 5.")]
 LogLevel = Annotated[str, typer.Option(help="debug | info | warning | error.")]
+# a secured broker (mqtts://, per-device credentials; deploy/ansible sets these up)
+CaFile = Annotated[Optional[Path], typer.Option("--ca-file", help="CA certificate (PEM) that signed the broker's certificate; required by mqtts:// URLs.")]
+Username = Annotated[Optional[str], typer.Option("--username", help="MQTT username (this device's credential).")]
+PasswordFile = Annotated[Optional[Path], typer.Option("--password-file", help=f"File holding the MQTT password (first line); or set ${PASSWORD_ENV}. Never on the command line.")]
 
 
 def parse_sets(sets: list[str] | None) -> dict[str, object]:
@@ -75,6 +82,44 @@ def check_mqtt(version: str) -> str:
     if version not in ("5", "3.1.1"):
         fail(f"--mqtt {version!r} is not allowed; use 5 or 3.1.1.")
     return version
+
+
+def mqtt_security(
+    broker: str, *, ca_file: Path | None, username: str | None, password_file: Path | None,
+) -> dict[str, object]:
+    """Keyword arguments of :meth:`senseshield.transport.Link.secure` from the CLI options.
+
+    The password comes from ``password_file`` (its first line, so it never shows in ``ps``)
+    or else from ``$SENSESHIELD_MQTT_PASSWORD``. Mistakes (a TLS URL without a CA file, a
+    missing or empty password file, a password without a username) end in one sentence (exit 2).
+    """
+    import os
+
+    from senseshield.transport import check_security
+
+    password: str | None = None
+    if password_file is not None:
+        try:
+            text = password_file.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            fail(f"--password-file {str(password_file)!r} cannot be read ({exc.__class__.__name__}); "
+                 "give a readable file holding the password.")
+        lines = text.splitlines()
+        password = lines[0] if lines else ""
+        if not password:
+            fail(f"--password-file {str(password_file)!r} is empty; its first line must be the password.")
+        if username is None:
+            fail("--password-file needs --username NAME (the credential's user).")
+    elif os.environ.get(PASSWORD_ENV):
+        password = os.environ[PASSWORD_ENV]
+        if username is None:
+            fail(f"${PASSWORD_ENV} is set but --username is not; give --username NAME or unset it.")
+    security = {"ca_file": ca_file, "username": username, "password": password}
+    try:
+        check_security(broker, **security)
+    except ConfigError as exc:
+        fail(str(exc))
+    return {k: v for k, v in security.items() if v is not None}
 
 
 def setup_logging(level: str, role: str, file: Path | None = None) -> None:

@@ -6,14 +6,24 @@ does the network; this class adds the fleet's topic prefix, chunking of large fr
 reassembly, decoding with every check of the envelope, and the rule that a bad message is
 logged, counted and dropped but never stops the process. paho reconnects by itself after a broker
 or network loss; subscriptions are renewed on every (re)connect.
+
+A secured broker (issue 7, ``deploy/ansible``): ``mqtts://HOST[:PORT]`` (default port 8883)
+speaks TLS and needs ``ca_file``, the CA that signed the broker's certificate (the
+certificate must name HOST; optional ``certfile``/``keyfile`` for client certificates);
+``username``/``password`` are the device's credentials. Anything missing or unreadable is a
+:class:`ConfigError` before any connection is tried.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import ssl
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 from urllib.parse import urlparse
 
 import paho.mqtt.client as mqtt
@@ -26,22 +36,69 @@ from senseshield.protocol.envelope import DEFAULT_MAX_FRAME_BYTES
 PREFIX = "ss/v1"
 PROTOCOLS = {"5": mqtt.MQTTv5, "3.1.1": mqtt.MQTTv311}  # MQTT version -> paho constant
 DEFAULT_CHUNK_BYTES = 1 << 20  # well under every broker's default message limit
+DEFAULT_PORTS = {"mqtt": 1883, "mqtts": 8883}  # URL scheme -> default port (mqtts: TLS)
 
 log = logging.getLogger("senseshield.transport")
 FrameHandler = Callable[[str, Frame], None]
 
 
 def parse_broker(url: str) -> tuple[str, int]:
-    """``mqtt://host:port``, ``host:port`` or ``host`` -> (host, port); default port 1883."""
+    """``mqtt://host:port``, ``mqtts://host:port``, ``host:port`` or ``host`` -> (host, port);
+    default port 1883, or 8883 for ``mqtts://`` (TLS, see :func:`broker_uses_tls`)."""
     text = url if "://" in url else f"mqtt://{url}"
     parsed = urlparse(text)
-    if parsed.scheme != "mqtt" or not parsed.hostname:
-        raise ConfigError(f"Broker {url!r} is not allowed; use mqtt://HOST[:PORT], e.g. mqtt://127.0.0.1:1883.")
+    if parsed.scheme not in DEFAULT_PORTS or not parsed.hostname:
+        raise ConfigError(
+            f"Broker {url!r} is not allowed; use mqtt://HOST[:PORT] or mqtts://HOST[:PORT] (TLS), "
+            "e.g. mqtt://127.0.0.1:1883."
+        )
     try:
-        port = parsed.port or 1883
+        port = parsed.port or DEFAULT_PORTS[parsed.scheme]
     except ValueError:
         raise ConfigError(f"Broker {url!r} has an invalid port; use a number in 1..65535.") from None
     return parsed.hostname, port
+
+
+def broker_uses_tls(url: str) -> bool:
+    """True for ``mqtts://`` broker URLs (TLS)."""
+    return url.strip().lower().startswith("mqtts://")
+
+
+def check_security(
+    broker: str,
+    *,
+    ca_file: str | os.PathLike | None = None,
+    certfile: str | os.PathLike | None = None,
+    keyfile: str | os.PathLike | None = None,
+    username: str | None = None,
+    password: str | None = None,
+) -> None:
+    """Raise :class:`ConfigError` (one sentence) unless TLS and credential settings fit ``broker``."""
+    tls = broker_uses_tls(broker)
+    parse_broker(broker)
+    if tls and ca_file is None:
+        raise ConfigError(
+            f"Broker {broker!r} uses TLS but no CA file was given; use --ca-file PATH with the CA "
+            "certificate that signed the broker's certificate."
+        )
+    if not tls and (ca_file is not None or certfile is not None or keyfile is not None):
+        raise ConfigError(
+            f"A CA or client certificate was given but broker {broker!r} is not a TLS URL; "
+            "use mqtts://HOST[:PORT]."
+        )
+    if keyfile is not None and certfile is None:
+        raise ConfigError("A client key file needs its client certificate file (certfile).")
+    for what, path in (("CA file", ca_file), ("client certificate", certfile), ("client key", keyfile)):
+        if path is not None and not Path(path).is_file():
+            raise ConfigError(f"The {what} {str(path)!r} does not exist or is not a file.")
+    if password is not None and not username:
+        raise ConfigError("A password was given without a username; use --username NAME.")
+    if username is not None and (not username or any(c in username for c in "\x00\n\r")):
+        raise ConfigError(f"MQTT username {username!r} is not allowed; use a non-empty single-line name.")
+
+
+def _reason(exc: Exception) -> str:
+    return str(getattr(exc, "reason", None) or exc).strip() or exc.__class__.__name__
 
 
 def topic(fleet: str, suffix: str) -> str:
@@ -65,11 +122,24 @@ class Link:
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         protocol: str = "5",
+        ca_file: str | os.PathLike | None = None,
+        certfile: str | os.PathLike | None = None,
+        keyfile: str | os.PathLike | None = None,
+        username: str | None = None,
+        password: str | None = None,
     ) -> None:
-        """``protocol``: the MQTT version, "5" (default) or "3.1.1" (e.g. the embedded broker)."""
+        """``protocol``: the MQTT version, "5" (default) or "3.1.1" (e.g. the embedded broker).
+
+        ``ca_file`` (required by ``mqtts://`` URLs), ``certfile``/``keyfile``, ``username`` and
+        ``password``: see :meth:`secure`, which may also be called after construction.
+        """
         if protocol not in PROTOCOLS:
             raise ConfigError(f"MQTT protocol {protocol!r} is not supported; use one of {sorted(PROTOCOLS)}.")
+        self.broker = broker
         self.host, self.port = parse_broker(broker)
+        self.tls = broker_uses_tls(broker)
+        self._tls_ready = False
+        self._refused: str | None = None  # the broker's last refusal (CONNACK reason)
         self.protocol = protocol
         self.fleet = fleet
         self.client_id = client_id
@@ -97,21 +167,78 @@ class Link:
         if will is not None:
             self._client.will_set(topic(fleet, will[0]), will[1], qos=1, retain=True)
         self._client.on_connect = self._on_connect
+        self._client.on_connect_fail = self._on_connect_fail
         self._client.on_disconnect = self._on_disconnect
         self._client.on_message = self._on_message
+        if any(v is not None for v in (ca_file, certfile, keyfile, username, password)):
+            self.secure(ca_file=ca_file, certfile=certfile, keyfile=keyfile, username=username, password=password)
+
+    def secure(
+        self,
+        *,
+        ca_file: str | os.PathLike | None = None,
+        certfile: str | os.PathLike | None = None,
+        keyfile: str | os.PathLike | None = None,
+        username: str | None = None,
+        password: str | None = None,
+    ) -> None:
+        """TLS and credentials for this link; call before :meth:`start`.
+
+        ``ca_file``: PEM CA certificate(s) that signed the broker's certificate (``mqtts://``
+        only; the certificate's names are checked against the URL's host); ``certfile`` and
+        ``keyfile``: an optional client certificate; ``username``/``password``: the
+        credentials (paho ``username_pw_set``). Raises :class:`ConfigError`.
+        """
+        check_security(self.broker, ca_file=ca_file, certfile=certfile, keyfile=keyfile,
+                       username=username, password=password)
+        if ca_file is not None:
+            try:
+                ssl.create_default_context(cafile=str(ca_file))
+            except (ssl.SSLError, OSError, ValueError) as exc:
+                raise ConfigError(
+                    f"The CA file {str(ca_file)!r} is not a PEM CA certificate ({_reason(exc)})."
+                ) from None
+            try:
+                self._client.tls_set(
+                    ca_certs=str(ca_file), certfile=None if certfile is None else str(certfile),
+                    keyfile=None if keyfile is None else str(keyfile), cert_reqs=ssl.CERT_REQUIRED,
+                    tls_version=ssl.PROTOCOL_TLS_CLIENT,
+                )
+            except (ssl.SSLError, OSError, ValueError) as exc:
+                raise ConfigError(
+                    f"The client certificate {str(certfile)!r} (key {str(keyfile)!r}) could not be "
+                    f"loaded ({_reason(exc)}); give PEM files."
+                ) from None
+            self._tls_ready = True
+        if username is not None:
+            self._client.username_pw_set(username, password)
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self, *, timeout: float = 10.0) -> None:
         """Connect (paho keeps reconnecting afterwards); raise ConnectionError after ``timeout``."""
+        if self.tls and not self._tls_ready:
+            check_security(self.broker)  # mqtts:// without a CA: one sentence, no connection
         try:
             self._client.connect_async(self.host, self.port, keepalive=15)
         except (OSError, ValueError) as exc:
             raise ConnectionError(f"Cannot reach broker {self.host}:{self.port}: {exc}.") from None
         self._client.loop_start()
-        if not self._connected.wait(timeout):
+        deadline = time.monotonic() + timeout
+        # a refusal (bad credentials, not authorised) ends the wait at once: retrying won't help
+        while not self._connected.wait(0.05) and self._refused is None and time.monotonic() < deadline:
+            pass
+        if not self._connected.is_set():
+            self._client.disconnect()
             self._client.loop_stop()
+            if self._refused is not None:
+                raise ConnectionError(
+                    f"Broker {self.host}:{self.port} refused the connection ({self._refused}); "
+                    "check the username and password."
+                )
+            hint = (" (TLS: is the CA file the one that signed the broker's certificate, and does "
+                    f"the certificate name {self.host}?)") if self.tls else ""
             raise ConnectionError(
-                f"No connection to broker {self.host}:{self.port} within {timeout:g} s; is it running?"
+                f"No connection to broker {self.host}:{self.port} within {timeout:g} s; is it running?{hint}"
             )
 
     def stop(self) -> None:
@@ -178,8 +305,10 @@ class Link:
     # CONNACK return code / socket error onto it), so one implementation serves both.
     def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:  # noqa: ANN001
         if reason_code.is_failure:
+            self._refused = str(reason_code)
             log.warning("%s: broker refused the connection: %s", self.client_id, reason_code)
             return
+        self._refused = None
         with self._lock:
             subscriptions = sorted(self._subscriptions)
         for full in subscriptions:
@@ -196,6 +325,10 @@ class Link:
                 except Exception:
                     log.exception("%s: reconnect hook failed", self.client_id)
         self._ever_connected = True
+
+    def _on_connect_fail(self, client, userdata) -> None:  # noqa: ANN001
+        # socket or TLS handshake failure (e.g. a certificate that does not verify); paho retries
+        log.debug("%s: connecting to %s:%s failed; retrying", self.client_id, self.host, self.port)
 
     def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:  # noqa: ANN001
         self._connected.clear()
