@@ -237,7 +237,7 @@ def run_dir(tmp_path_factory) -> tuple[Path, dict[int, torch.nn.Module]]:
 def test_export_command_picks_the_highest_round(tmp_path, run_dir):
     run, models = run_dir
     out = tmp_path / "exports" / "lenet.onnx"
-    result = CliRunner().invoke(cli(), ["export", str(run), "--cluster", "0", "--out", str(out)])
+    result = CliRunner().invoke(cli(), ["export", "--run", str(run), "--cluster", "0", "--out", str(out)])
     assert result.exit_code == 0, result.output
     session = load_session(out)
     assert (session.sidecar.round, session.sidecar.cluster) == (10, 0)
@@ -247,7 +247,7 @@ def test_export_command_picks_the_highest_round(tmp_path, run_dir):
 
     explicit = tmp_path / "r2.onnx"
     result = CliRunner().invoke(
-        cli(), ["export", str(run), "-k", "1", "--round", "2", "-o", str(explicit)])
+        cli(), ["export", "--run", str(run), "-k", "1", "--round", "2", "-o", str(explicit)])
     assert result.exit_code == 0, result.output
     assert load_session(explicit).sidecar.round == 2
 
@@ -258,12 +258,12 @@ def test_export_command_picks_the_highest_round(tmp_path, run_dir):
 ])
 def test_export_command_names_what_exists(tmp_path, run_dir, args, message):
     run, _ = run_dir
-    result = CliRunner().invoke(cli(), ["export", str(run), *args, "-o", str(tmp_path / "m.onnx")])
+    result = CliRunner().invoke(cli(), ["export", "--run", str(run), *args, "-o", str(tmp_path / "m.onnx")])
     assert result.exit_code == 2
     assert message in result.stderr and "Traceback" not in result.stderr
     assert ("clusters in that round: 0; cluster 1 is saved in round(s) 1, 2" in result.stderr
             if "cluster=1" in message else "saved rounds: 1, 2, 10." in result.stderr)
-    missing = CliRunner().invoke(cli(), ["export", str(tmp_path / "nope"), "-k", "0", "-o", "m"])
+    missing = CliRunner().invoke(cli(), ["export", "--run", str(tmp_path / "nope"), "-k", "0", "-o", "m"])
     assert missing.exit_code == 2 and "does not exist" in missing.stderr
 
 
