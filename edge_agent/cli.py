@@ -58,7 +58,7 @@ def join(
             logging.getLogger("edge_agent").warning(
                 "--profile auto on a secured broker: bandwidth not measured, declared default used")
         probe = None if security else broker
-        device = load_profile(profile, broker=probe, fleet=fleet, quick=True) if profile == "auto" else load_profile(profile)
+        device = load_profile(profile, broker=probe, fleet=fleet, quick=True, mqtt=check_mqtt(mqtt)) if profile == "auto" else load_profile(profile)
         agent = EdgeAgent(
             broker, fleet=fleet, agent_id=agent_id or socket.gethostname(), bandwidth=device.bandwidth,
             cpu_speed=device.cpu_speed, profile=device.model_dump(mode="json"), data=spec, threads=threads,

@@ -453,6 +453,7 @@ def measure_profile(
     broker: str | None = None,
     fleet: str = DEFAULT_FLEET,
     quick: bool = False,
+    mqtt: str = "5",
     public_key: Any = None,
     device_tree_model: Path = DEVICE_TREE_MODEL,
     tegra_release: Path = TEGRA_RELEASE,
@@ -482,7 +483,12 @@ def measure_profile(
 
     up = None
     if broker is not None:  # first: an unreachable broker fails before the benchmarks run
-        bw = measure_bandwidth(broker, fleet, nbytes=250_000 if quick else 1_000_000, repeats=2 if quick else 3)
+        from functools import partial
+
+        from senseshield.transport import Link
+
+        bw = measure_bandwidth(broker, fleet, nbytes=250_000 if quick else 1_000_000, repeats=2 if quick else 3,
+                               link_factory=partial(Link, protocol=mqtt))
         timings["bandwidth"] = bw.seconds
         up = bw.mbps
 
