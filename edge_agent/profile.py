@@ -19,6 +19,9 @@ measures, a path reads a YAML file, a NAME reads ``NAME.yaml`` from the profile 
 ``<prefix>/share/senseshield/profiles``). A YAML profile needs only ``bandwidth`` and
 ``cpu_speed`` (or what derives them: ``clock_mhz`` and ``cores``, ``bandwidth_up_mbps``);
 any other :class:`DeviceProfile` field is optional. Mistakes raise :class:`ConfigError`.
+The device classes in ``profiles/`` (rpi4, rpi5, jetson-nano, jetson-orin-nano, x86) also
+carry what ``senseshield trial run`` needs to emulate them (``cpu_share``, ``latency_ms``)
+and per-class training defaults (``local_epochs``, ``batch_size``); see ``profiles/README.md``.
 
 Usage::
 
@@ -136,6 +139,20 @@ class DeviceProfile(BaseModel):
             f"default {DEFAULT_BANDWIDTH_MBPS:g}."
         ),
     )
+    cpu_share: Optional[float] = Field(
+        None,
+        gt=0,
+        le=64,
+        description=(
+            "Emulation: the device's single-thread speed as a fraction of one core of the "
+            "reference machine (a cgroup CPU limit in `senseshield trial run`)."
+        ),
+    )
+    latency_ms: Optional[float] = Field(
+        None, ge=0, le=10_000, description="Emulation: one-way network latency of the device's link in ms."
+    )
+    local_epochs: Optional[int] = Field(None, ge=1, description="Default local epochs per round for this device class.")
+    batch_size: Optional[int] = Field(None, ge=1, description="Default local minibatch size for this device class.")
     inference_ms: Optional[dict[str, float]] = Field(
         None,
         description="onnxruntime latency of the fleet's model (with --model): p50/p95 ms at batch 1 and 32.",

@@ -105,3 +105,109 @@ def test_sigma_bad_input(epsilon: float, delta: float, needle: str) -> None:
     with pytest.raises(ConfigError) as info:
         sigma_for_epsilon(epsilon=epsilon, delta=delta)
     assert needle in str(info.value)
+
+
+# ---- calibrated budgets -------------------------------------------------------------------------
+
+from senseshield.engine.budgets import calibrated_budgets, predicted_round_seconds  # noqa: E402
+
+BYTES_ENC = 7.76  # packed Paillier, 2048-bit: 512 B per 66 values
+
+
+def test_calibrated_hand_example_lines_up_and_the_quickest_gets_one() -> None:
+    # two devices, 1000 parameters, no transfer cost (bytes 0): t_i(a) = fixed_i + 1000 a / rate_i
+    # device 0: 0.1 + a (rate 1000/s) -> t(1) = 1.1; device 1: 0.3 + 2a (rate 500/s) -> 2.3
+    # T = 1.1; device 1: 0.3 + 2 a = 1.1 -> a = 0.4
+    res = calibrated_budgets(fixed_s=[0.1, 0.3], encrypt_per_s=[1000, 500], bandwidth=[1, 1], size=1000,
+                             bytes_per_encrypted=0, bytes_per_plain=0)
+    np.testing.assert_allclose(res.alphas, [1.0, 0.4], atol=1e-9)
+    assert res.target_s == pytest.approx(1.1)
+    np.testing.assert_allclose(res.predicted_s, [1.1, 1.1], atol=1e-9)
+    np.testing.assert_allclose(res.full_s, [1.1, 2.3])
+    assert not res.deadline_capped
+
+
+def test_calibrated_deadline_caps_the_target() -> None:
+    res = calibrated_budgets(fixed_s=[0.1, 0.3], encrypt_per_s=[1000, 500], bandwidth=[1, 1], size=1000,
+                             bytes_per_encrypted=0, bytes_per_plain=0, deadline_s=1.0, headroom=0.7)
+    assert res.deadline_capped and res.target_s == pytest.approx(0.7)
+    np.testing.assert_allclose(res.alphas, [0.6, 0.2], atol=1e-9)
+
+
+def test_calibrated_a_device_too_slow_to_line_up_gets_the_floor() -> None:
+    res = calibrated_budgets(fixed_s=[0.1, 5.0], encrypt_per_s=[1000, 1000], bandwidth=[1, 1], size=1000,
+                             bytes_per_encrypted=0, bytes_per_plain=0, floor=0.05)
+    assert res.alphas.tolist() == [1.0, 0.05]
+    assert res.predicted_s[1] > res.target_s  # it straggles whatever it encrypts
+
+
+def test_calibrated_fraction_curve_the_solver_plateau_is_used() -> None:
+    # the solver never encrypts more than 40 % of device 0's model: its time plateaus at a = 0.4
+    fraction = np.array([[0.0, 0.4, 0.4], [0.0, 0.5, 1.0]])
+    res = calibrated_budgets(fixed_s=[0.0, 0.0], encrypt_per_s=[1000, 1000], bandwidth=[1, 1], size=1000,
+                             bytes_per_encrypted=0, bytes_per_plain=0, fraction=fraction)
+    # t_0(1) = 0.4 s; device 1 needs f = 0.4 -> a = 0.4
+    assert res.target_s == pytest.approx(0.4)
+    np.testing.assert_allclose(res.alphas, [1.0, 0.4], atol=1e-9)
+
+
+cost = st.floats(min_value=1e-3, max_value=10.0, allow_nan=False)
+rate = st.floats(min_value=1e2, max_value=1e6, allow_nan=False)
+band = st.floats(min_value=0.05, max_value=100.0, allow_nan=False)
+
+
+@FAST
+@given(
+    st.integers(min_value=1, max_value=6).flatmap(
+        lambda n: st.tuples(st.lists(cost, min_size=n, max_size=n), st.lists(rate, min_size=n, max_size=n),
+                            st.lists(band, min_size=n, max_size=n))
+    ),
+    st.integers(min_value=100, max_value=200_000),
+    st.one_of(st.none(), st.floats(min_value=0.05, max_value=50.0)),
+)
+def test_calibrated_matches_brute_force(devices, size, deadline) -> None:  # noqa: ANN001
+    """Brute force: for each device, the largest budget on a 0.001 grid whose predicted time
+    is <= T, with T = min(min_i t_i(1), 0.8 x deadline); budgets agree within one step and the
+    predicted times line up at T (except devices that cannot reach T at budget 0)."""
+    fixed, rates, bws = (np.array(v) for v in devices)
+    kw = dict(fixed_s=fixed, encrypt_per_s=rates, bandwidth=bws, size=size, bytes_per_encrypted=BYTES_ENC)
+    res = calibrated_budgets(**kw, deadline_s=deadline)
+    grid = np.round(np.arange(0, 1001) / 1000, 3)
+    table = np.stack([predicted_round_seconds(np.full(fixed.size, a), **kw) for a in grid], axis=1)
+    target = min(table[:, -1].min(), 0.8 * deadline if deadline is not None else np.inf)
+    assert res.target_s == pytest.approx(target, rel=1e-9)
+    for i in range(fixed.size):
+        ok = np.flatnonzero(table[i] <= target * (1 + 1e-9))
+        brute = grid[ok[-1]] if ok.size else 0.0
+        assert brute - 1e-9 <= res.alphas[i] <= brute + 1e-3 + 1e-9
+        assert 0.0 <= res.alphas[i] <= 1.0
+        if ok.size:  # reachable: lined up at T (or budget 1 below it)
+            assert res.predicted_s[i] <= target * (1 + 1e-6)
+            if res.alphas[i] < 1.0:
+                assert res.predicted_s[i] == pytest.approx(target, rel=1e-6)
+    np.testing.assert_allclose(res.predicted_s, predicted_round_seconds(res.alphas, **kw), rtol=1e-9)
+    if deadline is None:
+        assert res.alphas.max() == 1.0  # the quickest device gets the whole budget, as in max-abs
+    # faster in every resource, at least the same budget
+    for i in range(fixed.size):
+        for j in range(fixed.size):
+            if fixed[i] <= fixed[j] and rates[i] >= rates[j] and bws[i] >= bws[j]:
+                assert res.alphas[i] >= res.alphas[j] - 1e-9
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        (dict(fixed_s=[0.1, 0.2], encrypt_per_s=[1.0], bandwidth=[1, 1]), "each needs one value per device"),
+        (dict(fixed_s=[0.1], encrypt_per_s=[0.0], bandwidth=[1]), "encrypt_per_s[0]=0.0 is not allowed"),
+        (dict(fixed_s=[-1.0], encrypt_per_s=[1.0], bandwidth=[1]), "fixed_s must be"),
+        (dict(fixed_s=[0.1], encrypt_per_s=[1.0], bandwidth=[float("nan")]), "bandwidth[0]=nan"),
+        (dict(fixed_s=[0.1], encrypt_per_s=[1.0], bandwidth=[1], headroom=1.5), "headroom=1.5"),
+        (dict(fixed_s=[0.1], encrypt_per_s=[1.0], bandwidth=[1], fraction=[[0, 2]]), "fraction values"),
+        (dict(fixed_s=[0.1], encrypt_per_s=[1.0], bandwidth=[1], deadline_s=0.0), "deadline_s=0.0"),
+    ],
+)
+def test_calibrated_bad_input_is_one_sentence(kwargs: dict, needle: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        calibrated_budgets(size=100, bytes_per_encrypted=7.76, **kwargs)
+    assert needle in str(info.value) and "\n" not in str(info.value)

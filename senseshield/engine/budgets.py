@@ -1,17 +1,32 @@
 """Per-client encryption budgets (SenseCrypt sec. 3.2) and the Gaussian-mechanism noise scale.
 
+Two budget modes:
+
+* :func:`encryption_budgets` -- the paper's max-abs formula over bandwidth and CPU speed;
+* :func:`calibrated_budgets` -- predicts every device's round time from its measured
+  training time, encryption rate and bandwidth, and picks the budgets so that the predicted
+  round times line up (at the time the quickest device needs with budget 1, or under the
+  deadline).
+
 Pure functions over numpy arrays: no I/O, numeric parameters keyword-only.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
 from senseshield.errors import ConfigError
 
-__all__ = ["encryption_budgets", "sigma_for_epsilon"]
+__all__ = [
+    "CalibratedBudgets",
+    "calibrated_budgets",
+    "encryption_budgets",
+    "predicted_round_seconds",
+    "sigma_for_epsilon",
+]
 
 
 def _positive_finite_vector(name: str, values: np.ndarray) -> np.ndarray:
@@ -64,6 +79,178 @@ def encryption_budgets(*, bandwidth: np.ndarray, cpu_speed: np.ndarray) -> np.nd
         )
     capability = np.minimum(r / np.max(np.abs(r)), v / np.max(np.abs(v)))
     return capability / np.max(np.abs(capability))
+
+
+@dataclass(frozen=True)
+class CalibratedBudgets:
+    """Result of :func:`calibrated_budgets` (arrays have one value per device, in input order)."""
+
+    alphas: np.ndarray  # the budgets, in [floor, 1]
+    target_s: float  # T: the predicted round time the budgets line up at
+    predicted_s: np.ndarray  # t_i(alpha_i), the predicted round time of every device
+    full_s: np.ndarray  # t_i(1): every device's predicted round time with budget 1
+    deadline_capped: bool  # T was lowered to headroom x deadline
+
+
+def _fraction_table(fraction: np.ndarray | None, n: int, grid: np.ndarray) -> np.ndarray:
+    """Encrypted fraction f_i(alpha) on ``grid``: alpha itself, or ``fraction`` (one row per
+    device, sampled at ``linspace(0, 1, columns)``) interpolated and made non-decreasing."""
+    if fraction is None:
+        return np.broadcast_to(grid, (n, grid.size))
+    try:
+        table = np.asarray(fraction, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ConfigError("fraction must be an array of numbers, one row per device.") from None
+    if table.ndim != 2 or table.shape[0] != n or table.shape[1] < 2:
+        raise ConfigError(
+            f"fraction must have shape (devices, >= 2 budget samples) = ({n}, G); got {table.shape}."
+        )
+    if not np.all(np.isfinite(table)) or table.min() < 0 or table.max() > 1:
+        raise ConfigError("fraction values must be finite and lie in [0, 1] (encrypted share of the model).")
+    samples = np.linspace(0.0, 1.0, table.shape[1])
+    rows = np.stack([np.interp(grid, samples, row) for row in table])
+    return np.maximum.accumulate(rows, axis=1)
+
+
+def predicted_round_seconds(
+    alpha: np.ndarray,
+    *,
+    fixed_s: np.ndarray,
+    encrypt_per_s: np.ndarray,
+    bandwidth: np.ndarray,
+    size: int,
+    bytes_per_encrypted: float,
+    bytes_per_plain: float = 4.0,
+    fraction: np.ndarray | None = None,
+) -> np.ndarray:
+    """Predicted seconds from model received to update delivered, per device, at budget ``alpha``::
+
+        t_i(a) = fixed_i + N f_i(a) / enc_i + N (f_i(a) b_enc + (1 - f_i(a)) b_plain) / (r_i 10^6)
+
+    ``fixed_s`` is what does not depend on the budget (training, sensitivity, latency);
+    ``encrypt_per_s`` values encrypted per second; ``bandwidth`` r_i in MB/s (10^6 bytes);
+    ``f_i`` the encrypted fraction a budget leads to (``fraction``, see
+    :func:`calibrated_budgets`; default f(a) = a). Inputs are checked as in
+    :func:`calibrated_budgets`.
+    """
+    fixed, rate, r = _cost_inputs(fixed_s, encrypt_per_s, bandwidth)
+    a = np.asarray(alpha, dtype=np.float64)
+    if a.shape != fixed.shape or not np.all((a >= 0) & (a <= 1)):
+        raise ConfigError(f"alpha must hold one budget in [0, 1] per device ({fixed.size}); got {alpha!r}.")
+    n_params = _size(size)
+    b_enc, b_plain = _bytes(bytes_per_encrypted, bytes_per_plain)
+    table = _fraction_table(fraction, fixed.size, np.linspace(0.0, 1.0, 1001))
+    f = np.array([np.interp(a[i], np.linspace(0.0, 1.0, 1001), table[i]) for i in range(fixed.size)])
+    return _seconds(f, fixed, rate, r, n_params, b_enc, b_plain)
+
+
+def _cost_inputs(fixed_s, encrypt_per_s, bandwidth):  # noqa: ANN001, ANN202
+    fixed = np.asarray(fixed_s, dtype=np.float64) if np.ndim(fixed_s) else None
+    if fixed is None or fixed.ndim != 1 or not np.all(np.isfinite(fixed)) or np.any(fixed < 0):
+        raise ConfigError(f"fixed_s must be a 1-D array of finite seconds >= 0 (one per device); got {fixed_s!r}.")
+    rate = _positive_finite_vector("encrypt_per_s", encrypt_per_s)
+    r = _positive_finite_vector("bandwidth", bandwidth)
+    if fixed.size == 0:
+        raise ConfigError("No devices: give one value per device (>= 1).")
+    if not (fixed.size == rate.size == r.size):
+        raise ConfigError(
+            f"fixed_s, encrypt_per_s and bandwidth have {fixed.size}, {rate.size} and {r.size} "
+            "values; each needs one value per device."
+        )
+    return fixed, rate, r
+
+
+def _size(size: int) -> int:
+    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+        raise ConfigError(f"size={size!r} is not allowed; the model needs at least 1 parameter.")
+    return int(size)
+
+
+def _bytes(bytes_per_encrypted: float, bytes_per_plain: float) -> tuple[float, float]:
+    for name, value in (("bytes_per_encrypted", bytes_per_encrypted), ("bytes_per_plain", bytes_per_plain)):
+        if not (isinstance(value, (int, float, np.floating)) and math.isfinite(value) and value >= 0):
+            raise ConfigError(f"{name}={value!r} is not allowed; it must be a finite number >= 0.")
+    return float(bytes_per_encrypted), float(bytes_per_plain)
+
+
+def _seconds(f, fixed, rate, r, n, b_enc, b_plain):  # noqa: ANN001, ANN202
+    """t(f) for fractions ``f`` broadcast against the per-device columns."""
+    f = np.asarray(f, dtype=np.float64)
+    shape = (-1,) + (1,) * (f.ndim - 1)
+    fixed, rate, r = fixed.reshape(shape), rate.reshape(shape), r.reshape(shape)
+    return fixed + n * f / rate + n * (f * b_enc + (1.0 - f) * b_plain) / (r * 1e6)
+
+
+def calibrated_budgets(
+    *,
+    fixed_s: np.ndarray,
+    encrypt_per_s: np.ndarray,
+    bandwidth: np.ndarray,
+    size: int,
+    bytes_per_encrypted: float,
+    bytes_per_plain: float = 4.0,
+    fraction: np.ndarray | None = None,
+    deadline_s: float | None = None,
+    headroom: float = 0.8,
+    floor: float = 0.0,
+    resolution: int = 2000,
+) -> CalibratedBudgets:
+    """Budgets that make the devices' predicted round times line up.
+
+    Every device's round time at budget ``a`` is predicted by :func:`predicted_round_seconds`
+    (``fraction[i]`` samples the encrypted fraction f_i at ``linspace(0, 1, G)``: what the
+    mask solver encrypts under budget a, which can be less than a when the security
+    constraint is met earlier; default f(a) = a). The target is
+
+        T = min( min_i t_i(1),  headroom x deadline_s )
+
+    -- the time of the device that is quickest with budget 1 (it gets 1, as the fastest
+    device does under the paper's max-abs formula), lowered to ``headroom`` x the round
+    deadline when that is shorter -- and every device gets the largest budget a_i in
+    [0, 1] with t_i(a_i) <= T (found on a grid of ``resolution`` steps, then interpolated),
+    at least ``floor``. A device whose budget-independent work alone exceeds T gets
+    ``floor``: it straggles whatever it encrypts, and ``predicted_s`` says by how much.
+
+    Raises :class:`ConfigError` naming a bad input (lengths differ, a rate or bandwidth
+    not finite and > 0, ``headroom`` outside (0, 1], ``floor`` outside [0, 1]).
+    """
+    fixed, rate, r = _cost_inputs(fixed_s, encrypt_per_s, bandwidth)
+    n_params = _size(size)
+    b_enc, b_plain = _bytes(bytes_per_encrypted, bytes_per_plain)
+    if not (isinstance(headroom, (int, float)) and 0 < headroom <= 1):
+        raise ConfigError(f"headroom={headroom!r} is not allowed; it must lie in (0, 1].")
+    if not (isinstance(floor, (int, float)) and 0 <= floor <= 1):
+        raise ConfigError(f"floor={floor!r} is not allowed; it must lie in [0, 1].")
+    if deadline_s is not None and not (math.isfinite(deadline_s) and deadline_s > 0):
+        raise ConfigError(f"deadline_s={deadline_s!r} is not allowed; it must be a finite number of seconds > 0.")
+    if not isinstance(resolution, int) or resolution < 10:
+        raise ConfigError(f"resolution={resolution!r} is not allowed; use an integer >= 10.")
+    grid = np.linspace(0.0, 1.0, resolution + 1)
+    table = _fraction_table(fraction, fixed.size, grid)
+    times = np.maximum.accumulate(_seconds(table, fixed, rate, r, n_params, b_enc, b_plain), axis=1)
+    full = times[:, -1]
+    target = float(full.min())
+    capped = False
+    if deadline_s is not None and headroom * deadline_s < target:
+        target, capped = float(headroom * deadline_s), True
+    alphas = np.empty(fixed.size)
+    for i, row in enumerate(times):
+        ok = np.flatnonzero(row <= target * (1 + 1e-12))
+        if ok.size == 0:
+            alphas[i] = floor
+            continue
+        k = int(ok[-1])
+        if k == grid.size - 1:
+            alphas[i] = 1.0
+            continue
+        # interpolate between grid[k] (feasible) and grid[k + 1] (not) to hit T
+        lo, hi = row[k], row[k + 1]
+        step = 0.0 if hi <= lo else (target - lo) / (hi - lo)
+        alphas[i] = max(floor, float(grid[k] + min(max(step, 0.0), 1.0) * (grid[1] - grid[0])))
+    predicted = np.array([
+        np.interp(alphas[i], grid, times[i]) for i in range(fixed.size)
+    ])
+    return CalibratedBudgets(alphas, target, predicted, full, capped)
 
 
 def sigma_for_epsilon(*, epsilon: float, delta: float) -> float:
