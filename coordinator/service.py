@@ -63,17 +63,26 @@ from senseshield.simulation import (
     weighted_accuracy,
 )
 from senseshield.strategies import BootstrapReport, FleetPlan, build_strategy
+from senseshield.strategies.base import RoundCosts
 
 log = logging.getLogger("senseshield.coordinator")
+
+METRICS_PORT_ENV = "SENSESHIELD_METRICS_PORT"
+"""Prometheus port when the constructor's ``metrics_port`` is None (lets launchers such as
+``senseshield trial run --metrics-port`` switch the endpoint on)."""
 
 Progress = Callable[[str, int, int], None]
 
 
 class FleetReport(SimulationResult):
     """``DIR/report.json`` of a fleet run: :class:`SimulationResult`'s fields (a contract) plus
-    the fleet's: per-agent, per-round phase seconds and timestamps (Unix time, one clock on
-    one machine), the server's aggregate/decrypt seconds per cluster, straggling events,
-    refused agents and rejected messages."""
+    the fleet's: per-agent, per-round phase seconds, bytes and timestamps (Unix time on the
+    coordinator's clock: agents' own timestamps are shifted by their estimated clock offset,
+    ``agents[].clock_offset_s``), the server's aggregate/decrypt seconds and timestamps per
+    cluster, ``straggling`` figures (per round slowest/fastest/ratio/idle and the median
+    ratio, :func:`senseshield.report.straggling_summary`), ``straggling_events`` (agents a
+    round closed without), how budgets were chosen (``budgets``), refused agents and
+    rejected messages."""
 
     fleet: str
     run_id: str
@@ -83,9 +92,86 @@ class FleetReport(SimulationResult):
     bootstrap_seconds: float
     agents: list[dict]
     server: list[dict]
-    straggling: list[dict]
+    straggling: dict = {}
+    straggling_events: list[dict] = []
+    budgets: dict = {}
     refused: dict[str, str] = {}
     rejected_messages: list[str] = []
+
+
+class CoordinatorMetrics:
+    """Optional Prometheus endpoint of a live fleet (``prometheus-client``), on ``port``
+    (0: a free port, see :attr:`port`), all interfaces. Its own registry, so several
+    coordinators in one process do not collide. Gauges describe the latest round:
+
+    * ``senseshield_round``, ``senseshield_round_seconds``, ``senseshield_agents_joined``,
+      ``senseshield_agents_online``;
+    * ``senseshield_agent_phase_seconds{agent,phase}`` (train, encrypt, upload, wait, ...),
+      ``senseshield_agent_bytes_up_total{agent}``;
+    * ``senseshield_server_phase_seconds{cluster,phase}`` (aggregate, decrypt);
+    * ``senseshield_straggling_ratio``, ``senseshield_straggling_idle_seconds``,
+      ``senseshield_straggling_median_ratio``, ``senseshield_slowest_agent_seconds{agent}``;
+    * ``senseshield_straggling_events``, ``senseshield_rejected_messages``.
+    """
+
+    def __init__(self, port: int, host: str = "0.0.0.0") -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+        self.registry = registry = CollectorRegistry()
+        g = lambda name, doc, labels=(): Gauge(name, doc, labels, registry=registry)  # noqa: E731
+        self.round = g("senseshield_round", "Last completed round.")
+        self.round_seconds = g("senseshield_round_seconds", "Seconds of the last completed round.")
+        self.joined = g("senseshield_agents_joined", "Agents that said hello in this run.")
+        self.online = g("senseshield_agents_online", "Agents online (last will not fired).")
+        self.phase = g("senseshield_agent_phase_seconds", "Seconds of an agent's phase in its latest reported round.",
+                       ("agent", "phase"))
+        self.bytes_up = Counter("senseshield_agent_bytes_up", "Bytes of updates an agent delivered.", ("agent",),
+                                registry=registry)
+        self.server = g("senseshield_server_phase_seconds", "Aggregate/decrypt seconds of a cluster, last round.",
+                        ("cluster", "phase"))
+        self.ratio = g("senseshield_straggling_ratio", "Slowest/fastest agent time, latest complete round.")
+        self.idle = g("senseshield_straggling_idle_seconds", "Seconds agents waited for the slowest, latest round.")
+        self.median = g("senseshield_straggling_median_ratio", "Median straggling ratio over the rounds so far.")
+        self.slowest = g("senseshield_slowest_agent_seconds", "Busy seconds of the slowest agent, latest round.",
+                         ("agent",))
+        self.events = g("senseshield_straggling_events", "Agents a round closed without (so far).")
+        self.rejected = g("senseshield_rejected_messages", "Messages rejected so far.")
+        self.server_handle, self.thread = start_http_server(port, addr=host, registry=registry)
+        self.port = self.server_handle.server_port
+
+    def agent_round(self, agent: str, round: int, timings: dict[str, float]) -> None:
+        for name, value in timings.items():
+            if not name.endswith("_at") and not name.startswith("bytes_"):
+                self.phase.labels(agent, name).set(value)
+
+    def round_done(self, r: int, record: dict, bytes_up: dict, events: int, rejected: int, online: int,
+                   joined: int) -> None:
+        self.round.set(r)
+        self.round_seconds.set(record["seconds"])
+        for k, c in record["clusters"].items():
+            for name in ("aggregate", "decrypt"):
+                if name in c["timings"]:
+                    self.server.labels(str(k), name).set(c["timings"][name])
+        for agent, n in bytes_up.items():
+            if n:
+                self.bytes_up.labels(agent).inc(n)
+        self.events.set(events)
+        self.rejected.set(rejected)
+        self.online.set(online)
+        self.joined.set(joined)
+
+    def straggling(self, last: dict, median: float | None) -> None:
+        if last.get("ratio") is not None:
+            self.ratio.set(last["ratio"])
+        self.idle.set(last["idle_s"])
+        self.slowest.clear()
+        self.slowest.labels(last["slowest_agent"]).set(last["slowest_s"])
+        if median is not None:
+            self.median.set(median)
+
+    def close(self) -> None:
+        self.server_handle.shutdown()
+        self.server_handle.server_close()
 
 
 @dataclass
@@ -112,6 +198,7 @@ class ClusterRound:
     accepted: bool | None = None
     reason: str = ""
     timings: dict[str, float] = field(default_factory=dict)
+    timestamps: dict[str, float] = field(default_factory=dict)  # coordinator clock
 
 
 class Coordinator(Service):
@@ -133,6 +220,7 @@ class Coordinator(Service):
         protocol: str = "5",
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         progress: Progress | None = None,
+        metrics_port: int | None = None,
     ) -> None:
         if agents < 1:
             raise ConfigError(f"--agents {agents} is not allowed; a fleet needs at least 1 agent.")
@@ -176,6 +264,10 @@ class Coordinator(Service):
         self.sampler = np.random.default_rng([config.seed, 5])
         self.started = time.time()
         self.bootstrap_seconds = 0.0
+        self.uplink_delays: dict[str, list[float]] = {}  # received - sent_at of small agent frames
+        if metrics_port is None and os.environ.get(METRICS_PORT_ENV):
+            metrics_port = int(os.environ[METRICS_PORT_ENV])
+        self.metrics_server = CoordinatorMetrics(metrics_port) if metrics_port is not None else None
         for cls, handler in {
             PublicKeyAnnouncement: self._on_key,
             Hello: self._on_hello,
@@ -229,6 +321,7 @@ class Coordinator(Service):
         if self.plan is not None and agent_id not in self.plan.cluster_of:
             self.log.warning("agent %s joined after the bootstrap; it takes part in the next run", agent_id)
             return
+        self._uplink(agent_id, item)
         known = self.agents.get(agent_id)
         if known is None:
             self.agents[agent_id] = AgentInfo(msg)
@@ -294,10 +387,12 @@ class Coordinator(Service):
             self.log.warning("%d of %d agents joined within %g s; starting with them", len(ids), self.expected_agents, self.join_timeout)
         reports = [
             BootstrapReport(a, self.agents[a].hello.n_samples, self.agents[a].hello.bandwidth,
-                            self.agents[a].hello.cpu_speed, self.agents[a].vector)
+                            self.agents[a].hello.cpu_speed, self.agents[a].vector,
+                            RoundCosts.from_profile(self.agents[a].hello.profile))
             for a in ids
         ]
         block = self.public.block_size if self.public is not None else 1
+        self.strategy.fleet_context.round_deadline = self.round_deadline
         self.plan = self.strategy.plan_fleet(reports, size=self.size, block_size=block)
         self.sigma_user, self.sigma_record = noise_multipliers(
             self.config, self.strategy, {a: self.agents[a].hello.n_samples for a in ids}
@@ -447,6 +542,7 @@ class Coordinator(Service):
         if not cr.updates:
             cr.phase, cr.accepted, cr.reason = "done", False, "no update arrived before the deadline"
             return
+        cr.timestamps["closed_at"] = time.time()
         t = time.perf_counter()
         updates = [cr.updates[a][0] for a in sorted(cr.updates)]
         aggregate = aggregate_updates(updates, self.public, round=self.round, cluster=k)
@@ -455,6 +551,7 @@ class Coordinator(Service):
         cr.union_ratio = float(aggregate.union_mask.mean())  # type: ignore[attr-defined]
         cr.request = self.frame(request, round=self.round)
         cr.requested_at = time.time()
+        cr.timestamps["requested_at"] = cr.requested_at
         cr.phase = "decrypting"
         self.link.publish("keyserver/requests", cr.request)
 
@@ -470,6 +567,7 @@ class Coordinator(Service):
         cr.accepted, cr.reason, cr.phase = msg.accepted, msg.reason, "done"
         cr.timings.update(msg.timings)
         cr.timings["decrypt_roundtrip"] = time.time() - cr.requested_at
+        cr.timestamps["result_at"] = item.received
         if msg.accepted:
             self.model_round[msg.cluster] = self.round
         else:
@@ -483,6 +581,9 @@ class Coordinator(Service):
             raise ProtocolError(f"Cluster model of {msg.weights.size} parameters; the model has {self.size}.")
         self.models[msg.cluster] = (item.round, msg.weights)
         self.model_bytes = item.nbytes
+        cr = self.clusters.get(msg.cluster)
+        if cr is not None and item.round == self.round:
+            cr.timestamps.setdefault("model_at", item.received)
         self._save_model(item.round, msg.cluster, msg.weights)
 
     def _on_metrics(self, item: Inbound) -> None:
@@ -491,6 +592,14 @@ class Coordinator(Service):
         if self.plan is None or agent_id not in self.plan.cluster_of:
             raise ProtocolError(f"Metrics from {agent_id!r}, which is not in this run.")
         self.metrics[(agent_id, item.round)] = msg
+        self._uplink(agent_id, item)
+        if self.metrics_server is not None:
+            self.metrics_server.agent_round(agent_id, item.round, msg.timings)
+            self._publish_straggling()
+
+    def _uplink(self, agent_id: str, item: Inbound) -> None:
+        """One clock sample: arrival (our clock) - send time (the agent's) of a small frame."""
+        self.uplink_delays.setdefault(agent_id, []).append(item.received - item.frame.sent_at)
 
     def on_reconnect(self) -> None:
         """The broker may have lost in-flight messages: re-send the round's pending parts."""
@@ -551,12 +660,19 @@ class Coordinator(Service):
             "seconds": time.time() - self.round_started,
             "participants": len(self.sampled),
             "user_epsilon": self.user_accountant.epsilon(o.delta) if self.strategy.dp_level else None,
+            "started_at": self.round_started,
+            "finished_at": time.time(),
             "clusters": {k: {"members": cr.members, "updates": sorted(cr.updates), "straggled": cr.straggled,
-                             "accepted": cr.accepted, "reason": cr.reason, "timings": cr.timings}
+                             "accepted": cr.accepted, "reason": cr.reason, "timings": cr.timings,
+                             "timestamps": cr.timestamps}
                          for k, cr in self.clusters.items()},
         })
         self.completed = r
         self._checkpoint()
+        if self.metrics_server is not None:
+            bytes_up = {a: self.agent_rounds[a][r].get("bytes_up") for a in self.agent_rounds if r in self.agent_rounds[a]}
+            self.metrics_server.round_done(r, self.records[-1], bytes_up, len(self.straggling), len(self.rejected),
+                                           sum(i.online for i in self.agents.values()), len(self.agents))
 
     # ---- results ------------------------------------------------------------------------
     def round_records(self) -> list[RoundRecord]:
@@ -606,24 +722,17 @@ class Coordinator(Service):
                 n_train=hello.n_samples if hello else 0, n_test=latest[a].n_test if a in latest else 0,
                 bandwidth=hello.bandwidth if hello else 0.0, cpu_speed=hello.cpu_speed if hello else 0.0,
             ))
-            per_round = {}
-            for r, info in sorted(self.agent_rounds.get(a, {}).items()):
-                m = self.metrics.get((a, r))
-                per_round[str(r)] = {
-                    "cluster": info["cluster"],
-                    "delivered": "update_received" in info,
-                    "he_ratio": info.get("he_ratio"),
-                    "bytes_up": info.get("bytes_up"),
-                    "phases": {k: round(v, 6) for k, v in (m.timings if m else info.get("agent_timings", {})).items()
-                               if not k.endswith("_at")},
-                    "timestamps": {k: v for k, v in (m.timings if m else {}).items() if k.endswith("_at")}
-                    | {k: v for k, v in info.items() if k in ("plan_sent", "update_received")},
-                    "accuracy": m.accuracy if m else None,
-                }
+            offset = self._clock_offset(a)
             agents.append({"id": a, "profile": hello.profile if hello else {}, "online": self._online(a),
-                           "inference": latest[a].inference if a in latest else {}, "rounds": per_round})
-        server = [{"round": rec["round"], "clusters": {str(k): v for k, v in rec["clusters"].items()}}
+                           "clock_offset_s": offset,
+                           "inference": latest[a].inference if a in latest else {},
+                           "rounds": self._agent_round_records(a, offset)})
+        server = [{"round": rec["round"], "started_at": rec.get("started_at"), "finished_at": rec.get("finished_at"),
+                   "clusters": {str(k): v for k, v in rec["clusters"].items()}}
                   for rec in self.records]
+        from senseshield.report import straggling_summary
+
+        straggling = straggling_summary(agents)
         o = self.config.options
         dp = self.strategy.dp_level is not None
         return FleetReport(
@@ -640,9 +749,63 @@ class Coordinator(Service):
             noise_multiplier=self.sigma_user if self.sigma_user is not None else (max(self.sigma_record.values()) if self.sigma_record else None),
             fleet=self.fleet, run_id=self.run_id, input_shape=self.input_shape, num_classes=self.num_classes,
             round_deadline=self.round_deadline, bootstrap_seconds=self.bootstrap_seconds,
-            agents=agents, server=server, straggling=self.straggling, refused=self.refused,
+            agents=agents, server=server, straggling=straggling, straggling_events=self.straggling,
+            budgets=self.plan.budget_notes, refused=self.refused,
             rejected_messages=list(self.rejected),
         )
+
+    def _clock_offset(self, agent_id: str) -> float:
+        """Estimated (agent clock - coordinator clock) in seconds, NTP style: half the
+        difference of the smallest downlink sample (round plan: received on the agent - sent
+        here) and the smallest uplink sample (hello/metrics: received here - sent there).
+        0.0 without samples both ways (e.g. every process on one machine's clock)."""
+        down = [m.timings["plan_received_at"] - m.timings["plan_frame_sent_at"]
+                for (a, _), m in self.metrics.items()
+                if a == agent_id and "plan_received_at" in m.timings and "plan_frame_sent_at" in m.timings]
+        up = self.uplink_delays.get(agent_id, [])
+        if not down or not up:
+            return 0.0
+        return round((min(down) - min(up)) / 2.0, 6)
+
+    def _agent_round_records(self, agent_id: str, offset: float) -> dict[str, dict]:
+        """report.json ``agents[].rounds``: phases (s), bytes, and timestamps on our clock."""
+        out = {}
+        for r, info in sorted(self.agent_rounds.get(agent_id, {}).items()):
+            m = self.metrics.get((agent_id, r))
+            timings = m.timings if m else info.get("agent_timings", {})
+            stamps = {k: v - offset for k, v in (m.timings if m else {}).items()
+                      if k.endswith("_at") and k != "plan_frame_sent_at"}
+            stamps |= {k: v for k, v in info.items() if k in ("plan_sent", "update_received")}
+            if "plan_received_at" in stamps:
+                stamps["start_at"] = stamps["plan_received_at"] + float(timings.get("wait_model", 0.0))
+            busy = None
+            if "start_at" in stamps and "update_received" in stamps:
+                busy = round(max(stamps["update_received"] - stamps["start_at"], 0.0), 6)
+            out[str(r)] = {
+                "cluster": info["cluster"],
+                "delivered": "update_received" in info,
+                "he_ratio": info.get("he_ratio"),
+                "bytes_up": info.get("bytes_up"),
+                "bytes_down": int(timings["bytes_down"]) if "bytes_down" in timings else None,
+                "phases": {k: round(v, 6) for k, v in timings.items()
+                           if not k.endswith("_at") and not k.startswith("bytes_")},
+                "timestamps": {k: round(v, 6) for k, v in sorted(stamps.items(), key=lambda kv: kv[1])},
+                "busy_s": busy,
+                "accuracy": m.accuracy if m else None,
+            }
+        return out
+
+    def _publish_straggling(self) -> None:
+        """Prometheus: the straggling figures of the latest round whose metrics are all in."""
+        if self.metrics_server is None or self.plan is None:
+            return
+        from senseshield.report import straggling_summary
+
+        agents = [{"id": a, "rounds": self._agent_round_records(a, self._clock_offset(a))}
+                  for a in sorted(self.plan.cluster_of)]
+        summary = straggling_summary(agents)
+        if summary["rounds"]:
+            self.metrics_server.straggling(summary["rounds"][-1], summary["median_ratio"])
 
     def _save_model(self, r: int, k: int, weights: np.ndarray) -> None:
         if self.out_dir is None:
@@ -666,6 +829,8 @@ class Coordinator(Service):
             "completed": self.completed,
             "cluster_of": self.plan.cluster_of,
             "budget_of": self.plan.budget_of,
+            "budget_notes": self.plan.budget_notes,
+            "uplink_delays": self.uplink_delays,
             "fixed_masks": {str(k): np.flatnonzero(m).tolist() for k, m in self.plan.fixed_masks.items()},
             "model_round": {str(k): r for k, r in self.model_round.items()},
             "sigma_user": self.sigma_user,
@@ -699,7 +864,8 @@ class Coordinator(Service):
             m = np.zeros(self.size, dtype=bool)
             m[idx] = True
             fixed[int(k)] = m
-        self.plan = FleetPlan(state["cluster_of"], state["budget_of"], fixed)
+        self.plan = FleetPlan(state["cluster_of"], state["budget_of"], fixed, state.get("budget_notes", {}))
+        self.uplink_delays = state.get("uplink_delays", {})
         self.model_round = {int(k): r for k, r in state["model_round"].items()}
         self.sigma_user, self.sigma_record = state["sigma_user"], state["sigma_record"]
         self.agents = {a: AgentInfo(Hello(**h)) for a, h in state["hellos"].items()}
@@ -752,6 +918,8 @@ class Coordinator(Service):
                 (self.out_dir / "report.json").write_text(json.dumps(self.report().model_dump(mode="json"), indent=2))
         finally:
             self.stop()
+            if self.metrics_server is not None:
+                self.metrics_server.close()
 
     def _wait_final_metrics(self, timeout: float = 30.0) -> None:
         """Give agents a moment to report their accuracy on the final models."""

@@ -165,6 +165,7 @@ class EdgeAgent(Service):
         self.key: PublicKeyAnnouncement | None = None
         self.public: PublicKey | None = None
         self.plans: list[tuple[int, RoundPlan]] = []
+        self.plan_sent_at: dict[int, float] = {}  # round -> the plan frame's sent_at (coordinator clock)
         self.decisions: dict[int, MaskDecision] = {}
         self.exit: AgentExit | None = None
         for cls, handler in {
@@ -213,6 +214,7 @@ class EdgeAgent(Service):
         if msg.size != self.run.initial.size:
             raise ProtocolError(f"Round plan for {msg.size} parameters; the model has {self.run.initial.size}.")
         self.plans.append((item.round, msg))
+        self.plan_sent_at.setdefault(item.round, item.frame.sent_at)
 
     def _on_decision(self, item: Inbound) -> None:
         self._inbox(item)
@@ -231,7 +233,9 @@ class EdgeAgent(Service):
         if known is None or item.round > known[0]:
             run.models[msg.cluster] = (item.round, msg.weights.astype(np.float64))
             if msg.cluster == run.cluster:
-                run.timings.setdefault(item.round, {})["model_received_at"] = item.received
+                tm = run.timings.setdefault(item.round, {})
+                tm["model_received_at"] = item.received
+                tm["bytes_down"] = float(item.nbytes)
 
     def _on_notice(self, item: Inbound) -> None:
         msg: Notice = item.message  # type: ignore[assignment]
@@ -278,24 +282,72 @@ class EdgeAgent(Service):
                        index=index, data=data, model=model)
         self.run, self.plans, self.decisions = run, [], {}
         self.deadline_s = msg.round_deadline
+        calibrate = config.options.budget_mode == "calibrated" and self.public is not None
+        vector = None
+        if calibrate and strategy.needs_bootstrap_sensitivity:
+            # calibrated budgets: the hello carries what this device measured of its own round
+            # (the bootstrap's training time, the encryption rate), so the bootstrap runs first
+            vector = self._bootstrap(run, strategy, model, data, index)
+        profile = dict(self.profile)
+        if calibrate:
+            profile["measured"] = self._measure_costs(run)
         hello = Hello(
             run_id=run.run_id, agent_id=self.agent_id, n_samples=data.n_train, bandwidth=self.bandwidth,
-            cpu_speed=self.cpu_speed, profile=self.profile, key_id=self.key.key_id if self.key else None, index=index,
+            cpu_speed=self.cpu_speed, profile=profile, key_id=self.key.key_id if self.key else None, index=index,
         )
         run.hello = hello
         self.send(f"agents/{self.agent_id}/hello", hello)
         self.log.info("%s joined run %s (%s, %d samples, shard %d/%d)", self.agent_id, run.run_id,
                       config.strategy, data.n_train, index, count)
         if strategy.needs_bootstrap_sensitivity:
-            t = time.perf_counter()
-            vector = client_bootstrap(config, strategy, model, run.initial, data, index)
-            run.timings.setdefault(0, {})["bootstrap"] = time.perf_counter() - t
+            if vector is None:
+                vector = self._bootstrap(run, strategy, model, data, index)
             self.send(f"agents/{self.agent_id}/bootstrap", BootstrapVector(sensitivity=vector))
         if strategy.needs_synthetic:
             fit_synthetic(run.client, data, num_classes=msg.num_classes, epsilon=config.options.synthetic_epsilon,
                           delta=config.options.delta, seed=client_seed(config.seed, 0, index))
         self.strategy = strategy
         self.accountant_delta = config.options.delta
+
+    def _bootstrap(self, run: RunState, strategy, model, data, index: int) -> np.ndarray:  # noqa: ANN001
+        t = time.perf_counter()
+        vector = client_bootstrap(run.config, strategy, model, run.initial, data, index)
+        run.timings.setdefault(0, {})["bootstrap"] = time.perf_counter() - t
+        return vector
+
+    def _measure_costs(self, run: RunState) -> dict[str, float]:
+        """This device's round costs for calibrated budgets (``Hello.profile["measured"]``):
+        local training per round (a timed warm epoch x (local epochs + 1 for the sensitivity
+        pass)), values encrypted per second with the fleet's key, and ciphertext bytes per
+        value. The first encryption also builds the key's tables, as round 1 would."""
+        from edge_agent.profile import measure_encryption
+        from senseshield.training import TrainConfig, train_local
+
+        import copy
+
+        config = run.config
+        t0 = time.perf_counter()
+        # the bootstrap's time includes one-off costs (first torch calls, its sensitivity
+        # pass); a warm epoch on a copy of the model is what a round repeats local_epochs times
+        epoch_s = []
+        for _ in range(2):
+            model = copy.deepcopy(run.model)
+            t = time.perf_counter()
+            train_local(model, run.data.x_train, run.data.y_train,
+                        TrainConfig(epochs=1, batch_size=config.batch_size, lr=config.lr), seed=0)
+            epoch_s.append(time.perf_counter() - t)
+        train_s = min(epoch_s) * (config.local_epochs + 1)  # + about one epoch's worth for the sensitivity
+        he = measure_encryption(public_key=self.public, budget_s=0.3)
+        block = max(1, int(self.public.block_size))
+        count = block * max(1, 1024 // block)
+        vec = self.public.encrypt(np.zeros(count), np.arange(count, dtype=np.int64))
+        per_value = len(self.public.ciphertext_bytes(vec)) / count
+        latency = float(self.profile.get("latency_ms") or 0.0) / 1000.0
+        measured = {"train_s": float(train_s), "encrypt_per_s": float(he.encryptions_per_s),
+                    "bytes_per_encrypted": float(per_value), "latency_s": latency,
+                    "seconds": time.perf_counter() - t0}
+        self.log.info("measured round costs: %s", {k: round(v, 4) for k, v in measured.items()})
+        return measured
 
     # ---- one round ----------------------------------------------------------------------
     def _global(self, cluster: int, model_round: int) -> np.ndarray | None:
@@ -322,6 +374,8 @@ class EdgeAgent(Service):
         t_plan = time.time()
         tm = run.timings.setdefault(r, {})
         tm["plan_received_at"] = t_plan
+        if r in self.plan_sent_at:
+            tm["plan_frame_sent_at"] = self.plan_sent_at[r]
         if run.cluster != plan.cluster:
             self.link.subscribe(f"clusters/{plan.cluster}/model")
             run.cluster = plan.cluster
@@ -380,6 +434,7 @@ class EdgeAgent(Service):
         t = time.perf_counter()
         merged = merge_personal(weights, run.client)  # the device's own (personalised) model
         tm = run.timings.setdefault(r, {})
+        tm["apply_at"] = time.time()
         onnx_path = self.model_dir / "model.onnx"
         export_onnx(run.config.model, run.input_shape, run.num_classes, merged, onnx_path,
                     fleet=self.fleet, cluster=run.cluster, round=r)

@@ -365,9 +365,14 @@ def _print_phases(report: dict) -> None:
         if vals:
             table.add_row(name, f"{np.mean(vals):.3f}", "coordinator" if name == "aggregate" else "key server")
     out.print(table)
-    if report.get("straggling"):
-        out.print(f"[yellow]{len(report['straggling'])} straggling event(s): "
-                  + ", ".join(f"round {s['round']} {s['agent']}" for s in report["straggling"][:5]) + "[/]")
+    events = report.get("straggling_events") or []
+    if events:
+        out.print(f"[yellow]{len(events)} straggling event(s): "
+                  + ", ".join(f"round {s['round']} {s['agent']}" for s in events[:5]) + "[/]")
+    median = (report.get("straggling") or {}).get("median_ratio")
+    if median is not None:
+        out.print(f"straggling: median slowest/fastest agent time {median:.2f} "
+                  f"(median idle {report['straggling']['median_idle_s']:.2f} s per round)")
 
 
 def main() -> None:

@@ -211,3 +211,47 @@ def test_calibrated_bad_input_is_one_sentence(kwargs: dict, needle: str) -> None
     with pytest.raises(ConfigError) as info:
         calibrated_budgets(size=100, bytes_per_encrypted=7.76, **kwargs)
     assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+def test_sensecrypt_budget_modes_paper_and_calibrated() -> None:
+    from senseshield.strategies import StrategyOptions, build_strategy
+    from senseshield.strategies.base import BootstrapReport, RoundCosts
+
+    rng = np.random.default_rng(0)
+    size = 660
+    vectors = [np.abs(rng.normal(size=size)) for _ in range(3)]
+    speeds = [24.0, 12.0, 8.0]
+    costs = [RoundCosts(train_s=0.005 * 24 / v, encrypt_per_s=100.0 * v, bytes_per_encrypted=7.76) for v in speeds]
+    reports = [BootstrapReport(f"c{i}", 100, 1.0, v, vectors[i], costs[i]) for i, v in enumerate(speeds)]
+    paper = build_strategy("sensecrypt", StrategyOptions()).plan_fleet(reports, size=size, block_size=66)
+    assert paper.budget_notes["mode"] == "paper"
+    assert max(paper.budget_of.values()) == 1.0
+    strategy = build_strategy("sensecrypt", StrategyOptions(budget_mode="calibrated"))
+    strategy.fleet_context.round_deadline = 60.0
+    plan = strategy.plan_fleet(reports, size=size, block_size=66)
+    (note,) = plan.budget_notes["clusters"].values()
+    assert note["mode"] == "calibrated" and note["solver_fractions"]
+    times = list(note["predicted_s"].values())
+    assert max(times) / min(times) == pytest.approx(1.0, abs=1e-3)  # lined up
+    assert plan.budget_of["c0"] == 1.0 and plan.budget_of["c0"] > plan.budget_of["c1"] > plan.budget_of["c2"]
+    # without measurements the calibrated mode falls back to the paper's formula, and says so
+    bare = [BootstrapReport(r.client_id, r.n_samples, r.bandwidth, r.cpu_speed, r.sensitivity) for r in reports]
+    fallback = strategy.plan_fleet(bare, size=size, block_size=66)
+    assert fallback.budget_of == paper.budget_of
+    assert "fallback" in next(iter(fallback.budget_notes["clusters"].values()))
+
+
+def test_budget_mode_option_is_checked() -> None:
+    from senseshield.strategies import StrategyOptions
+
+    with pytest.raises(Exception, match=r"budget_mode='fast' is not allowed; use one of: paper, calibrated"):
+        StrategyOptions(budget_mode="fast")
+
+
+def test_round_costs_from_an_agent_profile() -> None:
+    from senseshield.strategies.base import RoundCosts
+
+    got = RoundCosts.from_profile({"measured": {"train_s": 0.2, "encrypt_per_s": 1e4, "bytes_per_encrypted": 7.8}})
+    assert got == RoundCosts(0.2, 1e4, 7.8, 0.0)
+    assert RoundCosts.from_profile({}) is None
+    assert RoundCosts.from_profile({"measured": {"train_s": 0.2, "encrypt_per_s": 0}}) is None

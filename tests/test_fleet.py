@@ -143,7 +143,7 @@ def test_faults_are_rejected_and_a_killed_agent_only_delays_its_round(mosquitto,
         assert reason in log, reason
     assert len(report["rounds"]) == 3
     # c002 was killed when round 2's plan arrived: round 2 closed at its deadline without it
-    missed = [(s["round"], s["missing"]) for s in report["straggling"] if s["agent"] == "c002"]
+    missed = [(s["round"], s["missing"]) for s in report["straggling_events"] if s["agent"] == "c002"]
     assert (2, "update") in missed and (3, "offline") in missed
     r2 = report["rounds"][1]
     assert r2["seconds"] >= 8 - 0.5

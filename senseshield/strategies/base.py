@@ -32,6 +32,9 @@ from senseshield.errors import ConfigError
 from senseshield.registry import Registry
 
 
+BUDGET_MODES = ("paper", "calibrated")
+
+
 class StrategyOptions(BaseModel):
     """Knobs shared by the strategies; each strategy reads the ones it needs."""
 
@@ -46,6 +49,14 @@ class StrategyOptions(BaseModel):
     cluster_delta: float = Field(1e-5, gt=0.0, lt=1.0, description="DP delta of the clustering vectors.")
     cluster_clip: float = Field(1.0, gt=0.0, description="Per-sample L2 clip G of sensitivity vectors (Alg. 2).")
     server_lr: float = Field(1.0, gt=0.0, description="Server learning rate applied to the mean update.")
+    budget_mode: str = Field(
+        "paper",
+        description=(
+            "Encryption budgets: 'paper' (max-abs over bandwidth and CPU speed, SenseCrypt sec. 3.2) "
+            "or 'calibrated' (from measured train/encrypt rates and bandwidth, so that predicted "
+            "round times line up under the deadline)."
+        ),
+    )
     # ---- hybrid HE + DP strategies (docs/hybrid.md) ----
     tau: float = Field(0.1, description="Fisher threshold of the local masks (SelectiveShield eq. 14), in [0, 1].")
     rho: float = Field(0.5, description="Consensus threshold of the encrypted zone (SelectiveShield eq. 16), in [0, 1].")
@@ -89,6 +100,15 @@ class StrategyOptions(BaseModel):
             raise ConfigError(f"{info.field_name}={value!r} is not allowed; epsilon must be a finite number > 0.")
         return value
 
+    @field_validator("budget_mode")
+    @classmethod
+    def _budget_mode(cls, value: str) -> str:
+        if value not in BUDGET_MODES:
+            raise ConfigError(
+                f"budget_mode={value!r} is not allowed; use one of: {', '.join(BUDGET_MODES)}."
+            )
+        return value
+
     @field_validator("budget_skew")
     @classmethod
     def _skew(cls, value: float) -> float:
@@ -103,6 +123,36 @@ class StrategyOptions(BaseModel):
 
 
 @dataclass(frozen=True)
+class RoundCosts:
+    """What a device measured about its own round (for ``budget_mode = "calibrated"``).
+
+    ``train_s``: predicted seconds of local training + sensitivity per round;
+    ``encrypt_per_s``: values it encrypts per second with the fleet's key;
+    ``bytes_per_encrypted``: bytes on the wire per encrypted value;
+    ``latency_s``: one-way network latency it knows of (0 if unknown).
+    """
+
+    train_s: float
+    encrypt_per_s: float
+    bytes_per_encrypted: float
+    latency_s: float = 0.0
+
+    @staticmethod
+    def from_profile(profile: dict[str, Any] | None) -> "RoundCosts | None":
+        """The ``measured`` entry an agent puts in its hello profile, if complete."""
+        data = (profile or {}).get("measured")
+        if not isinstance(data, dict):
+            return None
+        try:
+            costs = RoundCosts(float(data["train_s"]), float(data["encrypt_per_s"]),
+                               float(data["bytes_per_encrypted"]), float(data.get("latency_s", 0.0)))
+        except (KeyError, TypeError, ValueError):
+            return None
+        ok = all(np.isfinite(v) and v >= 0 for v in (costs.train_s, costs.bytes_per_encrypted, costs.latency_s))
+        return costs if ok and np.isfinite(costs.encrypt_per_s) and costs.encrypt_per_s > 0 else None
+
+
+@dataclass(frozen=True)
 class BootstrapReport:
     """What a client sends once at join/bootstrap: its profile and a clustering vector."""
 
@@ -111,6 +161,14 @@ class BootstrapReport:
     bandwidth: float  # r_i, e.g. MB/s
     cpu_speed: float  # v_i, e.g. GHz x cores
     sensitivity: np.ndarray | None = None  # (noised, normalised) sensitivity vector
+    costs: RoundCosts | None = None  # measured on the device (calibrated budgets)
+
+
+@dataclass
+class FleetContext:
+    """What the runtime tells a strategy before :meth:`Strategy.plan_fleet` (optional)."""
+
+    round_deadline: float | None = None  # seconds; the calibrated budgets stay under it
 
 
 @dataclass
@@ -120,6 +178,7 @@ class FleetPlan:
     cluster_of: dict[str, int]
     budget_of: dict[str, float]
     fixed_masks: dict[int, np.ndarray] = field(default_factory=dict)
+    budget_notes: dict[str, Any] = field(default_factory=dict)  # how budgets were chosen (reports)
 
     @property
     def clusters(self) -> list[int]:
@@ -177,6 +236,7 @@ class Strategy(ABC):
 
     def __init__(self, options: StrategyOptions | None = None) -> None:
         self.options = options or StrategyOptions()
+        self.fleet_context = FleetContext()
 
     # ---- coordinator side -------------------------------------------------------------
     def plan_fleet(
@@ -234,11 +294,91 @@ def _budgets(reports: Sequence[BootstrapReport]) -> dict[str, float]:
 
 
 def budgets_per_cluster(
-    reports: Sequence[BootstrapReport], cluster_of: dict[str, int]
+    reports: Sequence[BootstrapReport],
+    cluster_of: dict[str, int],
+    *,
+    mode: str = "paper",
+    size: int | None = None,
+    block_size: int = 1,
+    deadline: float | None = None,
+    fractions: dict[str, np.ndarray] | None = None,
+    notes: dict[str, Any] | None = None,
 ) -> dict[str, float]:
-    """SenseCrypt sec. 3.2: the max-abs scaling runs over the N^c clients of each cluster."""
+    """SenseCrypt sec. 3.2: the max-abs scaling runs over the N^c clients of each cluster.
+
+    ``mode="calibrated"`` uses :func:`calibrated_cluster_budgets` instead (it needs ``size``
+    and the reports' measured ``costs``); ``notes`` (a dict) receives what was decided per
+    cluster, for the run's report.
+    """
     out: dict[str, float] = {}
     for cluster in sorted(set(cluster_of.values())):
         members = [r for r in reports if cluster_of[r.client_id] == cluster]
-        out.update(_budgets(members))
+        if mode == "calibrated":
+            budgets, note = calibrated_cluster_budgets(
+                members, size=size, block_size=block_size, deadline=deadline, fractions=fractions,
+            )
+        else:
+            budgets, note = _budgets(members), {"mode": "paper"}
+        out.update(budgets)
+        if notes is not None:
+            notes[str(cluster)] = note
     return out
+
+
+def calibrated_cluster_budgets(
+    reports: Sequence[BootstrapReport],
+    *,
+    size: int | None,
+    block_size: int = 1,
+    deadline: float | None = None,
+    fractions: dict[str, np.ndarray] | None = None,
+) -> tuple[dict[str, float], dict[str, Any]]:
+    """Calibrated budgets (:func:`senseshield.engine.budgets.calibrated_budgets`) of one
+    cluster from the members' measured :class:`RoundCosts` and bandwidths.
+
+    Members that measured nothing get costs scaled from the measured ones by CPU speed
+    (train time / v_i, encryption rate x v_i); if nobody measured, the paper's budgets are
+    used and the note says so. Every member encrypts at least one block.
+    """
+    from senseshield.engine.budgets import calibrated_budgets
+
+    measured = [r for r in reports if r.costs is not None]
+    if not measured or size is None:
+        why = "no device measured its round costs" if not measured else "the model size is unknown"
+        return _budgets(reports), {"mode": "paper", "fallback": f"calibrated budgets need measurements; {why}"}
+    ref_speed = float(np.mean([r.cpu_speed for r in measured]))
+    ref_train = float(np.mean([r.costs.train_s * r.cpu_speed for r in measured]))  # type: ignore[union-attr]
+    ref_rate = float(np.mean([r.costs.encrypt_per_s / r.cpu_speed for r in measured]))  # type: ignore[union-attr]
+    ref_bytes = float(np.mean([r.costs.bytes_per_encrypted for r in measured]))  # type: ignore[union-attr]
+    estimated = []
+    costs = []
+    for r in reports:
+        if r.costs is not None:
+            costs.append(r.costs)
+        else:
+            estimated.append(r.client_id)
+            costs.append(RoundCosts(ref_train / r.cpu_speed, ref_rate * r.cpu_speed, ref_bytes))
+    fraction = None
+    if fractions and all(r.client_id in fractions for r in reports):
+        fraction = np.stack([fractions[r.client_id] for r in reports])
+    result = calibrated_budgets(
+        fixed_s=np.array([c.train_s + c.latency_s for c in costs]),
+        encrypt_per_s=np.array([c.encrypt_per_s for c in costs]),
+        bandwidth=np.array([r.bandwidth for r in reports], dtype=np.float64),
+        size=int(size),
+        bytes_per_encrypted=float(np.mean([c.bytes_per_encrypted for c in costs])),
+        fraction=fraction,
+        deadline_s=deadline,
+        floor=min(1.0, block_size / size),
+    )
+    note: dict[str, Any] = {
+        "mode": "calibrated",
+        "target_s": round(result.target_s, 4),
+        "deadline_capped": result.deadline_capped,
+        "predicted_s": {r.client_id: round(float(t), 4) for r, t in zip(reports, result.predicted_s)},
+        "full_budget_s": {r.client_id: round(float(t), 4) for r, t in zip(reports, result.full_s)},
+        "solver_fractions": fraction is not None,
+    }
+    if estimated:
+        note["estimated_costs"] = estimated
+    return {r.client_id: float(a) for r, a in zip(reports, result.alphas)}, note

@@ -49,7 +49,34 @@ class SenseCrypt(Strategy):
         )
         labels = cluster_clients(vectors)
         cluster_of = {r.client_id: int(k) for r, k in zip(reports, labels)}
-        return FleetPlan(cluster_of, budgets_per_cluster(reports, cluster_of))
+        mode = self.options.budget_mode
+        notes: dict = {}
+        fractions = self._solver_fractions(reports, size, block_size) if mode == "calibrated" else None
+        budgets = budgets_per_cluster(
+            reports, cluster_of, mode=mode, size=size, block_size=block_size,
+            deadline=self.fleet_context.round_deadline, fractions=fractions, notes=notes,
+        )
+        return FleetPlan(cluster_of, budgets, budget_notes={"mode": mode, "clusters": notes})
+
+    def _solver_fractions(
+        self, reports: Sequence[BootstrapReport], size: int, block_size: int, samples: int = 21
+    ) -> dict[str, np.ndarray]:
+        """Per client, the share of the model the mask solver encrypts at budgets
+        ``linspace(0, 1, samples)``, predicted from its bootstrap sensitivity (eqs. 4-7; the
+        MI constraint is left out: the coordinator has no client weights). Clients whose
+        vector is not a full sensitivity vector (DP sketches) are left out."""
+        o = self.options
+        out: dict[str, np.ndarray] = {}
+        for r in reports:
+            if r.sensitivity is None or r.sensitivity.size != size:
+                continue
+            g = np.abs(np.asarray(r.sensitivity, dtype=np.float64))
+            out[r.client_id] = np.array([
+                solve_block_mask(g, block_size=block_size, alpha=float(a), c=o.security_c, b=o.security_b,
+                                 eta_mi=None).he_ratio
+                for a in np.linspace(0.0, 1.0, samples)
+            ])
+        return out
 
     def select_mask(
         self, context: ClientContext, *, sensitivity: np.ndarray, weights: np.ndarray
