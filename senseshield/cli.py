@@ -375,6 +375,114 @@ def _print_phases(report: dict) -> None:
                   f"(median idle {report['straggling']['median_idle_s']:.2f} s per round)")
 
 
+trial_app = typer.Typer(help="Field trials: emulated devices (CPU limits, shaped links) on this machine.",
+                        no_args_is_help=True)
+app.add_typer(trial_app, name="trial")
+
+
+@trial_app.command("run")
+def trial_run(
+    trial_file: Annotated[Path, typer.Argument(help="Trial YAML (see profiles/trials/), or the name of one there.",
+                                               metavar="TRIAL.yaml")],
+    out_dir: Annotated[Path, typer.Option("--out", help="Directory for trial.json, report.html and one folder per run.")] = Path("trial-run"),
+    broker: Annotated[Optional[str], typer.Option(help="auto | embedded | mosquitto | mqtt://HOST:PORT (default: the trial file's).")] = None,
+    only: Annotated[Optional[str], typer.Option(help="Run only these runs (comma-separated labels).")] = None,
+    rounds: Annotated[Optional[int], typer.Option(help="Override the trial file's rounds.")] = None,
+    no_emulation: Annotated[bool, typer.Option("--no-emulation", help="Run the agents unconfined (no cgroups, namespaces or tc).")] = False,
+    metrics_port: Annotated[Optional[int], typer.Option(help="Serve the coordinator's Prometheus metrics on this port.")] = None,
+    report: Annotated[bool, typer.Option("--report/--no-report", help="Render report.html at the end.")] = True,
+    quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
+) -> None:
+    """Run a trial: broker, key server, coordinator and emulated agents as OS processes, every
+    run of the trial file in turn on the same fleet and data; write DIR/trial.json."""
+    from senseshield.trial import load_trial, run_trial
+
+    try:
+        spec = load_trial(trial_file)
+        if rounds is not None:
+            if rounds < 1:
+                raise ConfigError(f"--rounds {rounds} is not allowed; use 1 or more.")
+            spec = spec.model_copy(update={"rounds": rounds})
+        if metrics_port is not None and not 0 < metrics_port < 65536:
+            raise ConfigError(f"--metrics-port {metrics_port} is not allowed; use a port in 1..65535.")
+    except ConfigError as exc:
+        _fail(str(exc))
+    console.print(f"trial {spec.name}: {sum(e.count for e in spec.fleet)} agents, "
+                  f"runs {', '.join(r.name for r in spec.run_specs)}", highlight=False)
+    with progress_bar(quiet) as bar:
+        tasks: dict[tuple[str, str], int] = {}
+
+        def progress(label: str, phase: str, done: int, total: int) -> None:
+            if (label, phase) not in tasks:
+                tasks[(label, phase)] = bar.add_task(f"{label} {phase}", total=total)
+            bar.update(tasks[(label, phase)], completed=done)
+
+        def say(message: str) -> None:
+            bar.console.print(message, highlight=False, soft_wrap=True)
+
+        try:
+            trial = run_trial(spec, out_dir, broker=broker, emulate=not no_emulation, metrics_port=metrics_port,
+                              only=[o.strip() for o in only.split(",")] if only else None,
+                              say=say, progress=progress)
+        except ConfigError as exc:
+            bar.stop()
+            _fail(str(exc))
+        except KeyboardInterrupt:
+            bar.stop()
+            console.print("trial interrupted; everything it started was removed")
+            raise typer.Exit(130)
+    _print_trial(trial)
+    if report:
+        from senseshield.report import render_trial
+
+        page = render_trial(out_dir)
+        console.print(f"wrote {page}")
+    console.print(f"wrote {out_dir / 'trial.json'}")
+
+
+@trial_app.command("cleanup")
+def trial_cleanup() -> None:
+    """Remove network namespaces, links and cgroups left by trials that were killed."""
+    from senseshield.trial import cleanup_stale, leftovers
+
+    removed = cleanup_stale(lambda m: console.print(m, highlight=False))
+    still = leftovers()
+    console.print(f"removed {len(removed)} leftover(s); {len(still)} belong to running trials")
+
+
+def _print_trial(trial: dict) -> None:
+    table = Table(title=f"trial {trial['name']} ({trial['machine']['cpu']}, {trial['machine']['cores']} cores, "
+                        f"scale {trial['scale']:.3g})")
+    for col in ("run", "budget", "median straggling ratio", "median round s", "x plaintext", "HE ratio",
+                "MB up / round", "final acc."):
+        table.add_column(col, justify="right" if col not in ("run", "budget") else "left")
+
+    def num(value, fmt: str) -> str:  # noqa: ANN001
+        return "-" if value is None else format(value, fmt)
+
+    for r in trial["runs"]:
+        table.add_row(r["label"], r["budget_mode"] if r["strategy"] == "sensecrypt" else "-",
+                      num(r["median_ratio"], ".2f"), num(r["median_round_s"], ".2f"),
+                      num(r.get("round_s_vs_plaintext"), ".2f"), num(r["he_ratio_mean"], ".3f"),
+                      num(r["mb_up_per_round"], ".2f"), num(r["final_accuracy"], ".3f"))
+    out.print(table)
+
+
+@app.command("report")
+def report_command(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory (report.json) or a trial directory (trial.json).",
+                                            metavar="DIR")],
+) -> None:
+    """Render DIR/report.json (or a trial's DIR/trial.json) into DIR/report.html with PNG plots."""
+    from senseshield.report import render_any
+
+    try:
+        page = render_any(run_dir)
+    except ConfigError as exc:
+        _fail(str(exc))
+    console.print(f"wrote {page}")
+
+
 def main() -> None:
     """Console entry point: user mistakes exit 2 with one sentence, no traceback."""
     try:

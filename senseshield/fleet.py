@@ -7,6 +7,11 @@ to ``DIR/profiles/<id>.yaml``: bandwidth and CPU speed, cycled within each categ
 simulator does). It watches the fleet over MQTT as a read-only observer for the progress
 bar, waits for the coordinator to write ``DIR/report.json``, then stops everything.
 Each process logs to ``DIR/logs/<role>.log``.
+
+Hooks for launchers built on this one (``senseshield trial run``): ``FleetOptions.wrap``
+rewrites a process's command line before it starts (e.g. to run an agent inside a cgroup
+and a network namespace), ``agent_profiles`` gives agents their own profile files, and
+``broker_host`` is the address the embedded broker listens on.
 """
 
 from __future__ import annotations
@@ -45,6 +50,10 @@ class FleetOptions:
     log_level: str = "info"
     extra_agent_args: dict[str, list[str]] = field(default_factory=dict)  # agent id -> more flags
     extra_coordinator_args: list[str] = field(default_factory=list)
+    # hooks: (process name, argv) -> argv to run instead ("keyserver", "coordinator", agent ids)
+    wrap: Callable[[str, list[str]], list[str]] | None = None
+    agent_profiles: dict[str, Path] | None = None  # agent id -> profile file (default: generated)
+    broker_host: str = "127.0.0.1"  # where the embedded broker listens (and clients connect)
 
 
 def _python(module: str) -> list[str]:
@@ -97,8 +106,8 @@ class Fleet:
     def __enter__(self) -> "Fleet":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.stop(grace=15.0 if exc_type is None else 0.0)  # interrupted: do not wait for agents
 
     def start(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -115,7 +124,7 @@ class Fleet:
 
             # amqtt logs every probe and disconnect at ERROR; the fleet's own logs say what matters
             logging.getLogger("amqtt").setLevel(logging.CRITICAL)
-            self.broker = EmbeddedBroker().start()
+            self.broker = EmbeddedBroker(host=self.options.broker_host).start()
             self.url, self.mqtt = self.broker.url, EmbeddedBroker.protocol
         common = ["--broker", self.url, "--fleet", self.options.fleet, "--mqtt", self.mqtt,
                   "--log-level", self.options.log_level]
@@ -137,9 +146,17 @@ class Fleet:
             ])
 
     def _profiles(self) -> list[Path]:
-        """One profile file per agent with the simulator's bandwidth and CPU speed for it."""
+        """One profile file per agent with the simulator's bandwidth and CPU speed for it
+        (or the files of ``options.agent_profiles``)."""
         dataset = load_dataset(self.config.dataset, seed=self.config.seed)
         clients = build_clients(self.config, dataset)
+        self.categories = {c.id: c.category for c in clients}
+        given = self.options.agent_profiles
+        if given is not None:
+            missing = [a for a in agent_ids(self.options.agents) if a not in given]
+            if missing:
+                raise ConfigError(f"No profile file for agent(s) {', '.join(missing)}.")
+            return [Path(given[a]) for a in agent_ids(self.options.agents)]
         folder = self.out / "profiles"
         folder.mkdir(exist_ok=True)
         paths = []
@@ -160,6 +177,8 @@ class Fleet:
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         self.argv[name] = argv
+        if self.options.wrap is not None:
+            argv = self.options.wrap(name, list(argv))
         log = (self.out / "logs" / f"{name}.log").open("ab")
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(self.options.threads))
         self.processes[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
