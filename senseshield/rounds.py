@@ -198,10 +198,19 @@ def local_update(
         train_local(model, x, y, train, seed=seed)
     weights = get_vector(model).astype(np.float64)
     if not np.all(np.isfinite(weights)):
+        if strategy.dp_level == "user":
+            advice = (
+                "usually because the update noise (std clip x sigma per coordinate) swamps the "
+                "model; at a fixed epsilon only a smaller --clip lowers it (e.g. --clip 0.001), "
+                "otherwise lower --sigma or raise --target-epsilon"
+            )
+        else:
+            advice = (
+                "usually because the learning rate or the DP-SGD noise is too large for the "
+                "model; lower --lr or --sigma, or raise --target-epsilon"
+            )
         raise ConfigError(
-            f"Local training diverged in round {round} (the model has NaN or inf weights), "
-            "usually because DP noise or the learning rate is too large for the model; lower "
-            "--lr or --sigma, or raise --target-epsilon."
+            f"Local training diverged in round {round} (the model has NaN or inf weights), {advice}."
         )
     delta = weights - start
     t_train = time.perf_counter() - t

@@ -55,7 +55,8 @@ Progress = Callable[[str, int, int], None]
 
 
 class SimulationConfig(BaseModel):
-    """Everything that defines a simulation run; same config and seed, same result."""
+    """Everything that defines a simulation run; same config and seed, same result (bit for
+    bit, except that CKKS's encryption noise moves results by about 1e-8)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
