@@ -1,0 +1,429 @@
+"""deploy/ansible checked for real (issue 7).
+
+ansible-lint (production profile) and a syntax check; then the whole playbook applied to
+localhost into a sandbox (inventory/sandbox: five hosts, each rooted in its own directory,
+connection local, no systemd), a second apply that must change nothing, and the rendered
+fleet started from the rendered launchers: Mosquitto with its TLS listener, password file
+and ACL, the key server, the coordinator and two agents with their own credentials, until a
+round completes. The broker refuses what the ACL forbids (another agent's topics, a wrong
+password, anonymous or plain connections), a rotated credential replaces the old one, and
+bad inventories fail before anything changes, naming the host and the variable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import paho.mqtt.client as mqtt
+import pytest
+from paho.mqtt.enums import CallbackAPIVersion
+
+from senseshield.errors import ConfigError
+from senseshield.transport import Link, check_security, parse_broker
+from tests.broker import free_port, mosquitto_binary
+
+ANSIBLE_DIR = Path(__file__).resolve().parents[1] / "deploy" / "ansible"
+BIN = Path(sys.executable).parent
+FLEET = "sandbox"
+AGENTS = ("agent-a", "agent-b")  # rpi4 and jetson_orin in inventory/sandbox
+
+pytestmark = pytest.mark.skipif(
+    not (BIN / "ansible-playbook").exists(),
+    reason="ansible-core is not installed; `make test` installs it with the dev extras",
+)
+
+
+def ansible_env() -> dict[str, str]:
+    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", ANSIBLE_NOCOLOR="1",
+               ANSIBLE_FORCE_COLOR="0", ANSIBLE_CONFIG=str(ANSIBLE_DIR / "ansible.cfg"), NO_COLOR="1")
+    env.pop("VIRTUAL_ENV", None)
+    return env
+
+
+def playbook(root: Path, *extra: str, inventories: tuple[str, ...] = ("inventory/sandbox",),
+             port: int | None = None) -> subprocess.CompletedProcess:
+    argv = [str(BIN / "ansible-playbook"), "site.yml", "-e", f"senseshield_sandbox_root={root}"]
+    for inventory in inventories:
+        argv += ["-i", inventory]
+    if port is not None:
+        argv += ["-e", f"senseshield_broker_port={port}"]
+    return subprocess.run([*argv, *extra], cwd=ANSIBLE_DIR, env=ansible_env(), capture_output=True,
+                          text=True, timeout=600)
+
+
+def recap(output: str) -> dict[str, dict[str, int]]:
+    """The PLAY RECAP: host -> {ok, changed, failed, ...}."""
+    hosts: dict[str, dict[str, int]] = {}
+    for line in output.split("PLAY RECAP", 1)[-1].splitlines():
+        m = re.match(r"^(\S+)\s+:\s+(.*)$", line.strip())
+        if m:
+            hosts[m.group(1)] = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", m.group(2))}
+    return hosts
+
+
+def tail(proc: subprocess.CompletedProcess, n: int = 4000) -> str:
+    return (proc.stdout + proc.stderr)[-n:]
+
+
+@dataclass
+class Sandbox:
+    root: Path
+    port: int
+    seconds: dict[str, float]
+    first: subprocess.CompletedProcess
+    second: subprocess.CompletedProcess
+    broker: subprocess.Popen | None = None
+    processes: list[subprocess.Popen] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"mqtts://127.0.0.1:{self.port}"
+
+    @property
+    def ca(self) -> Path:
+        return self.root / "pki" / "ca.crt"
+
+    def password(self, user: str) -> str:
+        return (self.root / "pki" / "credentials" / user).read_text().strip()
+
+    def launcher(self, host: str, name: str) -> Path:
+        return self.root / host / "opt" / "senseshield" / "bin" / name
+
+    def spawn(self, host: str, name: str, log: str) -> subprocess.Popen:
+        (self.root / "logs").mkdir(exist_ok=True)
+        with (self.root / "logs" / log).open("ab") as out:
+            proc = subprocess.Popen([str(self.launcher(host, name))], stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        self.processes.append(proc)
+        return proc
+
+
+@pytest.fixture(scope="module")
+def sandbox(tmp_path_factory):
+    """The playbook applied twice to a fresh sandbox; the rendered broker runs for the module."""
+    mosquitto_binary()  # the tests need mosquitto and mosquitto_passwd (`make test` installs them)
+    root = tmp_path_factory.mktemp("fleet")
+    port = free_port()
+    began = time.monotonic()
+    first = playbook(root, port=port)
+    seconds = {"from_zero": time.monotonic() - began}
+    assert first.returncode == 0, tail(first)
+    began = time.monotonic()
+    second = playbook(root, port=port)
+    seconds["second_run"] = time.monotonic() - began
+    assert second.returncode == 0, tail(second)
+    (root / "timings.json").write_text(json.dumps(seconds))
+    print(f"\nprovisioning the sandbox: from zero {seconds['from_zero']:.1f} s, "
+          f"second run {seconds['second_run']:.1f} s")
+    box = Sandbox(root, port, seconds, first, second)
+    box.broker = box.spawn("sandbox-broker", "senseshield-mosquitto", "broker.log")
+    deadline = time.monotonic() + 15
+    while True:
+        assert box.broker.poll() is None, (root / "logs" / "broker.log").read_text()[-2000:]
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                break
+        except OSError:
+            assert time.monotonic() < deadline, "the rendered broker did not listen"
+            time.sleep(0.1)
+    yield box
+    for proc in box.processes:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc in box.processes:
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+# -- static checks -----------------------------------------------------------------------------
+
+
+def test_ansible_lint_passes_the_production_profile():
+    proc = subprocess.run([str(BIN / "ansible-lint"), "--offline", "--profile", "production"], cwd=ANSIBLE_DIR,
+                          env=ansible_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, tail(proc)
+    assert "Profile 'production' was required, and it passed" in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("inventory", ["inventory/example", "inventory/sandbox"])
+def test_playbook_syntax(inventory):
+    proc = subprocess.run([str(BIN / "ansible-playbook"), "--syntax-check", "-i", inventory, "site.yml"],
+                          cwd=ANSIBLE_DIR, env=ansible_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, tail(proc)
+
+
+# -- the sandbox -------------------------------------------------------------------------------
+
+
+def test_sandbox_is_provisioned_and_a_second_apply_changes_nothing(sandbox):
+    first, second = recap(sandbox.first.stdout), recap(sandbox.second.stdout)
+    hosts = {"sandbox-broker", "sandbox-keyserver", "sandbox-coordinator", *AGENTS}
+    assert set(first) == hosts and set(second) == hosts
+    assert all(first[h]["changed"] > 0 for h in hosts), first
+    assert {h: (r["changed"], r["failed"]) for h, r in second.items()} == {h: (0, 0) for h in hosts}, tail(sandbox.second)
+
+    root = sandbox.root
+    mode = lambda p: p.stat().st_mode & 0o777  # noqa: E731
+    assert mode(root / "sandbox-keyserver/var/lib/senseshield/keyserver") == 0o700
+    assert mode(root / "sandbox-broker/etc/mosquitto/senseshield/server.key") == 0o600
+    for host, name in [("sandbox-keyserver", "keyserver"), ("sandbox-coordinator", "coordinator"),
+                       *[(a, "edge-agent") for a in AGENTS]]:
+        assert mode(root / host / f"etc/senseshield/{name}.password") == 0o400
+        assert (root / host / "etc/senseshield/ca.crt").read_bytes() == sandbox.ca.read_bytes()
+        assert (root / host / f"etc/systemd/system/senseshield-{name}.service").is_file()
+    # every agent got its class's profile and a launcher with TLS and its own credential
+    assert (root / "agent-a/etc/senseshield/profile.yaml").read_text() == \
+        (ANSIBLE_DIR.parents[1] / "profiles/rpi4.yaml").read_text()
+    assert (root / "agent-b/etc/senseshield/profile.yaml").read_text() == \
+        (ANSIBLE_DIR.parents[1] / "profiles/jetson-orin-nano.yaml").read_text()
+    launcher = sandbox.launcher("agent-a", "senseshield-edge-agent").read_text()
+    for flag in (f"--broker {sandbox.url}", "--username agent-a", "--password-file", "--ca-file", "--profile"):
+        assert flag in launcher
+    # one hashed credential per MQTT user, and no password in any rendered file or in the output
+    passwd = (root / "sandbox-broker/etc/mosquitto/senseshield/passwd").read_text().splitlines()
+    assert [line.split(":")[0] for line in passwd] == ["keyserver", "coordinator", *AGENTS]
+    secrets = [sandbox.password(u) for u in ("keyserver", "coordinator", *AGENTS)]
+    rendered = [p for p in root.rglob("*") if p.is_file() and (
+        p.parent.name == "bin" and p.parent.parent.name == "senseshield"  # the launchers
+        or p.suffix in (".service", ".conf") or p.name in ("acl", "passwd"))]
+    assert len(rendered) >= 10
+    for secret in secrets:
+        assert len(secret) >= 32
+        assert secret not in sandbox.first.stdout + sandbox.second.stdout
+        for path in rendered:
+            assert secret not in path.read_text(errors="replace"), path
+
+
+def test_the_rendered_fleet_completes_a_round_over_tls(sandbox):
+    report_path = sandbox.root / "sandbox-coordinator/var/lib/senseshield/coordinator/run/report.json"
+    sandbox.spawn("sandbox-keyserver", "senseshield-keyserver", "keyserver.log")
+    coordinator = sandbox.spawn("sandbox-coordinator", "senseshield-coordinator", "coordinator.log")
+    agents = [sandbox.spawn(a, "senseshield-edge-agent", f"{a}.log") for a in AGENTS]
+    try:
+        coordinator.wait(300)
+    except subprocess.TimeoutExpired:
+        pytest.fail("no report within 300 s: " + (sandbox.root / "logs/coordinator.log").read_text()[-2000:])
+    logs = {p.stem: p.read_text(errors="replace") for p in (sandbox.root / "logs").glob("*.log")}
+    assert coordinator.returncode == 0, logs["coordinator"][-2000:]
+    assert [a.wait(60) for a in agents] == [0, 0], {a: logs[a][-1000:] for a in AGENTS}
+    report = json.loads(report_path.read_text())
+    assert [r["round"] for r in report["rounds"]] == [1, 2]
+    assert report["rounds"][-1]["accuracy"] > 0.5
+    # the agents joined with their device class's profile (rpi4: 5 MB/s, Jetson Orin Nano: 8 MB/s)
+    assert {c["id"]: c["bandwidth"] for c in report["clients"]} == {"agent-a": 5.0, "agent-b": 8.0}
+    assert not report["rejected_messages"]
+    # each process logged in with its own user over the TLS listener
+    for user in ("keyserver", "coordinator", *AGENTS):
+        assert f"u'{user}'" in logs["broker"], user
+
+
+# -- the broker's ACL and authentication --------------------------------------------------------
+
+
+class Client:
+    """A paho MQTT 5 client over TLS that records deliveries, PUBACK and SUBACK codes."""
+
+    def __init__(self, box: Sandbox, user: str | None, password: str | None) -> None:
+        self.messages: queue.Queue = queue.Queue()
+        self.acks: dict[int, str] = {}
+        self.suback: dict[int, list[str]] = {}
+        self.connack: queue.Queue = queue.Queue()
+        self.client = mqtt.Client(callback_api_version=CallbackAPIVersion.VERSION2, client_id=f"test-{user}",
+                                  protocol=mqtt.MQTTv5)
+        self.client.tls_set(ca_certs=str(box.ca))
+        if user is not None:
+            self.client.username_pw_set(user, password)
+        self.client.on_connect = lambda c, u, f, rc, p: self.connack.put(rc)
+        self.client.on_message = lambda c, u, m: self.messages.put((m.topic, bytes(m.payload)))
+        self.client.on_publish = lambda c, u, mid, rc, p: self.acks.__setitem__(mid, str(rc))
+        self.client.on_subscribe = lambda c, u, mid, rcs, p: self.suback.__setitem__(mid, [str(r) for r in rcs])
+        self.client.connect("127.0.0.1", box.port)
+        self.client.loop_start()
+
+    def connected(self) -> str:
+        return str(self.connack.get(timeout=10))
+
+    def subscribe(self, topic: str) -> list[str]:
+        _, mid = self.client.subscribe(topic, qos=1)
+        deadline = time.monotonic() + 10
+        while mid not in self.suback:
+            assert time.monotonic() < deadline, "no SUBACK"
+            time.sleep(0.02)
+        return self.suback[mid]
+
+    def publish(self, topic: str, payload: bytes) -> str:
+        info = self.client.publish(topic, payload, qos=1)
+        info.wait_for_publish(10)
+        deadline = time.monotonic() + 5
+        while info.mid not in self.acks and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self.acks.get(info.mid, "no PUBACK")
+
+    def stop(self) -> None:
+        self.client.disconnect()
+        self.client.loop_stop()
+
+
+def test_an_agent_cannot_use_another_agents_topics(sandbox):
+    t = f"ss/v1/{FLEET}"
+    watcher = Client(sandbox, "coordinator", sandbox.password("coordinator"))
+    agent_a = Client(sandbox, "agent-a", sandbox.password("agent-a"))
+    try:
+        assert watcher.connected() == "Success" and agent_a.connected() == "Success"
+        assert watcher.subscribe(f"{t}/agents/#") == ["Granted QoS 1"]
+        # agent-a speaking as agent-b: the broker refuses the PUBACK and never delivers it
+        assert agent_a.publish(f"{t}/agents/agent-b/update", b"spoofed by agent-a") == "Not authorized"
+        assert agent_a.publish(f"{t}/keyserver/requests", b"not for agents") == "Not authorized"
+        assert agent_a.publish(f"{t}/fleet/config", b"not for agents") == "Not authorized"
+        # its own topics work (and arrive after anything published before them)
+        assert agent_a.publish(f"{t}/agents/agent-a/update", b"mine") == "Success"
+        seen: list[tuple[str, bytes]] = []
+        while (f"{t}/agents/agent-a/update", b"mine") not in seen:
+            seen.append(watcher.messages.get(timeout=10))  # retained statuses come first
+        time.sleep(0.3)
+        while not watcher.messages.empty():
+            seen.append(watcher.messages.get())
+        assert not [m for m in seen if m[0].endswith("/update") and m[1] != b"mine"], seen
+        # it reads its own inbox and the fleet's public topics, never another agent's inbox
+        # (mosquitto 2.0 grants the subscription but delivers nothing the ACL does not allow)
+        for topic in ("agents/agent-b/inbox", "agents/agent-a/inbox", "clusters/7/model"):
+            agent_a.subscribe(f"{t}/{topic}")
+        keyserver = Client(sandbox, "keyserver", sandbox.password("keyserver"))
+        assert keyserver.connected() == "Success"
+        assert watcher.publish(f"{t}/agents/agent-b/inbox", b"for agent-b") == "Success"
+        assert keyserver.publish(f"{t}/clusters/7/model", b"a model") == "Success"
+        assert watcher.publish(f"{t}/agents/agent-a/inbox", b"for agent-a") == "Success"
+        keyserver.stop()
+        got = []
+        while len(got) < 2:
+            got.append(agent_a.messages.get(timeout=10)[0])
+        time.sleep(0.3)
+        while not agent_a.messages.empty():
+            got.append(agent_a.messages.get()[0])
+        assert got == [f"{t}/clusters/7/model", f"{t}/agents/agent-a/inbox"]
+    finally:
+        watcher.stop()
+        agent_a.stop()
+
+
+def connects(url: str, *, timeout: float = 10.0, **security) -> None:
+    """Connect a Link as the services do (ConnectionError when refused), then disconnect."""
+    link = Link(url, client_id="probe", fleet=FLEET, on_frame=lambda t, f: None, **security)
+    link.start(timeout=timeout)
+    link.stop()
+
+
+def test_the_broker_refuses_wrong_credentials_anonymous_and_plain_connections(sandbox):
+    # another agent's password, a wrong one, an unknown user
+    for user, password in [("agent-a", sandbox.password("agent-b")), ("agent-a", "wrong"), ("nobody", "x")]:
+        with pytest.raises(ConnectionError, match="refused the connection"):
+            connects(sandbox.url, ca_file=sandbox.ca, username=user, password=password)
+    anonymous = Client(sandbox, None, None)
+    try:
+        assert anonymous.connected() != "Success"
+    finally:
+        anonymous.stop()
+    # a CA that did not sign the broker's certificate, and plain MQTT on the TLS port
+    system_cas = Path("/etc/ssl/certs/ca-certificates.crt")
+    if system_cas.is_file():
+        with pytest.raises(ConnectionError, match="TLS"):
+            connects(sandbox.url, timeout=2, ca_file=system_cas, username="agent-a",
+                     password=sandbox.password("agent-a"))
+    with pytest.raises(ConnectionError):
+        connects(f"mqtt://127.0.0.1:{sandbox.port}", timeout=2, username="agent-a",
+                 password=sandbox.password("agent-a"))
+    # the right credential over TLS works
+    connects(sandbox.url, ca_file=sandbox.ca, username="agent-b", password=sandbox.password("agent-b"))
+
+
+def test_a_rotated_credential_replaces_the_old_one(sandbox):
+    old = sandbox.password("agent-b")
+    proc = playbook(sandbox.root, "--limit", "sandbox-broker,agent-b", "-e", "senseshield_rotate_credentials=agent-b",
+                    port=sandbox.port)
+    assert proc.returncode == 0, tail(proc)
+    changed = {h: r["changed"] for h, r in recap(proc.stdout).items()}
+    assert changed["sandbox-broker"] > 0 and changed["agent-b"] > 0, changed
+    new = sandbox.password("agent-b")
+    assert new != old
+    assert (sandbox.root / "agent-b/etc/senseshield/edge-agent.password").read_text().strip() == new
+    sandbox.broker.send_signal(signal.SIGHUP)  # what `systemctl reload mosquitto` does
+    time.sleep(0.5)
+
+    with pytest.raises(ConnectionError, match="refused"):
+        connects(sandbox.url, ca_file=sandbox.ca, username="agent-b", password=old)
+    connects(sandbox.url, ca_file=sandbox.ca, username="agent-b", password=new)
+    # agent-a's credential is untouched
+    connects(sandbox.url, ca_file=sandbox.ca, username="agent-a", password=sandbox.password("agent-a"))
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+BAD_INVENTORIES = {
+    "no-profile": ("all:\n  children:\n    edge_agents:\n      hosts:\n        agent-x: {}\n",
+                   r"Host agent-x: edge_agent_profile is not set"),
+    "unknown-profile": ("all:\n  children:\n    edge_agents:\n      hosts:\n        agent-y: {edge_agent_profile: rpi9}\n",
+                        r"Host agent-y: edge_agent_profile 'rpi9' names no profile: .*rpi9\.yaml does not exist"),
+}
+
+
+@pytest.mark.parametrize("case", [*BAD_INVENTORIES, "missing-ca"])
+def test_bad_input_fails_early_naming_the_host_and_the_variable(tmp_path, case):
+    root = tmp_path / "fleet"
+    extra: list[str] = []
+    inventories = ("inventory/sandbox",)
+    if case == "missing-ca":
+        extra = ["-e", "senseshield_ca_create=false", "-e", f"senseshield_ca_cert={tmp_path}/no-such-ca.crt"]
+        expected = rf"Host [\w-]+: senseshield_ca_cert '{re.escape(str(tmp_path))}/no-such-ca.crt' does not exist"
+    else:
+        text, expected = BAD_INVENTORIES[case]
+        (tmp_path / "extra.yml").write_text(text)
+        inventories = ("inventory/sandbox", str(tmp_path / "extra.yml"))
+    proc = playbook(root, *extra, inventories=inventories, port=free_port())
+    out = re.sub(r"\s+", " ", proc.stdout + proc.stderr)
+    assert proc.returncode != 0
+    assert re.search(expected, out), out[-3000:]
+    assert not root.exists(), "the play changed something before failing"  # no PKI, no host directory
+
+
+def test_client_side_tls_mistakes_are_one_sentence(tmp_path):
+    assert parse_broker("mqtts://broker.lab") == ("broker.lab", 8883)
+    assert parse_broker("mqtts://10.0.0.2:8884") == ("10.0.0.2", 8884)
+    with pytest.raises(ConfigError, match="uses TLS but no CA file"):
+        check_security("mqtts://broker.lab")
+    with pytest.raises(ConfigError, match="does not exist"):
+        check_security("mqtts://broker.lab", ca_file=tmp_path / "ca.crt")
+    with pytest.raises(ConfigError, match="not a TLS URL"):
+        check_security("mqtt://broker.lab", ca_file=__file__)
+    with pytest.raises(ConfigError, match="without a username"):
+        check_security("mqtt://broker.lab", password="x")
+    (tmp_path / "bad.crt").write_text("not a certificate")
+    with pytest.raises(ConfigError, match="not a PEM CA certificate"):
+        Link("mqtts://broker.lab", client_id="x", fleet="f", on_frame=lambda t, f: None, ca_file=tmp_path / "bad.crt")
+    # the CLI: exit 2 and one sentence, before any connection
+    from typer.testing import CliRunner
+
+    from edge_agent.cli import app
+
+    (tmp_path / "empty").write_text("")
+    for args, sentence in [
+        (["--broker", "mqtts://127.0.0.1:1"], "uses TLS but no CA file"),
+        (["--broker", "mqtt://127.0.0.1:1", "--username", "a", "--password-file", str(tmp_path / "empty")], "is empty"),
+        (["--broker", "mqtt://127.0.0.1:1", "--password-file", __file__], "needs --username"),
+    ]:
+        result = CliRunner().invoke(app, ["join", *args])
+        assert result.exit_code == 2, result.output
+        assert sentence in " ".join(result.output.split()), result.output
