@@ -417,6 +417,7 @@ class Coordinator(Service):
         ids = sorted(self.plan.cluster_of)
         sampled = set(ids) if o.sample_rate >= 1.0 else {a for a in ids if self.sampler.random() < o.sample_rate}
         self.round, self.clusters, self.offline_notes = r, {}, []
+        self._recalibrate(r)
         self.round_started = time.time()
         self.sampled = sampled
         block = self.public.block_size if self.public is not None else 1
@@ -454,7 +455,59 @@ class Coordinator(Service):
                     shared_mask=pack_mask(shared) if shared is not None else np.zeros(0, np.uint8),
                 )
                 self.send(f"agents/{a}/inbox", plan, round=r)
-                self.agent_rounds.setdefault(a, {})[r] = {"cluster": k, "plan_sent": time.time()}
+                self.agent_rounds.setdefault(a, {})[r] = {"cluster": k, "plan_sent": time.time(),
+                                                          "budget": self.plan.budget_of[a]}
+
+    def _recalibrate(self, r: int) -> None:
+        """Calibrated budgets, before round ``r``: refine every device's costs from what its
+        rounds since round 2 showed (round 1 warms torch and the HE tables up) -- medians of
+        the encryption rate (encrypted values / encrypt seconds), of the budget-independent
+        work (train, sensitivity, mask, noise) plus what the delivered round took beyond the
+        model (busy time - those phases - encryption - bytes / bandwidth) -- and let the
+        strategy recompute the budgets (:meth:`Strategy.rebudget`)."""
+        if self.plan is None or self.config.options.budget_mode != "calibrated" or r < 3:
+            return
+        reports, observed = [], {}
+        for a in sorted(self.plan.cluster_of):
+            info = self.agents.get(a)
+            if info is None:
+                continue
+            base = RoundCosts.from_profile(info.hello.profile)
+            offset = self._clock_offset(a)
+            rounds = self._agent_round_records(a, offset)
+            rates, fixed = [], []
+            for rr, rec in rounds.items():
+                raw = self.agent_rounds[a].get(int(rr), {})
+                tm, f = raw.get("agent_timings") or {}, raw.get("he_ratio")
+                if int(rr) < 2 or not tm or f is None:
+                    continue
+                enc = tm.get("encrypt", 0.0)
+                if enc > 0.005 and f > 0:
+                    rates.append(f * self.size / enc)
+                work = sum(tm.get(k, 0.0) for k in ("train", "sensitivity", "mask", "noise"))
+                if rec.get("busy_s") is not None and raw.get("bytes_up"):
+                    transfer = raw["bytes_up"] / (info.hello.bandwidth * 1e6)
+                    work += max(rec["busy_s"] - work - enc - transfer, 0.0)
+                fixed.append(work)
+                observed[a] = (raw.get("budget", self.plan.budget_of[a]), f)
+            if base is None and not rates:
+                continue
+            rate = float(np.median(rates)) if rates else base.encrypt_per_s  # type: ignore[union-attr]
+            train = float(np.median(fixed)) if fixed else base.train_s  # type: ignore[union-attr]
+            costs = RoundCosts(train, rate, base.bytes_per_encrypted if base else 8.0, base.latency_s if base else 0.0)
+            reports.append(BootstrapReport(a, info.hello.n_samples, info.hello.bandwidth, info.hello.cpu_speed,
+                                           info.vector, costs))
+        if not reports:
+            return
+        block = self.public.block_size if self.public is not None else 1
+        cluster_of = {rep.client_id: self.plan.cluster_of[rep.client_id] for rep in reports}
+        result = self.strategy.rebudget(reports, cluster_of, size=self.size, block_size=block, observed=observed)
+        if result is None:
+            return
+        budgets, notes = result
+        self.plan.budget_of.update(budgets)
+        self.plan.budget_notes.setdefault("rounds", {})[str(r)] = notes["clusters"]
+        self.log.info("round %d: calibrated budgets %s", r, {a: round(b, 3) for a, b in sorted(budgets.items())})
 
     def _on_proposal(self, item: Inbound) -> None:
         agent_id = check_sender(item)
@@ -791,6 +844,7 @@ class Coordinator(Service):
                            if not k.endswith("_at") and not k.startswith("bytes_")},
                 "timestamps": {k: round(v, 6) for k, v in sorted(stamps.items(), key=lambda kv: kv[1])},
                 "busy_s": busy,
+                "budget": info.get("budget"),
                 "accuracy": m.accuracy if m else None,
             }
         return out

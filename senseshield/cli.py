@@ -293,6 +293,7 @@ def fleet_up(
     min_contributors: Annotated[int, typer.Option(help="Key server refuses aggregates with fewer distinct contributors.")] = 2,
     threads: Annotated[int, typer.Option(help="Torch threads per agent.")] = 1,
     out_dir: Annotated[Path, typer.Option("--out", help="Directory for report.json, models/, logs/, keys/.")] = Path("fleet-run"),
+    metrics_port: Annotated[Optional[int], typer.Option(help="Serve the coordinator's Prometheus metrics on this port.")] = None,
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
 ) -> None:
     """Start a broker (embedded unless --broker), the key server, the coordinator and N agents
@@ -315,8 +316,16 @@ def fleet_up(
             parse_broker(broker)
         except ConfigError as exc:
             _fail(str(exc))
+    if metrics_port is not None and not 0 < metrics_port < 65536:
+        _fail(f"--metrics-port {metrics_port} is not allowed; use a port in 1..65535.")
+
+    def wrap(name: str, argv: list[str]) -> list[str]:
+        if name == "coordinator" and metrics_port is not None:
+            return ["env", f"SENSESHIELD_METRICS_PORT={metrics_port}", *argv]
+        return argv
+
     options = FleetOptions(agents=agents, out=out_dir, broker=broker, fleet=fleet, round_deadline=round_deadline,
-                           min_contributors=min_contributors, threads=threads)
+                           min_contributors=min_contributors, threads=threads, wrap=wrap)
     with progress_bar(quiet) as bar:
         tasks: dict[str, int] = {}
 
@@ -453,8 +462,8 @@ def trial_cleanup() -> None:
 def _print_trial(trial: dict) -> None:
     table = Table(title=f"trial {trial['name']} ({trial['machine']['cpu']}, {trial['machine']['cores']} cores, "
                         f"scale {trial['scale']:.3g})")
-    for col in ("run", "budget", "median straggling ratio", "median round s", "x plaintext", "HE ratio",
-                "MB up / round", "final acc."):
+    for col in ("run", "budget", "straggling ratio", "work ratio", "round s", "x plaintext", "HE ratio",
+                "MB up", "final acc."):
         table.add_column(col, justify="right" if col not in ("run", "budget") else "left")
 
     def num(value, fmt: str) -> str:  # noqa: ANN001
@@ -462,10 +471,13 @@ def _print_trial(trial: dict) -> None:
 
     for r in trial["runs"]:
         table.add_row(r["label"], r["budget_mode"] if r["strategy"] == "sensecrypt" else "-",
-                      num(r["median_ratio"], ".2f"), num(r["median_round_s"], ".2f"),
+                      num(r["median_ratio"], ".2f"), num(r.get("median_work_ratio"), ".2f"),
+                      num(r["median_round_s"], ".2f"),
                       num(r.get("round_s_vs_plaintext"), ".2f"), num(r["he_ratio_mean"], ".3f"),
                       num(r["mb_up_per_round"], ".2f"), num(r["final_accuracy"], ".3f"))
     out.print(table)
+    out.print("medians over the rounds; round s leaves out round 1 (warm-up); work ratio leaves out the wait "
+              "for a consensus mask; MB up per round, all agents")
 
 
 @app.command("report")

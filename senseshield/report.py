@@ -13,7 +13,10 @@ from typing import Any
 STRAGGLING_DEFINITION = (
     "per round, over the agents that delivered: busy = update delivered (coordinator clock) "
     "- model and plan in hand on the agent; ratio = slowest busy / fastest busy; idle_s = sum "
-    "over agents of the time between their delivery and the last delivery of their cluster"
+    "over agents of the time between their delivery and the last delivery of their cluster, "
+    "plus, for negotiating strategies, the time they waited for the consensus mask beyond the "
+    "quickest agent's wait; work_ratio = the ratio without that wait (what the devices' own "
+    "work differs by)"
 )
 
 
@@ -26,14 +29,16 @@ def straggling_summary(agents: list[dict[str, Any]]) -> dict[str, Any]:
     "median_ratio", "median_slowest_s", "median_idle_s", "definition"}``; a round without
     delivered updates is left out, and medians are None without rounds.
     """
-    by_round: dict[int, list[tuple[str, int, float, float]]] = {}
+    by_round: dict[int, list[tuple[str, int, float, float, float]]] = {}
     for agent in agents:
         for r, rec in (agent.get("rounds") or {}).items():
             ts = rec.get("timestamps") or {}
             start, end = ts.get("start_at"), ts.get("update_received")
             if not rec.get("delivered") or start is None or end is None:
                 continue
-            by_round.setdefault(int(r), []).append((agent["id"], int(rec.get("cluster", 0)), float(start), float(end)))
+            negotiate = float((rec.get("phases") or {}).get("negotiate", 0.0))
+            by_round.setdefault(int(r), []).append(
+                (agent["id"], int(rec.get("cluster", 0)), float(start), float(end), negotiate))
     rounds = []
     for r in sorted(by_round):
         rows = by_round[r]
@@ -44,6 +49,7 @@ def straggling_summary(agents: list[dict[str, Any]]) -> dict[str, Any]:
         stats["idle_s"] = round(sum(c["idle_s"] for c in clusters.values()), 4)
         rounds.append({"round": r, "agents": len(rows), **stats, "clusters": clusters})
     ratios = [x["ratio"] for x in rounds if x["ratio"] is not None]
+    work = [x["work_ratio"] for x in rounds if x["work_ratio"] is not None]
 
     def median(values: list[float]) -> float | None:
         return round(statistics.median(values), 4) if values else None
@@ -51,21 +57,25 @@ def straggling_summary(agents: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "rounds": rounds,
         "median_ratio": median(ratios),
+        "median_work_ratio": median(work),
         "median_slowest_s": median([x["slowest_s"] for x in rounds]),
         "median_idle_s": median([x["idle_s"] for x in rounds]),
         "definition": STRAGGLING_DEFINITION,
     }
 
 
-def _spread(rows: list[tuple[str, int, float, float]]) -> dict[str, Any]:
-    busy = [(max(end - start, 0.0), agent) for agent, _, start, end in rows]
+def _spread(rows: list[tuple[str, int, float, float, float]]) -> dict[str, Any]:
+    busy = [(max(end - start, 0.0), agent) for agent, _, start, end, _ in rows]
+    quickest_wait = min(neg for *_, neg in rows)
+    work = [max(b - (neg - quickest_wait), 0.0) for (b, _), (*_, neg) in zip(busy, rows)]
     slow, fast = max(busy), min(busy)
-    last = max(end for *_, end in rows)
+    last = max(end for _, _, _, end, _ in rows)
     return {
         "slowest_s": round(slow[0], 4),
         "fastest_s": round(fast[0], 4),
         "ratio": round(slow[0] / fast[0], 4) if fast[0] > 0 else None,
-        "idle_s": round(sum(last - end for *_, end in rows), 4),
+        "work_ratio": round(max(work) / min(work), 4) if min(work) > 0 else None,
+        "idle_s": round(sum(last - end for _, _, _, end, _ in rows) + sum(neg - quickest_wait for *_, neg in rows), 4),
         "slowest_agent": slow[1],
         "fastest_agent": fast[1],
     }
@@ -331,9 +341,9 @@ def render_report(run_dir: Any) -> Any:
         _fmt(_median_of([r["seconds"] for r in report.get("rounds", [])]), 2),
         (report.get("budgets") or {}).get("mode", "paper"), report.get("num_clusters")]])
     per_round = _table(["round", "agents", "slowest agent", "slowest s", "fastest agent", "fastest s", "ratio",
-                        "idle s", "round s", "accuracy", "MB up", "MB down"], [
+                        "work ratio", "idle s", "round s", "accuracy", "MB up", "MB down"], [
         [x["round"], x["agents"], x["slowest_agent"], _fmt(x["slowest_s"]), x["fastest_agent"], _fmt(x["fastest_s"]),
-         _fmt(x["ratio"], 2), _fmt(x["idle_s"], 2), _fmt(rd.get("seconds"), 2), _fmt(rd.get("accuracy")),
+         _fmt(x["ratio"], 2), _fmt(x.get("work_ratio"), 2), _fmt(x["idle_s"], 2), _fmt(rd.get("seconds"), 2), _fmt(rd.get("accuracy")),
          _fmt(rd.get("bytes_up", 0) / 1e6, 2), _fmt(rd.get("bytes_down", 0) / 1e6, 2)]
         for x in strag.get("rounds", [])
         for rd in [next((v for v in report.get("rounds", []) if v["round"] == x["round"]), {})]])
@@ -402,10 +412,11 @@ def render_trial(trial_dir: Any) -> Any:
     for note in emu.get("notes", []):
         parts.append(f"<p class=note>note: {_esc(note)}</p>")
     parts.append(_table(
-        ["run", "strategy", "budget", "median straggling ratio", "(after round 1)", "median round s",
+        ["run", "strategy", "budget", "median straggling ratio", "(after round 1)", "work ratio", "median round s",
          "x plaintext", "median idle s", "HE ratio", "MB up / round", "final accuracy", "straggling events"],
         [[f"{r['label']}", r["strategy"], r["budget_mode"], _fmt(r["median_ratio"], 2),
-          _fmt(r.get("median_ratio_after_round_1"), 2), _fmt(r["median_round_s"], 2),
+          _fmt(r.get("median_ratio_after_round_1"), 2), _fmt(r.get("median_work_ratio"), 2),
+          _fmt(r["median_round_s"], 2),
           _fmt(r.get("round_s_vs_plaintext"), 2), _fmt(r.get("median_idle_s"), 2), _fmt(r["he_ratio_mean"]),
           _fmt(r["mb_up_per_round"], 2), _fmt(r["final_accuracy"]), r["straggling_events"]] for r in runs]))
     agents = trial.get("agents", [])

@@ -63,7 +63,10 @@ Progress = Callable[[str, str, int, int], None]  # run label, phase, done, total
 TAG_PREFIX = "sst"  # every link, namespace and cgroup a trial creates starts with this
 CGROUP_PREFIX = "senseshield-trial-"
 SUBNET_PREFIX = "10.213"  # 10.213.X.0/24 per trial, X free on this host
-CPU_PERIOD_US = 100_000
+CPU_PERIOD_US = 10_000
+"""CFS bandwidth period. The default 100 ms lets a 0.16-share device run a 16 ms burst at full
+speed, so short phases (training a small model, a mask solve) would not be slowed at all;
+with 10 ms a burst is under 2 ms. Shares below 0.1 get a longer period (the quota floor is 1 ms)."""
 TRIAL_SUBDIR = "trials"
 
 
@@ -504,14 +507,15 @@ class Emulation:
                 continue
             path = base / a.agent_id
             path.mkdir(exist_ok=True)
-            quota = max(int(a.cpu_share * CPU_PERIOD_US), 1000)
+            period = max(CPU_PERIOD_US, int(1000 / a.cpu_share) + 1)
+            quota = max(int(round(a.cpu_share * period)), 1000)
             if self.caps.cgroup == "v2":
-                (path / "cpu.max").write_text(f"{quota} {CPU_PERIOD_US}")
+                (path / "cpu.max").write_text(f"{quota} {period}")
             else:
-                (path / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
+                (path / "cpu.cfs_period_us").write_text(str(period))
                 (path / "cpu.cfs_quota_us").write_text(str(quota))
             self.cgroups[a.agent_id] = path
-            self.applied.setdefault(a.agent_id, {}).update(cpu_quota=f"{quota}/{CPU_PERIOD_US} us",
+            self.applied.setdefault(a.agent_id, {}).update(cpu_quota=f"{quota}/{period} us",
                                                             cpu_share=round(a.cpu_share, 4))
 
     def wrap(self, name: str, argv: list[str]) -> list[str]:
@@ -716,6 +720,7 @@ def run_summary(label: str, run: RunSpec, report: dict) -> dict:
         "rounds": len(rounds),
         "median_ratio": strag.get("median_ratio"),
         "median_ratio_after_round_1": _median(later_ratios),
+        "median_work_ratio": strag.get("median_work_ratio"),
         "median_slowest_s": _median([per_round[r["round"]]["slowest_s"] for r in later if r["round"] in per_round]),
         "median_idle_s": _median([per_round[r["round"]]["idle_s"] for r in later if r["round"] in per_round]),
         "median_round_s": _median([r["seconds"] for r in later]),

@@ -38,6 +38,16 @@ def test_straggling_summary_by_hand() -> None:
     assert r2["clusters"]["1"]["ratio"] == 4.0 and r2["clusters"]["0"]["idle_s"] == 0.0
     assert s["median_ratio"] == 3.5
     assert straggling_summary([])["median_ratio"] is None
+    # a negotiating strategy: the fast agent's wait for the consensus mask is idle, not work
+    # (a: busy 2 s of which 1.2 s waiting for the mask; b: busy 3 s, 0.2 s waiting)
+    agents[0]["rounds"]["1"]["timestamps"]["update_received"] = 12.0
+    agents[0]["rounds"]["1"]["phases"] = {"negotiate": 1.2}
+    agents[1]["rounds"]["1"]["phases"] = {"negotiate": 0.2}
+    s = straggling_summary(agents)
+    r1 = s["rounds"][0]
+    # busy 2 vs 3: ratio 1.5; work 2 - 1.0 vs 3: 3.0; idle: a waits 1 s after delivery + 1 s for the mask
+    assert (r1["ratio"], r1["work_ratio"], r1["idle_s"]) == (1.5, 3.0, 2.0)
+    assert s["median_work_ratio"] == 3.5
     # an agent that did not deliver is not counted
     agents[0]["rounds"]["1"]["delivered"] = False
     assert straggling_summary(agents)["rounds"][0]["agents"] == 1

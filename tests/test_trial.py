@@ -175,7 +175,7 @@ def test_a_throttled_agent_is_measurably_slower_and_nothing_is_left_behind(tmp_p
     trial = run_trial(load_trial(path), tmp_path / "out", say=said.append, timeout=300)
     assert any(s.startswith("emulation: cgroup") for s in said)
     fast, slow = trial["agents"]
-    assert fast["applied"]["cpu_quota"] == "100000/100000 us" and slow["applied"]["cpu_quota"] == "25000/100000 us"
+    assert fast["applied"]["cpu_quota"] == "10000/10000 us" and slow["applied"]["cpu_quota"] == "2500/10000 us"
     assert "rate 2000000bit" in slow["applied"]["qdisc"]
     import json
 

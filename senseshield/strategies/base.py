@@ -246,6 +246,18 @@ class Strategy(ABC):
         budgets = _budgets(reports)
         return FleetPlan({r.client_id: 0 for r in reports}, budgets)
 
+    def rebudget(
+        self,
+        reports: Sequence[BootstrapReport],
+        cluster_of: dict[str, int],
+        *,
+        size: int,
+        block_size: int = 1,
+        observed: dict[str, tuple[float, float]] | None = None,
+    ) -> tuple[dict[str, float], dict[str, Any]] | None:
+        """Between rounds: new budgets from refined costs, or None to keep them (default)."""
+        return None
+
     def consensus(
         self, proposals: Sequence[np.ndarray], *, size: int, block_size: int = 1
     ) -> np.ndarray:

@@ -52,11 +52,47 @@ class SenseCrypt(Strategy):
         mode = self.options.budget_mode
         notes: dict = {}
         fractions = self._solver_fractions(reports, size, block_size) if mode == "calibrated" else None
+        self._fractions = fractions
         budgets = budgets_per_cluster(
             reports, cluster_of, mode=mode, size=size, block_size=block_size,
             deadline=self.fleet_context.round_deadline, fractions=fractions, notes=notes,
         )
         return FleetPlan(cluster_of, budgets, budget_notes={"mode": mode, "clusters": notes})
+
+    def rebudget(
+        self,
+        reports: Sequence[BootstrapReport],
+        cluster_of: dict[str, int],
+        *,
+        size: int,
+        block_size: int = 1,
+        observed: dict[str, tuple[float, float]] | None = None,
+    ) -> tuple[dict[str, float], dict] | None:
+        """Calibrated mode, between rounds: budgets from refined costs (``reports[].costs``).
+
+        The solver fractions predicted at bootstrap are corrected by what each device really
+        encrypted: ``observed[id] = (budget, encrypted fraction)`` scales its curve (clamped to
+        [0.5, 2]), never above the budget itself. None in paper mode (budgets stay fixed).
+        """
+        if self.options.budget_mode != "calibrated":
+            return None
+        base = getattr(self, "_fractions", None) or {}
+        grid = np.linspace(0.0, 1.0, 21)
+        fractions = {}
+        for r in reports:
+            curve = base.get(r.client_id, grid)
+            if observed and r.client_id in observed:
+                alpha, seen = observed[r.client_id]
+                predicted = float(np.interp(alpha, grid, curve))
+                if predicted > 0 and seen > 0:
+                    curve = np.minimum(grid, curve * float(np.clip(seen / predicted, 0.5, 2.0)))
+            fractions[r.client_id] = curve
+        notes: dict = {}
+        budgets = budgets_per_cluster(
+            reports, cluster_of, mode="calibrated", size=size, block_size=block_size,
+            deadline=self.fleet_context.round_deadline, fractions=fractions, notes=notes,
+        )
+        return budgets, {"mode": "calibrated", "clusters": notes}
 
     def _solver_fractions(
         self, reports: Sequence[BootstrapReport], size: int, block_size: int, samples: int = 21
