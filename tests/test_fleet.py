@@ -22,6 +22,13 @@ from senseshield.strategies import StrategyOptions
 from senseshield.transport import Link
 
 
+def wait_for(condition, timeout: float = 120.0) -> None:  # noqa: ANN001
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.05)
+
+
 def keyserver_models(out: Path, fleet: str) -> dict[int, np.ndarray]:
     """The key server's float64 cluster models (its checkpoint)."""
     with np.load(out / "keys" / f"models-{fleet}.npz") as data:
@@ -120,9 +127,7 @@ def test_faults_are_rejected_and_a_killed_agent_only_delays_its_round(mosquitto,
     intruder.start()
     with Fleet(config, options) as fleet:
         fleet.start()
-        deadline = time.monotonic() + 120
-        while len(fleet.seen["agents"]) < 3 and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_for(lambda: len(fleet.seen["agents"]) >= 3)
         run_id = _run_id(mosquitto.url, "faults")
         bad = {
             "malformed": b"\x00garbage\xff" * 10,
@@ -162,9 +167,7 @@ def test_a_broker_restart_mid_run_is_survived(mosquitto, tmp_path):
                            min_contributors=1)
     with Fleet(config, options) as fleet:
         fleet.start()
-        deadline = time.monotonic() + 120
-        while not fleet.seen["rounds"] and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(lambda: fleet.seen["rounds"])  # the first round is done
         mosquitto.stop()
         time.sleep(1.0)
         mosquitto.start()
@@ -182,9 +185,7 @@ def test_a_restarted_coordinator_resumes_from_its_checkpoint(mosquitto, tmp_path
                            min_contributors=1)
     with Fleet(config, options) as fleet:
         fleet.start()
-        deadline = time.monotonic() + 120
-        while not fleet.seen["rounds"] and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(lambda: fleet.seen["rounds"])  # the first round is done
         fleet.restart("coordinator")  # SIGKILL, then the same command line again
         report = fleet.wait(timeout=300)
     assert [r["round"] for r in report["rounds"]] == [1, 2, 3, 4]
