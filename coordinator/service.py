@@ -829,7 +829,9 @@ class Coordinator(Service):
             stamps = {k: v - offset for k, v in (m.timings if m else {}).items()
                       if k.endswith("_at") and k != "plan_frame_sent_at"}
             stamps |= {k: v for k, v in info.items() if k in ("plan_sent", "update_received")}
-            if "plan_received_at" in stamps:
+            if "ready_at" in stamps:  # plan and model in hand (the agent may still be busy)
+                stamps["start_at"] = stamps["ready_at"]
+            elif "plan_received_at" in stamps:
                 stamps["start_at"] = stamps["plan_received_at"] + float(timings.get("wait_model", 0.0))
             busy = None
             if "start_at" in stamps and "update_received" in stamps:

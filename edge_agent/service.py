@@ -166,6 +166,7 @@ class EdgeAgent(Service):
         self.public: PublicKey | None = None
         self.plans: list[tuple[int, RoundPlan]] = []
         self.plan_sent_at: dict[int, float] = {}  # round -> the plan frame's sent_at (coordinator clock)
+        self.plan_arrived_at: dict[int, float] = {}  # round -> when the plan arrived (this clock)
         self.decisions: dict[int, MaskDecision] = {}
         self.exit: AgentExit | None = None
         for cls, handler in {
@@ -215,6 +216,7 @@ class EdgeAgent(Service):
             raise ProtocolError(f"Round plan for {msg.size} parameters; the model has {self.run.initial.size}.")
         self.plans.append((item.round, msg))
         self.plan_sent_at.setdefault(item.round, item.frame.sent_at)
+        self.plan_arrived_at.setdefault(item.round, item.received)
 
     def _on_decision(self, item: Inbound) -> None:
         self._inbox(item)
@@ -281,6 +283,7 @@ class EdgeAgent(Service):
         run = RunState(msg.run_id, config, msg.initial.astype(np.float64), tuple(msg.input_shape), msg.num_classes,
                        index=index, data=data, model=model)
         self.run, self.plans, self.decisions = run, [], {}
+        self.plan_sent_at, self.plan_arrived_at = {}, {}
         self.deadline_s = msg.round_deadline
         calibrate = config.options.budget_mode == "calibrated" and self.public is not None
         vector = None
@@ -395,6 +398,9 @@ class EdgeAgent(Service):
             self.log.warning("round %d: model %d of cluster %d never arrived; skipping the round", r, plan.model_round, plan.cluster)
             return
         tm["wait_model"] = time.time() - t_plan
+        # ready: plan and model both here (the agent may still have been busy with the last one)
+        model_at = run.timings.get(plan.model_round, {}).get("model_received_at") if plan.model_round else None
+        tm["ready_at"] = max(self.plan_arrived_at.get(r, t_plan), model_at or 0.0)
         start = self._global(plan.cluster, plan.model_round)
         config, strategy = run.config, self.strategy
         local = local_update(

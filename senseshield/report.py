@@ -12,7 +12,8 @@ from typing import Any
 
 STRAGGLING_DEFINITION = (
     "per round, over the agents that delivered: busy = update delivered (coordinator clock) "
-    "- model and plan in hand on the agent; ratio = slowest busy / fastest busy; idle_s = sum "
+    "- the moment the agent had both the round plan and the model it starts from (if it was "
+    "still applying the previous model then, that counts as busy); ratio = slowest busy / fastest busy; idle_s = sum "
     "over agents of the time between their delivery and the last delivery of their cluster, "
     "plus, for negotiating strategies, the time they waited for the consensus mask beyond the "
     "quickest agent's wait; work_ratio = the ratio without that wait (what the devices' own "
@@ -262,7 +263,7 @@ def _plot_straggling(report: dict, path: Any) -> bool:
         return False
     r = [x["round"] for x in rounds]
     x = np.arange(len(r))
-    fig, ax = plt.subplots(figsize=(6.0, 3.4))
+    fig, ax = plt.subplots(figsize=(6.0, 4.0))
     ax.bar(x - 0.27, [v["fastest_s"] for v in rounds], 0.27, label="fastest agent", color="#55a868")
     ax.bar(x, [v["slowest_s"] for v in rounds], 0.27, label="slowest agent", color="#c44e52")
     ax.bar(x + 0.27, [v["idle_s"] for v in rounds], 0.27, label="idle (waiting for the slowest)", color="#d9d9d9")
@@ -275,7 +276,7 @@ def _plot_straggling(report: dict, path: Any) -> bool:
     twin.set_ylabel("ratio")
     twin.set_ylim(bottom=0)
     handles = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
-    ax.legend(handles=handles, fontsize=7, loc="upper left")
+    ax.legend(handles=handles, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
     median = (report.get("straggling") or {}).get("median_ratio")
     ax.set_title(f"straggling (median ratio {median})", fontsize=10)
     fig.tight_layout()
