@@ -32,14 +32,14 @@ LearningRate = Annotated[float, typer.Option(help="Local SGD learning rate.")]
 Scheme = Annotated[Optional[str], typer.Option(help="HE scheme override (see `senseshield schemes`).")]
 KeyBits = Annotated[int, typer.Option(help="Paillier modulus bits.")]
 Sets = Annotated[Optional[list[str]], typer.Option("--set", help="Strategy option NAME=VALUE, repeatable (e.g. --set he_ratio=0.2).")]
-Broker = Annotated[str, typer.Option(help="MQTT broker, mqtt://HOST[:PORT].")]
+Broker = Annotated[str, typer.Option(help="MQTT broker, mqtt://HOST[:PORT], or mqtts://HOST[:PORT] for TLS (with --ca-file).")]
 Fleet = Annotated[str, typer.Option(help="Fleet name (the topic tree ss/v1/<fleet>/...).")]
 Mqtt = Annotated[str, typer.Option("--mqtt", help="MQTT protocol version: 5, or 3.1.1 for brokers without 5.")]
 LogLevel = Annotated[str, typer.Option(help="debug | info | warning | error.")]
 # a secured broker (mqtts://, per-device credentials; deploy/ansible sets these up)
 CaFile = Annotated[Optional[Path], typer.Option("--ca-file", help="CA certificate (PEM) that signed the broker's certificate; required by mqtts:// URLs.")]
 Username = Annotated[Optional[str], typer.Option("--username", help="MQTT username (this device's credential).")]
-PasswordFile = Annotated[Optional[Path], typer.Option("--password-file", help=f"File holding the MQTT password (first line); or set ${PASSWORD_ENV}. Never on the command line.")]
+PasswordFile = Annotated[Optional[Path], typer.Option("--password-file", help=f"File holding the MQTT password (first line); or set ${PASSWORD_ENV}; the password itself never goes on the command line.")]
 
 
 def parse_sets(sets: list[str] | None) -> dict[str, object]:
