@@ -823,6 +823,10 @@ def run_trial(
             previous[sig] = signal.signal(sig, interrupt)
         except (ValueError, OSError):  # not the main thread
             pass
+    try:  # Ctrl-C must clean up even where SIGINT came in ignored (a shell's background job)
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
+    except (ValueError, OSError):
+        pass
     rows: list[dict] = []
     trial = {
         "name": spec.name, "description": spec.description, "spec": spec.model_dump(mode="json"),
