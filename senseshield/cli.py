@@ -416,8 +416,10 @@ def trial_run(
             raise ConfigError(f"--metrics-port {metrics_port} is not allowed; use a port in 1..65535.")
     except ConfigError as exc:
         _fail(str(exc))
-    console.print(f"trial {spec.name}: {sum(e.count for e in spec.fleet)} agents, "
-                  f"runs {', '.join(r.name for r in spec.run_specs)}", highlight=False)
+    chosen = [o.strip() for o in only.split(",")] if only else None
+    names = [r.name for r in spec.run_specs if chosen is None or r.name in chosen]
+    console.print(f"trial {spec.name}: {sum(e.count for e in spec.fleet)} agents, runs {', '.join(names)}",
+                  highlight=False)
     with progress_bar(quiet) as bar:
         tasks: dict[tuple[str, str], int] = {}
 
@@ -431,7 +433,7 @@ def trial_run(
 
         try:
             trial = run_trial(spec, out_dir, broker=broker, emulate=not no_emulation, metrics_port=metrics_port,
-                              only=[o.strip() for o in only.split(",")] if only else None,
+                              only=chosen,
                               say=say, progress=progress)
         except ConfigError as exc:
             bar.stop()
