@@ -46,6 +46,7 @@ def serve(
     state_dir: Annotated[Optional[Path], typer.Option(help="Checkpoint directory; a restart with the same config resumes.")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Write report.json and models/ here.")] = None,
     max_message_mb: Annotated[float, typer.Option(help="Refuse messages larger than this (MB).")] = 256.0,
+    metrics_port: Annotated[Optional[int], typer.Option(help="Serve Prometheus metrics on this port (default: off, or $SENSESHIELD_METRICS_PORT).")] = None,
     mqtt: Mqtt = "5",
     ca_file: CaFile = None,
     username: Username = None,
@@ -59,6 +60,8 @@ def serve(
     setup_logging(log_level, "coordinator")
     if agents < 1:
         fail(f"--agents {agents} is not allowed; a fleet needs at least 1 agent.")
+    if metrics_port is not None and not 0 < metrics_port < 65536:
+        fail(f"--metrics-port {metrics_port} is not allowed; use a port in 1..65535.")
     config = build_run_config(
         strategy=strategy, rounds=rounds, dataset=dataset, model=model, partition=partition, seed=seed,
         local_epochs=local_epochs, batch_size=batch_size, lr=lr, scheme=scheme, key_bits=key_bits,
@@ -71,7 +74,7 @@ def serve(
             broker, fleet=fleet, config=config, agents=agents, input_shape=facts.input_shape,
             num_classes=facts.num_classes, round_deadline=round_deadline, join_timeout=join_timeout,
             state_dir=state_dir, out_dir=out, protocol=check_mqtt(mqtt),
-            max_frame_bytes=int(max_message_mb * 1e6),
+            max_frame_bytes=int(max_message_mb * 1e6), metrics_port=metrics_port,
         )
         server.link.secure(**security)
         server.install_signal_handlers()
