@@ -169,6 +169,7 @@ class EdgeAgent(Service):
         self.plan_arrived_at: dict[int, float] = {}  # round -> when the plan arrived (this clock)
         self.decisions: dict[int, MaskDecision] = {}
         self.exit: AgentExit | None = None
+        self.pool = None  # the public key's obfuscator pool, when its scheme has one
         for cls, handler in {
             FleetConfig: self._on_config,
             PublicKeyAnnouncement: self._on_key,
@@ -310,6 +311,7 @@ class EdgeAgent(Service):
             fit_synthetic(run.client, data, num_classes=msg.num_classes, epsilon=config.options.synthetic_epsilon,
                           delta=config.options.delta, seed=client_seed(config.seed, 0, index))
         self.strategy = strategy
+        self._start_pool(run)
         self.accountant_delta = config.options.delta
 
     def _bootstrap(self, run: RunState, strategy, model, data, index: int) -> np.ndarray:  # noqa: ANN001
@@ -362,6 +364,19 @@ class EdgeAgent(Service):
                     "seconds": time.perf_counter() - t0}
         self.log.info("measured round costs: %s", {k: round(v, 4) for k, v in measured.items()})
         return measured
+
+    def _start_pool(self, run: RunState) -> None:
+        """Precompute encryption randomness while the device waits (packed Paillier's
+        obfuscator pool: one obfuscator per ciphertext block, refilled in the background),
+        so most of the expensive exponentiations leave the round's critical path."""
+        if self.pool is not None:
+            self.pool.stop()
+            self.pool = None
+        make_pool = getattr(self.public, "make_pool", None)
+        if make_pool is None:
+            return
+        blocks = -(-run.initial.size // self.public.block_size)
+        self.pool = make_pool(capacity=blocks, start=True, attach=True)
 
     # ---- one round ----------------------------------------------------------------------
     def _global(self, cluster: int, model_round: int) -> np.ndarray | None:
@@ -498,4 +513,6 @@ class EdgeAgent(Service):
                 return self.exit.code
             return 0
         finally:
+            if self.pool is not None:
+                self.pool.stop()
             self.stop()
