@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
@@ -28,6 +28,7 @@ def serve(
     fleet: Fleet = "default",
     key_dir: Annotated[Path, typer.Option(help="Directory of the key pair (created 0700; secret file 0600).")] = Path("keys"),
     min_contributors: Annotated[int, typer.Option(help="Refuse aggregates with fewer distinct contributors.")] = 2,
+    threads: Annotated[Optional[int], typer.Option(help="Decryption threads (packed Paillier; default: every core).")] = None,
     mqtt: Mqtt = "5",
     ca_file: CaFile = None,
     username: Username = None,
@@ -40,7 +41,8 @@ def serve(
     setup_logging(log_level, "keyserver")
     security = mqtt_security(broker, ca_file=ca_file, username=username, password_file=password_file)
     try:
-        server = KeyServer(broker, fleet=fleet, key_dir=key_dir, min_contributors=min_contributors, protocol=check_mqtt(mqtt))
+        server = KeyServer(broker, fleet=fleet, key_dir=key_dir, min_contributors=min_contributors, protocol=check_mqtt(mqtt),
+                           threads=threads)
         server.link.secure(**security)
         server.install_signal_handlers()
         server.run()

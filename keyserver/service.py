@@ -95,12 +95,16 @@ class KeyServer(Service):
         key_dir: Path,
         min_contributors: int = 2,
         protocol: str = "5",
+        threads: int | None = None,
     ) -> None:
+        if threads is not None and threads < 1:
+            raise ConfigError(f"--threads {threads} is not allowed; use 1 or more.")
         if min_contributors < 1:
             raise ConfigError(f"--min-contributors {min_contributors} is not allowed; it must be at least 1.")
         super().__init__(broker, fleet=fleet, client_id="keyserver", logger=log, protocol=protocol)
         self.key_dir = secure_dir(Path(key_dir))
         self.min_contributors = min_contributors
+        self.threads = threads if threads is not None else (os.cpu_count() or 1)
         self.run_id: str | None = None
         self.config: SimulationConfig | None = None
         self.secret: SecretKey | None = None
@@ -159,7 +163,7 @@ class KeyServer(Service):
         aggregate = aggregate_from_message(msg, self.public, round=r)
         if aggregate.size != self.initial.size:
             raise ProtocolError(f"Aggregate has {aggregate.size} parameters; the model has {self.initial.size}.")
-        mean = decrypt_aggregate(aggregate, self.secret)
+        mean = decrypt_aggregate(aggregate, self.secret, threads=self.threads)
         t_decrypt = time.perf_counter() - t
         current = self.models.get(k, (0, self.initial))[1]
         new = apply_mean(current, mean, server_lr=self.config.options.server_lr)

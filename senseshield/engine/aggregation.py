@@ -231,8 +231,11 @@ def aggregate_updates(
     )
 
 
-def decrypt_aggregate(aggregate: EncryptedAggregate, secret_key: SecretKey | None) -> np.ndarray:
+def decrypt_aggregate(
+    aggregate: EncryptedAggregate, secret_key: SecretKey | None, *, threads: int = 1
+) -> np.ndarray:
     """Key server side: decrypt the union part only and return the mean update (float64).
+    ``threads``: decryption threads where the scheme can use them (packed Paillier).
 
     Alg. 1 lines 13-14 with the dual-server split of SenseCrypt App. I.
     """
@@ -241,7 +244,7 @@ def decrypt_aggregate(aggregate: EncryptedAggregate, secret_key: SecretKey | Non
     if aggregate.ciphertext is not None:
         if secret_key is None:
             raise ProtocolError("The aggregate is encrypted but no secret key is available.")
-        values = secret_key.decrypt(aggregate.ciphertext)
+        values = secret_key.decrypt(aggregate.ciphertext, threads=threads)
         mean[aggregate.ciphertext.positions] = values
     if aggregate.position_weight is None:
         return mean / aggregate.total_weight

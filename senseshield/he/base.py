@@ -160,8 +160,9 @@ class SecretKey(ABC):
     def public_key(self) -> PublicKey: ...
 
     @abstractmethod
-    def decrypt(self, vector: EncryptedVector) -> np.ndarray:
-        """Return the float64 values of ``vector`` in the order of ``vector.positions``."""
+    def decrypt(self, vector: EncryptedVector, *, threads: int = 1) -> np.ndarray:
+        """Return the float64 values of ``vector`` in the order of ``vector.positions``
+        (``threads``: decryption threads, where the scheme can use them)."""
 
     @abstractmethod
     def _export(self) -> bytes: ...

@@ -502,7 +502,7 @@ class CKKSSecretKey(SecretKey):
     def __repr__(self) -> str:
         return f"{type(self).__name__}(key_id={self._public.key_id!r})"
 
-    def decrypt(self, vector: EncryptedVector) -> np.ndarray:
+    def decrypt(self, vector: EncryptedVector, *, threads: int = 1) -> np.ndarray:  # one thread
         self._public.check(vector)
         positions = self._public._check_layout(vector, "Ciphertext")
         secret = self.__context.secret_key()

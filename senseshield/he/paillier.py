@@ -522,7 +522,7 @@ class PaillierSecretKey(SecretKey):
         public = self._public
         return f"PaillierSecretKey(key_bits={public.key_bits}, key_id={public.key_id!r})"
 
-    def decrypt(self, vector: EncryptedVector) -> np.ndarray:
+    def decrypt(self, vector: EncryptedVector, *, threads: int = 1) -> np.ndarray:  # one thread
         """Decoded ``m / 2**precision_bits`` as float64, in the order of ``vector.positions``."""
         public = self._public
         public.check(vector)
