@@ -290,3 +290,87 @@ class EmbeddedBroker:
             loop.run_until_complete(loop.shutdown_default_executor())
         finally:
             loop.close()
+
+
+# ---- Mosquitto as a child process ------------------------------------------------------------
+
+MOSQUITTO_PATHS = ("mosquitto", "/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto")
+
+
+def mosquitto_binary() -> str | None:
+    """Path of the Mosquitto broker (Debian puts it in /usr/sbin), or None."""
+    import shutil
+    from pathlib import Path
+
+    for candidate in MOSQUITTO_PATHS:
+        found = shutil.which(candidate) or (candidate if Path(candidate).is_file() else None)
+        if found:
+            return found
+    return None
+
+
+class MosquittoProcess:
+    """A Mosquitto broker run as a child process, anonymous, without persistence, on one
+    address (``host``) and a free port; used by trials and by the integration tests.
+
+    ``start`` returns once it accepts TCP connections; ``stop`` terminates it (SIGKILL after
+    5 s); a stopped broker can be started again on the same port (its log is appended).
+    """
+
+    def __init__(self, workdir, host: str = "127.0.0.1", *, message_size_limit: int = 0) -> None:  # noqa: ANN001
+        import socket
+        from pathlib import Path
+
+        with socket.socket() as s:
+            s.bind((host, 0))
+            self.port = s.getsockname()[1]
+        self.host = host
+        workdir = Path(workdir)
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.config = workdir / "mosquitto.conf"
+        self.config.write_text(
+            f"listener {self.port} {host}\nallow_anonymous true\npersistence false\n"
+            f"message_size_limit {message_size_limit}\nlog_dest stderr\n"
+        )
+        self.log = workdir / "mosquitto.log"
+        self.process = None
+
+    @property
+    def url(self) -> str:
+        return f"mqtt://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 10.0) -> "MosquittoProcess":
+        import socket
+        import subprocess
+        import time
+
+        from senseshield.errors import ConfigError
+
+        binary = mosquitto_binary()
+        if binary is None:
+            raise ConfigError("Mosquitto is not installed (apt-get install mosquitto); `make test` installs it.")
+        with self.log.open("ab") as out:
+            self.process = subprocess.Popen([binary, "-c", str(self.config)], stdout=out, stderr=out,
+                                            start_new_session=True)
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.process.poll() is not None:
+                raise ConfigError(f"mosquitto exited at start; see {self.log}.")
+            try:
+                with socket.create_connection((self.host, self.port), timeout=0.2):
+                    return self
+            except OSError:
+                time.sleep(0.05)
+        raise ConfigError(f"mosquitto did not listen on {self.host}:{self.port} within {timeout:g} s.")
+
+    def stop(self) -> None:
+        import subprocess
+
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process = None

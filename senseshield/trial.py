@@ -53,6 +53,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from edge_agent.profile import DeviceProfile, load_profile
+from senseshield.broker import MosquittoProcess, mosquitto_binary
 from senseshield.errors import ConfigError
 
 log = logging.getLogger("senseshield.trial")
@@ -635,60 +636,8 @@ def cleanup_stale(say: Say | None = None) -> list[str]:
 # ---- the broker -----------------------------------------------------------------------------
 
 
-class MosquittoBroker:
-    """A Mosquitto for the whole trial, listening on ``host`` only (the bridge, or loopback)."""
-
-    def __init__(self, workdir: Path, host: str) -> None:
-        with socket.socket() as s:
-            s.bind((host, 0))
-            self.port = s.getsockname()[1]
-        self.host = host
-        workdir.mkdir(parents=True, exist_ok=True)
-        self.config = workdir / "mosquitto.conf"
-        self.config.write_text(
-            f"listener {self.port} {host}\nallow_anonymous true\npersistence false\n"
-            "message_size_limit 0\nlog_dest stderr\n"
-        )
-        self.log = workdir / "mosquitto.log"
-        self.process: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"mqtt://{self.host}:{self.port}"
-
-    def start(self, timeout: float = 10.0) -> "MosquittoBroker":
-        binary = shutil.which("mosquitto") or next(
-            (p for p in ("/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto") if Path(p).is_file()), None)
-        if binary is None:
-            raise ConfigError("broker: mosquitto is not installed (apt-get install mosquitto), use broker: embedded.")
-        with self.log.open("ab") as out:
-            self.process = subprocess.Popen([binary, "-c", str(self.config)], stdout=out, stderr=out,
-                                            start_new_session=True)
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if self.process.poll() is not None:
-                raise ConfigError(f"mosquitto exited at start; see {self.log}.")
-            try:
-                with socket.create_connection((self.host, self.port), timeout=0.2):
-                    return self
-            except OSError:
-                time.sleep(0.05)
-        raise ConfigError(f"mosquitto did not listen on {self.host}:{self.port} within {timeout:g} s.")
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.process = None
-
-
 def _mosquitto_installed() -> bool:
-    return shutil.which("mosquitto") is not None or any(
-        Path(p).is_file() for p in ("/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto"))
+    return mosquitto_binary() is not None
 
 
 # ---- the trial ------------------------------------------------------------------------------
@@ -812,7 +761,7 @@ def run_trial(
     if caps.cgroup:
         say(f"the trial's processes get {spec.cpu_weight:g}x a normal process's CPU weight; every agent is "
             f"capped by its share")
-    mosquitto: MosquittoBroker | None = None
+    mosquitto: MosquittoProcess | None = None
     previous = {}
 
     def interrupt(signum, _frame) -> None:  # noqa: ANN001
@@ -847,7 +796,7 @@ def run_trial(
                                     "cpu_speed": a.profile.cpu_speed, "applied": emulation.applied.get(a.agent_id, {})})
         url = None
         if broker_kind == "mosquitto":
-            mosquitto = MosquittoBroker(out / "broker", emulation.broker_host).start()
+            mosquitto = MosquittoProcess(out / "broker", emulation.broker_host).start()
             url = mosquitto.url
         elif broker_kind.startswith("mqtt://"):
             url = broker_kind
