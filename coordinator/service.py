@@ -733,13 +733,16 @@ class Coordinator(Service):
         assert self.plan is not None
         out = []
         ids = sorted(self.plan.cluster_of)
+        by_agent: dict[str, dict[int, Metrics]] = {}
+        for (a, rr), m in self.metrics.items():
+            by_agent.setdefault(a, {})[rr] = m
         for rec in self.records:
             r = rec["round"]
             pairs = []
             for a in ids:
-                known = [m for (aid, rr), m in self.metrics.items() if aid == a and rr <= r]
-                if known:
-                    latest = max(((rr, m) for (aid, rr), m in self.metrics.items() if aid == a and rr <= r), key=lambda x: x[0])[1]
+                rounds = [rr for rr in by_agent.get(a, {}) if rr <= r]
+                if rounds:
+                    latest = by_agent[a][max(rounds)]
                     pairs.append((latest.accuracy, latest.n_test))
             eps = rec["user_epsilon"]
             if self.strategy.dp_level is not None:

@@ -15,7 +15,6 @@ and the service carries on too: one message never stops a service.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import signal
 import threading
@@ -73,14 +72,9 @@ class Service:
         protocol: str = "5",
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         status_topic: str | None = None,
-        ca_file: str | os.PathLike | None = None,
-        certfile: str | os.PathLike | None = None,
-        keyfile: str | os.PathLike | None = None,
-        username: str | None = None,
-        password: str | None = None,
     ) -> None:
-        """TLS and credentials (``ca_file`` ... ``password``) go to :class:`Link` unchanged; a
-        subclass that does not pass them on can call ``self.link.secure(...)`` before ``start``."""
+        """TLS and credentials: call ``self.link.secure(...)`` before :meth:`start` (the CLIs
+        do), so the security options are defined once, on :class:`Link`."""
         self.fleet = fleet
         self.name = client_id
         self.log = logger
@@ -93,8 +87,7 @@ class Service:
             will = (status_topic, self.frame(Status(online=False)))
         self.link = Link(
             broker, client_id=client_id, fleet=fleet, on_frame=self._on_frame, will=will,
-            protocol=protocol, max_frame_bytes=max_frame_bytes, ca_file=ca_file, certfile=certfile,
-            keyfile=keyfile, username=username, password=password,
+            protocol=protocol, max_frame_bytes=max_frame_bytes,
         )
         self.link.on_reconnect = lambda: self._queue.put(_RECONNECTED)
         # one list of rejections: the link's (envelope, chunking, schema) and the handlers'
