@@ -355,6 +355,11 @@ class Coordinator(Service):
         if msg.run_id != self.run_id:
             self.log.warning("another coordinator published run %s on this fleet", msg.run_id)
 
+    @property
+    def block_size(self) -> int:
+        """Mask granularity of the fleet's HE scheme (1 without HE)."""
+        return self.public.block_size if self.public is not None else 1
+
     def _online(self, agent_id: str) -> bool:
         info = self.agents.get(agent_id)
         return info is not None and info.online
@@ -391,7 +396,7 @@ class Coordinator(Service):
                             RoundCosts.from_profile(self.agents[a].hello.profile))
             for a in ids
         ]
-        block = self.public.block_size if self.public is not None else 1
+        block = self.block_size
         self.strategy.fleet_context.round_deadline = self.round_deadline
         self.plan = self.strategy.plan_fleet(reports, size=self.size, block_size=block)
         self.sigma_user, self.sigma_record = noise_multipliers(
@@ -420,7 +425,6 @@ class Coordinator(Service):
         self._recalibrate(r)
         self.round_started = time.time()
         self.sampled = sampled
-        block = self.public.block_size if self.public is not None else 1
         for k in self.plan.clusters:
             members = [a for a in self.plan.members(k) if a in sampled]
             offline = [a for a in members if not self._online(a)]
@@ -438,22 +442,8 @@ class Coordinator(Service):
             if not negotiating:
                 cr.expected = set(members)
             self.clusters[k] = cr
-            shared = self.plan.fixed_masks.get(k)
             for a in members:
-                plan = RoundPlan(
-                    cluster=k,
-                    encryption_budget=self.plan.budget_of[a],
-                    deadline=deadline,
-                    block_size=block,
-                    size=self.size,
-                    model_round=self.model_round[k],
-                    negotiate=negotiating,
-                    participants=len(members),
-                    noise_multiplier=self.sigma_user,
-                    record_noise=self.sigma_record.get(a),
-                    has_shared_mask=shared is not None,
-                    shared_mask=pack_mask(shared) if shared is not None else np.zeros(0, np.uint8),
-                )
+                plan = self._round_plan(k, a)
                 self.send(f"agents/{a}/inbox", plan, round=r)
                 self.agent_rounds.setdefault(a, {})[r] = {"cluster": k, "plan_sent": time.time(),
                                                           "budget": self.plan.budget_of[a]}
@@ -499,7 +489,7 @@ class Coordinator(Service):
                                            info.vector, costs))
         if not reports:
             return
-        block = self.public.block_size if self.public is not None else 1
+        block = self.block_size
         cluster_of = {rep.client_id: self.plan.cluster_of[rep.client_id] for rep in reports}
         result = self.strategy.rebudget(reports, cluster_of, size=self.size, block_size=block, observed=observed)
         if result is None:
@@ -568,7 +558,7 @@ class Coordinator(Service):
                     if proposers:
                         shared = self.strategy.consensus(
                             [cr.proposals[a] for a in proposers], size=self.size,
-                            block_size=self.public.block_size if self.public is not None else 1,
+                            block_size=self.block_size,
                         )
                         decision = MaskDecision(cluster=k, size=self.size, shared_mask=pack_mask(shared))
                         for a in proposers:
@@ -670,19 +660,28 @@ class Coordinator(Service):
                 self.link.publish("keyserver/requests", cr.request)
 
     def _resend_plans(self, k: int, agents: list[str]) -> None:
-        # the plan is rebuilt exactly (same deadline, same everything)
+        for a in agents:  # the plan is rebuilt exactly (same deadline, same everything)
+            self.send(f"agents/{a}/inbox", self._round_plan(k, a), round=self.round)
+
+    def _round_plan(self, k: int, agent: str) -> RoundPlan:
+        """Agent ``agent``'s plan for cluster ``k`` in the current round."""
+        assert self.plan is not None
         cr = self.clusters[k]
-        shared = self.plan.fixed_masks.get(k)  # type: ignore[union-attr]
-        for a in agents:
-            plan = RoundPlan(
-                cluster=k, encryption_budget=self.plan.budget_of[a], deadline=cr.deadline,  # type: ignore[union-attr]
-                block_size=self.public.block_size if self.public is not None else 1, size=self.size,
-                model_round=self.model_round[k], negotiate=self.strategy.negotiates,
-                participants=len(cr.members), noise_multiplier=self.sigma_user,
-                record_noise=self.sigma_record.get(a), has_shared_mask=shared is not None,
-                shared_mask=pack_mask(shared) if shared is not None else np.zeros(0, np.uint8),
-            )
-            self.send(f"agents/{a}/inbox", plan, round=self.round)
+        shared = self.plan.fixed_masks.get(k)
+        return RoundPlan(
+            cluster=k,
+            encryption_budget=self.plan.budget_of[agent],
+            deadline=cr.deadline,
+            block_size=self.block_size,
+            size=self.size,
+            model_round=self.model_round[k],
+            negotiate=self.strategy.negotiates,
+            participants=len(cr.members),
+            noise_multiplier=self.sigma_user,
+            record_noise=self.sigma_record.get(agent),
+            has_shared_mask=shared is not None,
+            shared_mask=pack_mask(shared) if shared is not None else np.zeros(0, np.uint8),
+        )
 
     def _finish_round(self, r: int) -> None:
         o = self.config.options
