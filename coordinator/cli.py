@@ -10,7 +10,7 @@ import typer
 from senseshield.cli_common import console, fail
 from senseshield.cli_run import (
     BatchSize, Broker, CaFile, Dataset, Fleet, KeyBits, LearningRate, LocalEpochs, LogLevel, Model, Mqtt,
-    Partition, PasswordFile, Rounds, Scheme, Seed, Sets, Strategy, Username, build_run_config, check_mqtt,
+    Partition, PasswordFile, Rounds, Scheme, Seed, Sets, Strategy, TrainThreads, Username, build_run_config, check_mqtt,
     mqtt_security, setup_logging,
 )
 from senseshield.errors import ConfigError
@@ -40,6 +40,7 @@ def serve(
     lr: LearningRate = 0.1,
     scheme: Scheme = None,
     key_bits: KeyBits = 2048,
+    train_threads: TrainThreads = 1,
     set_: Sets = None,
     round_deadline: Annotated[float, typer.Option(help="Seconds a round waits for updates before closing without the late ones.")] = 120.0,
     join_timeout: Annotated[float, typer.Option(help="Seconds to wait for --agents to join before starting with who is there.")] = 300.0,
@@ -65,7 +66,7 @@ def serve(
     config = build_run_config(
         strategy=strategy, rounds=rounds, dataset=dataset, model=model, partition=partition, seed=seed,
         local_epochs=local_epochs, batch_size=batch_size, lr=lr, scheme=scheme, key_bits=key_bits,
-        clients=agents, sets=set_,
+        clients=agents, sets=set_, train_threads=train_threads,
     )
     security = mqtt_security(broker, ca_file=ca_file, username=username, password_file=password_file)
     try:

@@ -328,7 +328,7 @@ class EdgeAgent(Service):
         ciphertext bytes per value. The first encryption also builds the key's tables, as
         round 1 would. The coordinator refines these from every round it sees."""
         from edge_agent.profile import measure_encryption
-        from senseshield.training import TrainConfig, train_local
+        from senseshield.training import TrainConfig, torch_threads, train_local
 
         import copy
 
@@ -339,10 +339,11 @@ class EdgeAgent(Service):
         epoch_s = []
         for _ in range(3):
             model = copy.deepcopy(run.model)
-            t = time.perf_counter()
-            train_local(model, run.data.x_train, run.data.y_train,
-                        TrainConfig(epochs=1, batch_size=config.batch_size, lr=config.lr), seed=0)
-            epoch_s.append(time.perf_counter() - t)
+            with torch_threads(config.train_threads):
+                t = time.perf_counter()
+                train_local(model, run.data.x_train, run.data.y_train,
+                            TrainConfig(epochs=1, batch_size=config.batch_size, lr=config.lr), seed=0)
+                epoch_s.append(time.perf_counter() - t)
         train_s = float(np.median(epoch_s)) * (config.local_epochs + 1)  # + ~one epoch for the sensitivity
         measure_encryption(public_key=self.public, budget_s=0.05)  # builds the key's tables
         # sustained rate: whole blocks for ~0.5 s of wall time (a device sharing its CPU, or a

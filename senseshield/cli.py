@@ -102,6 +102,7 @@ def simulate(
     cluster_epsilon: Annotated[Optional[float], typer.Option(help="DP epsilon of the clustering vectors (default: no noise).")] = None,
     key_bits: Annotated[int, typer.Option(help="Paillier modulus bits (2048 default; smaller warns).")] = 2048,
     scheme: Annotated[Optional[str], typer.Option(help="HE scheme override (see `senseshield schemes`); default: the strategy's.")] = None,
+    train_threads: Annotated[int, typer.Option(help="Torch threads of every client's training and scoring (the same seed and train threads on the same CPU give the same model).")] = 1,
     tau: Annotated[float, typer.Option(help="SelectiveShield Fisher threshold tau in [0, 1].")] = 0.1,
     rho: Annotated[float, typer.Option(help="SelectiveShield consensus threshold rho in [0, 1].")] = 0.5,
     clip: Annotated[float, typer.Option(help="DP clipping norm C (update or per-sample).")] = 1.0,
@@ -159,6 +160,7 @@ def simulate(
             cpu=_floats(cpu, "--cpu") or profiles.get("cpu"),
             key_bits=key_bits,
             scheme=scheme,
+            train_threads=train_threads,
             options=options,
         )
     except ValidationError as exc:
@@ -285,13 +287,14 @@ def fleet_up(
     lr: _run.LearningRate = 0.1,
     scheme: _run.Scheme = None,
     key_bits: _run.KeyBits = 2048,
+    train_threads: _run.TrainThreads = 1,
     set_: _run.Sets = None,
     profile_file: Annotated[Optional[Path], typer.Option(help="YAML with `bandwidth:` and `cpu:` lists, cycled within each category (as in simulate).")] = None,
     broker: Annotated[Optional[str], typer.Option(help="Use this MQTT broker (mqtt://HOST[:PORT], MQTT 5) instead of the embedded one.")] = None,
     fleet: _run.Fleet = "local",
     round_deadline: Annotated[float, typer.Option(help="Seconds a round waits for updates.")] = 120.0,
     min_contributors: Annotated[int, typer.Option(help="Key server refuses aggregates with fewer distinct contributors.")] = 2,
-    threads: Annotated[int, typer.Option(help="Torch threads per agent.")] = 1,
+    threads: Annotated[int, typer.Option(help="Threads per agent for everything but training (inference, encryption); training uses --train-threads.")] = 1,
     out_dir: Annotated[Path, typer.Option("--out", help="Directory for report.json, models/, logs/, keys/.")] = Path("fleet-run"),
     metrics_port: Annotated[Optional[int], typer.Option(help="Serve the coordinator's Prometheus metrics on this port.")] = None,
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
@@ -308,6 +311,7 @@ def fleet_up(
         strategy=strategy, rounds=rounds, dataset=dataset, model=model, partition=partition, seed=seed,
         local_epochs=local_epochs, batch_size=batch_size, lr=lr, scheme=scheme, key_bits=key_bits,
         clients=agents, sets=set_, bandwidth=profiles.get("bandwidth"), cpu=profiles.get("cpu"),
+        train_threads=train_threads,
     )
     if broker is not None:
         from senseshield.transport import parse_broker

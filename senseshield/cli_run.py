@@ -31,6 +31,7 @@ BatchSize = Annotated[int, typer.Option(help="Local minibatch size.")]
 LearningRate = Annotated[float, typer.Option(help="Local SGD learning rate.")]
 Scheme = Annotated[Optional[str], typer.Option(help="HE scheme override (see `senseshield schemes`).")]
 KeyBits = Annotated[int, typer.Option(help="Paillier modulus bits.")]
+TrainThreads = Annotated[int, typer.Option(help="Torch threads of every client's training and scoring (part of the run: the same seed and train threads on the same CPU give the same model).")]
 Sets = Annotated[Optional[list[str]], typer.Option("--set", help="Strategy option NAME=VALUE, repeatable (e.g. --set he_ratio=0.2).")]
 Broker = Annotated[str, typer.Option(help="MQTT broker, mqtt://HOST[:PORT], or mqtts://HOST[:PORT] for TLS (with --ca-file).")]
 Fleet = Annotated[str, typer.Option(help="Fleet name (the topic tree ss/v1/<fleet>/...).")]
@@ -60,6 +61,7 @@ def build_run_config(
     *, strategy: str, rounds: int, dataset: str, model: str, partition: str, seed: int,
     local_epochs: int, batch_size: int, lr: float, scheme: str | None, key_bits: int,
     clients: int, sets: list[str] | None, bandwidth: list[float] | None = None, cpu: list[float] | None = None,
+    train_threads: int = 1,
 ):  # -> SimulationConfig
     """The run's :class:`SimulationConfig`; user mistakes end in one sentence (exit 2)."""
     from senseshield.simulation import SimulationConfig
@@ -71,6 +73,7 @@ def build_run_config(
             strategy=strategy, rounds=rounds, dataset=dataset, model=model, partition=partition,
             seed=seed, local_epochs=local_epochs, batch_size=batch_size, lr=lr, scheme=scheme,
             key_bits=key_bits, clients=clients, bandwidth=bandwidth, cpu=cpu, options=options,
+            train_threads=train_threads,
         )
     except ValidationError as exc:
         fail(validation_sentence(exc))

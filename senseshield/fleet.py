@@ -71,7 +71,7 @@ def run_args(config: SimulationConfig) -> list[str]:
         "--strategy", config.strategy, "--rounds", str(config.rounds), "--dataset", config.dataset,
         "--model", config.model, "--partition", config.partition, "--seed", str(config.seed),
         "--local-epochs", str(config.local_epochs), "--batch-size", str(config.batch_size),
-        "--lr", repr(config.lr), "--key-bits", str(config.key_bits),
+        "--lr", repr(config.lr), "--key-bits", str(config.key_bits), "--train-threads", str(config.train_threads),
     ]
     if config.scheme:
         args += ["--scheme", config.scheme]

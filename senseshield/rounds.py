@@ -38,6 +38,7 @@ from senseshield.training import (
     private_sketch_sum,
     score_inputs,
     set_vector,
+    torch_threads,
     train_dpsgd,
     train_local,
 )
@@ -136,6 +137,14 @@ def bootstrap_vector(
     """
     if not strategy.needs_bootstrap_sensitivity:
         return None
+    with torch_threads(train.threads):
+        return _bootstrap_vector(strategy, model, initial, data, train=train, rng=rng, seed=seed)
+
+
+def _bootstrap_vector(
+    strategy: Strategy, model: torch.nn.Module, initial: np.ndarray, data: LocalData, *,
+    train: TrainConfig, seed: int, rng: np.random.Generator,
+) -> np.ndarray:
     options = strategy.options
     set_vector(model, initial)
     train_local(model, data.x_train, data.y_train, train, seed=seed)
@@ -172,8 +181,17 @@ def local_update(
     a personalised zone). The strategy's :meth:`~Strategy.round_plan` picks the data (real
     or the client's DP synthetic data) and the optimiser (SGD or Opacus DP-SGD with
     ``noise_multiplier`` and per-sample clip ``options.clip``; the history is kept in
-    ``state``).
+    ``state``). Runs on ``train.threads`` torch threads (the determinism contract).
     """
+    with torch_threads(train.threads):
+        return _local_update(strategy, model, global_vector, data, train=train, seed=seed, round=round,
+                             state=state, noise_multiplier=noise_multiplier)
+
+
+def _local_update(
+    strategy: Strategy, model: torch.nn.Module, global_vector: np.ndarray, data: LocalData, *,
+    train: TrainConfig, seed: int, round: int, state: ClientState | None, noise_multiplier: float | None,
+) -> LocalUpdate:
     score: Score = SCORES.get(strategy.score)
     plan = strategy.round_plan(round)
     x, y = data.x_train, data.y_train

@@ -75,6 +75,9 @@ class SimulationConfig(BaseModel):
     bandwidth: list[float] | None = None  # r_i per client (MB/s), cycled within a category
     cpu: list[float] | None = None  # v_i per client (GHz x cores), cycled within a category
     key_bits: int = Field(2048, ge=512)
+    # torch threads of a client's training and scoring: part of the determinism contract
+    # (the same seed and train_threads on the same CPU give the same model bit for bit)
+    train_threads: int = Field(1, ge=1, le=256)
     scheme: str | None = None  # HE scheme override; None = the strategy's default
     options: StrategyOptions = StrategyOptions()
 
@@ -243,7 +246,7 @@ def client_bootstrap(
         model,
         initial,
         data,
-        train=TrainConfig(config.bootstrap_epochs, config.batch_size, config.lr),
+        train=TrainConfig(config.bootstrap_epochs, config.batch_size, config.lr, threads=config.train_threads),
         seed=client_seed(config.seed, 0, index),
         rng=np.random.default_rng([config.seed, 7, index]),
     )
@@ -257,7 +260,7 @@ def initial_model(config: SimulationConfig, input_shape: tuple[int, ...], num_cl
 
 
 def train_config(config: SimulationConfig) -> TrainConfig:
-    return TrainConfig(config.local_epochs, config.batch_size, config.lr)
+    return TrainConfig(config.local_epochs, config.batch_size, config.lr, threads=config.train_threads)
 
 
 def effective_scheme(config: SimulationConfig, strategy: Strategy) -> str | None:
