@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from senseshield.determinism import mask_digest
 from senseshield.engine.aggregation import ProtectedUpdate, aggregate_updates
 from senseshield.errors import ConfigError, ProtocolError
 from senseshield.he import SCHEMES, PublicKey
@@ -693,6 +694,7 @@ class Coordinator(Service):
                 report = item.message.report  # type: ignore[attr-defined]
                 tally.add_update(a, update.timings, update.he_ratio, item.nbytes, report)
                 self.agent_rounds[a][r].update({"he_ratio": update.he_ratio, "bytes_up": item.nbytes,
+                                                "mask_sha256": mask_digest(update.mask, update.withheld),
                                                 "agent_timings": dict(update.timings)})
             tally.phases["aggregate"] += cr.timings.get("aggregate", 0.0)
             tally.phases["decrypt"] += cr.timings.get("decrypt", 0.0)
@@ -842,6 +844,7 @@ class Coordinator(Service):
                 "cluster": info["cluster"],
                 "delivered": "update_received" in info,
                 "he_ratio": info.get("he_ratio"),
+                "mask_sha256": info.get("mask_sha256"),
                 "bytes_up": info.get("bytes_up"),
                 "bytes_down": int(timings["bytes_down"]) if "bytes_down" in timings else None,
                 "phases": {k: round(v, 6) for k, v in timings.items()

@@ -27,6 +27,9 @@ app = typer.Typer(
 from senseshield.cli_attack import attack_app  # noqa: E402
 
 app.add_typer(attack_app, name="attack")
+from senseshield.cli_check import check_app  # noqa: E402
+
+app.add_typer(check_app, name="check")
 from senseshield.cli_common import console, out  # noqa: E402
 from senseshield.cli_common import fail as _fail  # noqa: E402
 from senseshield.cli_common import progress_bar  # noqa: E402

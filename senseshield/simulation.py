@@ -20,6 +20,7 @@ from sklearn.metrics import adjusted_rand_score
 
 from senseshield.data import Dataset, load_dataset, partition_dataset, split_train_test
 from senseshield.engine.aggregation import ProtectedUpdate, aggregate_updates, decrypt_aggregate
+from senseshield.determinism import Trace, mask_digest
 from senseshield.errors import ConfigError
 from senseshield.he import SCHEMES, PublicKey, SecretKey
 from senseshield.models import build_model
@@ -163,10 +164,16 @@ class SimulationResult(BaseModel):
     synthetic_epsilon: float | None = None  # epsilon of the DP synthetic-data provider
     # the final global model of every cluster (float64); not part of the JSON
     _models: dict[int, np.ndarray] = PrivateAttr(default_factory=dict)
+    _trace: Trace | None = PrivateAttr(default=None)
 
     @property
     def models(self) -> dict[int, np.ndarray]:
         return self._models
+
+    @property
+    def trace(self) -> Trace | None:
+        """What decided the run (``run_simulation(..., trace=True)``), else None."""
+        return self._trace
 
 
 @dataclass
@@ -316,8 +323,11 @@ def noise_multipliers(
     return user, record
 
 
-def run_simulation(config: SimulationConfig, progress: Progress | None = None) -> SimulationResult:
-    """Run ``config.rounds`` rounds of ``config.strategy`` and return the results."""
+def run_simulation(config: SimulationConfig, progress: Progress | None = None, *, trace: bool = False) -> SimulationResult:
+    """Run ``config.rounds`` rounds of ``config.strategy`` and return the results.
+
+    ``trace``: also record what decided the run (``result.trace``, a
+    :class:`senseshield.determinism.Trace`: budgets, every mask, every round's models)."""
     started = time.perf_counter()
     np.random.seed(config.seed % 2**32)
     strategy = build_strategy(config.strategy, config.options)
@@ -347,9 +357,12 @@ def run_simulation(config: SimulationConfig, progress: Progress | None = None) -
 
     rounds: list[RoundRecord] = []
     accuracies: dict[str, float] = {}
+    recorder = Trace(dict(plan.cluster_of), dict(plan.budget_of)) if trace else None
     for r in range(1, config.rounds + 1):
         t_round = time.perf_counter()
         tally = RoundTally()
+        round_masks: dict[str, str] = {}
+        round_models: dict[int, np.ndarray] = {}
         sampled = (
             {c.id for c in clients}
             if o.sample_rate >= 1.0
@@ -390,6 +403,7 @@ def run_simulation(config: SimulationConfig, progress: Progress | None = None) -
                     rng=protect_rng(config.seed, r, client.index),
                 )
                 keep_personal(client.state, local[client.id], choice.withheld)
+                round_masks[client.id] = mask_digest(update.mask, update.withheld)
                 tally.add_update(client.id, update.timings, update.he_ratio, update.nbytes, choice_report(choice))
                 client.he_ratios.append(update.he_ratio)
                 updates.append(update)
@@ -401,7 +415,10 @@ def run_simulation(config: SimulationConfig, progress: Progress | None = None) -
             tally.phases["decrypt"] += time.perf_counter() - t
             tally.union_ratios.append(float(aggregate.union_mask.mean()))
             globals_[k] = apply_mean(globals_[k], mean, server_lr=config.options.server_lr)
+            round_models[k] = globals_[k]
             tally.bytes_down += len(members) * layout.size * 4
+        if recorder is not None:
+            recorder.record_round(r, round_masks, round_models)
         if strategy.user_dp_round(r) and sampled:
             user_accountant.step(noise_multiplier=sigma_user or 0.0, sample_rate=o.sample_rate)
         epsilon = _epsilon(strategy, user_accountant, [c.state.dp_history for c in clients], o.delta)
@@ -471,6 +488,7 @@ def run_simulation(config: SimulationConfig, progress: Progress | None = None) -
         ),
     )
     result._models = {k: v.copy() for k, v in globals_.items()}
+    result._trace = recorder
     return result
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from senseshield.determinism import first_difference, fleet_trace
 from senseshield.fleet import Fleet, FleetOptions, fleet_up
 from senseshield.protocol import encode_frame
 from senseshield.protocol.messages import Hello, Notice, UpdateMessage, from_frame, to_frame
@@ -74,11 +75,14 @@ def test_fleet_ends_with_the_simulators_model(mosquitto, tmp_path, strategy, mod
     report = fleet_up(config, FleetOptions(agents=4, out=tmp_path, broker=mosquitto.url, fleet="same",
                                            round_deadline=120, min_contributors=1), timeout=400)
     capture.stop()
-    sim = run_simulation(config)
+    sim = run_simulation(config, trace=True)
+    # same budgets, masks and per-round models, bit for bit (the first difference is named)
+    difference = first_difference(sim.trace, fleet_trace(tmp_path), ("simulator", "fleet"))
+    assert difference is None, difference
     fleet_models = keyserver_models(tmp_path, "same")
     assert sorted(fleet_models) == sorted(sim.models)
     for k, weights in sim.models.items():
-        assert np.abs(fleet_models[k] - weights).max() <= 1e-6, f"cluster {k}"
+        assert np.array_equal(fleet_models[k], weights), f"cluster {k}: the key server's float64 model differs"
     assert [r["accuracy"] for r in report["rounds"]] == pytest.approx([r.accuracy for r in sim.rounds], abs=1e-9)
     assert [c["cluster"] for c in report["clients"]] == [c.cluster for c in sim.clients]
     assert report["exit_codes"] == {name: 0 for name in report["exit_codes"]}

@@ -196,6 +196,9 @@ class Scheme(ABC):
     ragged_masks: ClassVar[bool]
     description: ClassVar[str]
     defaults: ClassVar[dict[str, Any]] = {}  # generate() parameters and their defaults
+    # decryption returns exactly what was encrypted (up to the fixed-point encoding); False
+    # for CKKS, whose encryption noise moves results by ~1e-8 from run to run
+    exact: ClassVar[bool] = True
 
     @classmethod
     def info(cls) -> SchemeInfo:

@@ -541,6 +541,7 @@ class CKKSScheme(Scheme):
 
     name: ClassVar[str] = "ckks"
     ragged_masks: ClassVar[bool] = False
+    exact: ClassVar[bool] = False
     description: ClassVar[str] = (
         "CKKS via TenSEAL: degree 8192 (4096 slots), modulus 60-40-40-60 bits, scale 2^40, "
         "128-bit security; approximate (~1e-6 relative), shared masks only."
@@ -790,6 +791,7 @@ class CKKSSumScheme(Scheme):
 
     name: ClassVar[str] = "ckks-sum"
     ragged_masks: ClassVar[bool] = False
+    exact: ClassVar[bool] = False
     description: ClassVar[str] = (
         "Sum-only CKKS via TenSEAL: degree 4096 (2048 slots), one 56-bit data prime + 40-bit "
         "special prime, scale 2^36, 128-bit security; clients pre-scale by their weight, the "

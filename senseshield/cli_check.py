@@ -1,0 +1,89 @@
+"""``senseshield check determinism``: the same run twice in the simulator and once on a fleet.
+
+Prints the first difference (round, client, budget, mask, weight) or that the three runs
+are the same; exits 1 when they differ (a broken promise is a bug), 2 on a user mistake.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from senseshield import cli_run as _run
+from senseshield.cli_common import console, fail, out, progress_bar
+from senseshield.errors import ConfigError
+
+check_app = typer.Typer(help="Checks of the project's promises on this machine.", no_args_is_help=True)
+
+
+@check_app.command("determinism")
+def determinism(
+    strategy: _run.Strategy = "sensecrypt",
+    agents: Annotated[int, typer.Option(help="Clients in the simulator, agent processes in the fleet.")] = 4,
+    rounds: _run.Rounds = 2,
+    dataset: _run.Dataset = "digits",
+    model: _run.Model = "mlp",
+    partition: _run.Partition = "categories:2",
+    seed: _run.Seed = 0,
+    key_bits: _run.KeyBits = 1024,
+    train_threads: _run.TrainThreads = 1,
+    set_: _run.Sets = None,
+    broker: Annotated[Optional[str], typer.Option(help="MQTT broker for the fleet run (default: the embedded one).")] = None,
+    out_dir: Annotated[Optional[Path], typer.Option("--out", help="Keep the fleet run here (default: a temporary directory).")] = None,
+    quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
+) -> None:
+    """Run one strategy twice in the simulator and once as a local fleet (real processes)
+    with the same seed; print the first difference (round, client, budget, mask, weight)."""
+    import warnings
+
+    from senseshield.determinism import describe, first_difference, fleet_trace
+    from senseshield.fleet import FleetOptions, fleet_up
+    from senseshield.he import SCHEMES
+    from senseshield.simulation import effective_scheme, run_simulation
+    from senseshield.strategies import build_strategy
+
+    if agents < 1:
+        fail(f"--agents {agents} is not allowed; use 1 or more.")
+    config = _run.build_run_config(
+        strategy=strategy, rounds=rounds, dataset=dataset, model=model, partition=partition, seed=seed,
+        local_epochs=2, batch_size=16, lr=0.1, scheme=None, key_bits=key_bits, clients=agents, sets=set_,
+        train_threads=train_threads,
+    )
+    scheme = effective_scheme(config, build_strategy(config.strategy, config.options))
+    # CKKS encryption adds noise: weights agree to ~1e-8, masks and budgets exactly
+    atol = 1e-6 if scheme is not None and not SCHEMES.get(scheme).exact else 0.0
+    warnings.filterwarnings("ignore", message=".*insecure.*")
+    with tempfile.TemporaryDirectory(prefix="senseshield-check-") as tmp:
+        run_dir = out_dir or Path(tmp)
+        with progress_bar(quiet) as bar:
+            task = bar.add_task(f"{strategy}: simulator, simulator, fleet", total=3)
+            first = run_simulation(config, trace=True)
+            bar.advance(task)
+            second = run_simulation(config, trace=True)
+            bar.advance(task)
+            try:
+                fleet_up(config, FleetOptions(agents=agents, out=run_dir, broker=broker, fleet="determinism",
+                                              round_deadline=120, min_contributors=1), timeout=900)
+            except ConfigError as exc:
+                bar.stop()
+                fail(str(exc))
+            bar.advance(task)
+        fleet = fleet_trace(run_dir)
+    assert first.trace is not None and second.trace is not None
+    checks = (("simulator run 1", "simulator run 2", first.trace, second.trace),
+              ("simulator", "fleet", first.trace, fleet))
+    broken = False
+    for x, y, a, b in checks:
+        diff = first_difference(a, b, (x, y), atol=atol)
+        if diff is None:
+            tolerance = "bit for bit" if atol == 0 else f"weights within {atol:g}"
+            out.print(f"[green]same[/]: {x} and {y} ({describe(a)}; budgets, masks and models {tolerance})")
+        else:
+            broken = True
+            out.print(f"[red]differ[/]: {x} vs {y}: {diff}")
+    if broken:
+        console.print("the runs differ; see docs/decisions.md (determinism) for what is promised")
+        raise typer.Exit(1)
