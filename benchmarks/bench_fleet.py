@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from senseshield.fleet import FleetOptions, fleet_up
-from senseshield.simulation import SimulationConfig
+from senseshield.runtime.fleet import FleetOptions, fleet_up
+from senseshield.job import Job
 
 PHASES = ("train", "sensitivity", "mask", "noise", "encrypt", "serialize", "upload", "wait")
 
@@ -62,7 +62,7 @@ def main() -> None:
     args = parser.parse_args()
     results = {}
     for strategy in args.strategies.split(","):
-        config = SimulationConfig(
+        config = Job(
             strategy=strategy, rounds=args.rounds, partition="categories:3", model="mlp",
             scheme="packed-paillier" if strategy != "plaintext" else None,
             bandwidth=[50, 45, 40, 35, 30], cpu=[24, 16, 12, 10, 8],

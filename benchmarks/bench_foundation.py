@@ -126,7 +126,8 @@ def phe_rate(key_bits: int = 2048, count: int = 200) -> float:
 
 
 def bench_accuracy(rounds: int) -> dict:
-    from senseshield.simulation import SimulationConfig, run_simulation
+    from senseshield.job import Job
+    from senseshield.simulation import run_simulation
     from senseshield.strategies import StrategyOptions
 
     runs = [
@@ -139,7 +140,7 @@ def bench_accuracy(rounds: int) -> dict:
     rate = phe_rate()
     rows = []
     for strategy, scheme in runs:
-        config = SimulationConfig(
+        config = Job(
             strategy=strategy,
             scheme=scheme,
             dataset="digits",

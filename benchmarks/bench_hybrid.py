@@ -59,7 +59,9 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from senseshield.errors import ConfigError  # noqa: E402
-from senseshield.simulation import PHASES, SimulationConfig, SimulationResult, run_simulation  # noqa: E402
+from senseshield.job import Job  # noqa: E402
+from senseshield.results import PHASES, RunResult  # noqa: E402
+from senseshield.simulation import run_simulation  # noqa: E402
 from senseshield.strategies import STRATEGIES, StrategyOptions  # noqa: E402
 
 PARTITION = "dirichlet:0.5"
@@ -114,7 +116,7 @@ def clip_suffix(clip: float, args: argparse.Namespace) -> str:
     return f" [remedy: clip C={clip:g}]" if clip == args.remedy_clip else f" [clip C={clip:g}]"
 
 
-def build_config(s: Spec, args: argparse.Namespace) -> SimulationConfig:
+def build_config(s: Spec, args: argparse.Namespace) -> Job:
     strategy = STRATEGIES.get(s["strategy"])
     opts: dict[str, Any] = {"he_ratio": HE_RATIO, "delta": DELTA}
     if strategy.dp_level is not None:
@@ -124,10 +126,10 @@ def build_config(s: Spec, args: argparse.Namespace) -> SimulationConfig:
                                   model="mlp", clients=args.clients, rounds=args.rounds,
                                   partition=PARTITION, seed=s["seed"])
     fields.update(s["config"])
-    return SimulationConfig(**fields, options=StrategyOptions(**opts))
+    return Job(**fields, options=StrategyOptions(**opts))
 
 
-def summarise(result: SimulationResult) -> dict[str, Any]:
+def summarise(result: RunResult) -> dict[str, Any]:
     rounds = result.rounds
     zones = [r.zone_ratios for r in rounds if r.zone_ratios]
     notes: list[str] = []

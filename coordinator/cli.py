@@ -7,8 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from senseshield.cli_common import console, fail
-from senseshield.cli_run import (
+from senseshield.cli.common import console, fail
+from senseshield.cli.run import (
     BatchSize, Broker, CaFile, Dataset, Fleet, KeyBits, LearningRate, LocalEpochs, LogLevel, Model, Mqtt,
     Partition, PasswordFile, Rounds, Scheme, Seed, Sets, Strategy, TrainThreads, Username, build_run_config, check_mqtt,
     mqtt_security, setup_logging,

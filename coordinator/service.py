@@ -30,8 +30,8 @@ from senseshield.determinism import mask_digest
 from senseshield.engine.aggregation import ProtectedUpdate, aggregate_updates
 from senseshield.errors import ConfigError, ProtocolError
 from senseshield.he import SCHEMES, PublicKey
-from senseshield.protocol.envelope import DEFAULT_MAX_FRAME_BYTES
-from senseshield.protocol.messages import (
+from senseshield.runtime.protocol.envelope import DEFAULT_MAX_FRAME_BYTES
+from senseshield.runtime.protocol.messages import (
     AggregateResult,
     Assignment,
     BootstrapVector,
@@ -52,17 +52,9 @@ from senseshield.protocol.messages import (
     update_from_message,
 )
 from senseshield.accounting import Accountant
-from senseshield.service import Inbound, Service, check_sender
-from senseshield.simulation import (
-    ClientRecord,
-    RoundRecord,
-    SimulationResult,
-    RoundTally,
-    SimulationConfig,
-    effective_scheme,
-    noise_multipliers,
-    weighted_accuracy,
-)
+from senseshield.runtime.service import Inbound, Service, check_sender
+from senseshield.job import Job, effective_scheme, initial_model, noise_multipliers
+from senseshield.results import ClientRecord, RoundRecord, RoundTally, RunResult, weighted_accuracy
 from senseshield.strategies import BootstrapReport, FleetPlan, build_strategy
 from senseshield.strategies.base import RoundCosts
 
@@ -75,13 +67,13 @@ METRICS_PORT_ENV = "SENSESHIELD_METRICS_PORT"
 Progress = Callable[[str, int, int], None]
 
 
-class FleetReport(SimulationResult):
-    """``DIR/report.json`` of a fleet run: :class:`SimulationResult`'s fields (a contract) plus
+class FleetReport(RunResult):
+    """``DIR/report.json`` of a fleet run: :class:`~senseshield.results.RunResult`'s fields (a contract) plus
     the fleet's: per-agent, per-round phase seconds, bytes and timestamps (Unix time on the
     coordinator's clock: agents' own timestamps are shifted by their estimated clock offset,
     ``agents[].clock_offset_s``), the server's aggregate/decrypt seconds and timestamps per
     cluster, ``straggling`` figures (per round slowest/fastest/ratio/idle and the median
-    ratio, :func:`senseshield.report.straggling_summary`), ``straggling_events`` (agents a
+    ratio, :func:`senseshield.trials.report.straggling_summary`), ``straggling_events`` (agents a
     round closed without), how budgets were chosen (``budgets``), refused agents and
     rejected messages."""
 
@@ -210,7 +202,7 @@ class Coordinator(Service):
         broker: str,
         *,
         fleet: str,
-        config: SimulationConfig,
+        config: Job,
         agents: int,
         input_shape: tuple[int, ...],
         num_classes: int,
@@ -229,7 +221,6 @@ class Coordinator(Service):
             raise ConfigError(f"--round-deadline {round_deadline} is not allowed; it must be > 0 seconds.")
         super().__init__(broker, fleet=fleet, client_id="coordinator", logger=log, protocol=protocol,
                          max_frame_bytes=max_frame_bytes)
-        from senseshield.simulation import initial_model
         from senseshield.training import layout_of
 
         self.config = config
@@ -787,7 +778,7 @@ class Coordinator(Service):
         server = [{"round": rec["round"], "started_at": rec.get("started_at"), "finished_at": rec.get("finished_at"),
                    "clusters": {str(k): v for k, v in rec["clusters"].items()}}
                   for rec in self.records]
-        from senseshield.report import straggling_summary
+        from senseshield.trials.report import straggling_summary
 
         straggling = straggling_summary(agents)
         o = self.config.options
@@ -860,7 +851,7 @@ class Coordinator(Service):
         """Prometheus: the straggling figures of the latest round whose metrics are all in."""
         if self.metrics_server is None or self.plan is None:
             return
-        from senseshield.report import straggling_summary
+        from senseshield.trials.report import straggling_summary
 
         agents = [{"id": a, "rounds": self._agent_round_records(a, self._clock_offset(a))}
                   for a in sorted(self.plan.cluster_of)]

@@ -7,8 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from senseshield.cli_common import fail
-from senseshield.cli_run import (
+from senseshield.cli.common import fail
+from senseshield.cli.run import (
     Broker, CaFile, Fleet, LogLevel, Mqtt, PasswordFile, Username, check_mqtt, mqtt_security, setup_logging,
 )
 from senseshield.errors import ConfigError

@@ -408,12 +408,12 @@ def measure_bandwidth(
     seconds gives ``2 L / t`` MB/s per direction, latency included. A single round trip
     cannot separate up from down: the profile reports the same number for both (on
     loopback it measures the broker and the MQTT stack, not a network). Best of ``repeats``
-    after a small warm-up probe. ``link_factory`` builds the :class:`senseshield.transport.Link`
+    after a small warm-up probe. ``link_factory`` builds the :class:`senseshield.runtime.transport.Link`
     (default ``Link``; e.g. ``functools.partial(Link, ...)`` for other link options).
     Raises :class:`ConnectionError` when the broker is unreachable or does not echo in time.
     """
-    from senseshield.protocol import encode_frame
-    from senseshield.transport import Link
+    from senseshield.runtime.protocol import encode_frame
+    from senseshield.runtime.transport import Link
 
     if nbytes < 1 or repeats < 1:
         raise ConfigError(f"Bandwidth probe of {nbytes} bytes x {repeats} is not allowed; both must be >= 1.")
@@ -492,7 +492,7 @@ def measure_profile(
     if public_key is None:
         key_bits = resolve_key_bits(scheme, key_bits)  # fail before any measurement
     if broker is not None:
-        from senseshield.transport import parse_broker, topic
+        from senseshield.runtime.transport import parse_broker, topic
 
         parse_broker(broker)
         topic(fleet, "probe")
@@ -502,7 +502,7 @@ def measure_profile(
     if broker is not None:  # first: an unreachable broker fails before the benchmarks run
         from functools import partial
 
-        from senseshield.transport import Link
+        from senseshield.runtime.transport import Link
 
         bw = measure_bandwidth(broker, fleet, nbytes=250_000 if quick else 1_000_000, repeats=2 if quick else 3,
                                link_factory=partial(Link, protocol=mqtt))
@@ -673,7 +673,7 @@ def profile_command(
     `bandwidth` (MB/s) are the v_i and r_i the coordinator uses; `timings` says how long each
     measurement took in seconds.
     """
-    from senseshield.cli_common import console, fail
+    from senseshield.cli.common import console, fail
 
     try:
         console.print(f"Profiling this device ({scheme}{', quick' if quick else ''})...", highlight=False)

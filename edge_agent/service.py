@@ -27,7 +27,7 @@ from senseshield.data import load_dataset
 from senseshield.errors import ConfigError, ProtocolError
 from senseshield.he import SCHEMES, PublicKey
 from senseshield.models import build_model
-from senseshield.protocol.messages import (
+from senseshield.runtime.protocol.messages import (
     Assignment,
     BootstrapVector,
     ClusterModel,
@@ -47,16 +47,19 @@ from senseshield.rounds import (
     ClientState,
     LocalData,
     choice_report,
+    client_bootstrap,
     client_seed,
     fit_synthetic,
     keep_personal,
     local_update,
     merge_personal,
     protect_local,
+    protect_rng,
 )
 from senseshield.accounting import Accountant
-from senseshield.service import Inbound, Service
-from senseshield.simulation import SimulationConfig, build_clients, client_bootstrap, protect_rng, train_config
+from senseshield.runtime.service import Inbound, Service
+from senseshield.data.shards import shards
+from senseshield.job import Job, train_config
 from senseshield.strategies import ClientContext, build_strategy
 from senseshield.inference import export_onnx, latency, load_session
 from senseshield.training import layout_of
@@ -106,7 +109,7 @@ class RunState:
     """What the agent knows about the current run."""
 
     run_id: str
-    config: SimulationConfig
+    config: Job
     initial: np.ndarray
     input_shape: tuple[int, ...]
     num_classes: int
@@ -263,7 +266,7 @@ class EdgeAgent(Service):
     # ---- joining ------------------------------------------------------------------------
     def _join(self, msg: FleetConfig) -> None:
         """Set up for a new run: data, model, hello, bootstrap vector, synthetic data."""
-        config = SimulationConfig(**msg.config)
+        config = Job(**msg.config)
         strategy = build_strategy(config.strategy, config.options)
         spec = self.data_spec
         index, count = spec.shard if spec.shard is not None else (0, 1)
@@ -278,7 +281,7 @@ class EdgeAgent(Service):
                 f"Dataset {local_config.dataset!r} has inputs {tuple(dataset.input_shape)} and "
                 f"{dataset.num_classes} classes; the run's model needs {tuple(msg.input_shape)} and {msg.num_classes}."
             )
-        data = build_clients(local_config, dataset)[index].data
+        data = shards(local_config, dataset)[index].data
         model = build_model(config.model, tuple(msg.input_shape), msg.num_classes)
         if layout_of(model).size != msg.initial.size:
             raise ConfigError(f"The run's model {config.model!r} has {msg.initial.size} parameters here it has {layout_of(model).size}; versions differ.")

@@ -26,7 +26,7 @@ import numpy as np
 from senseshield.engine.aggregation import decrypt_aggregate
 from senseshield.errors import ConfigError, ProtocolError
 from senseshield.he import SCHEMES, PublicKey, SecretKey
-from senseshield.protocol.messages import (
+from senseshield.runtime.protocol.messages import (
     AggregateRequest,
     AggregateResult,
     ClusterModel,
@@ -35,8 +35,8 @@ from senseshield.protocol.messages import (
     aggregate_from_message,
 )
 from senseshield.rounds import apply_mean
-from senseshield.service import Inbound, Service
-from senseshield.simulation import SimulationConfig, effective_scheme
+from senseshield.runtime.service import Inbound, Service
+from senseshield.job import Job, effective_scheme
 from senseshield.strategies import build_strategy
 
 log = logging.getLogger("senseshield.keyserver")
@@ -106,7 +106,7 @@ class KeyServer(Service):
         self.min_contributors = min_contributors
         self.threads = threads if threads is not None else (os.cpu_count() or 1)
         self.run_id: str | None = None
-        self.config: SimulationConfig | None = None
+        self.config: Job | None = None
         self.secret: SecretKey | None = None
         self.public: PublicKey | None = None
         self.initial: np.ndarray | None = None
@@ -122,7 +122,7 @@ class KeyServer(Service):
             raise ProtocolError(f"fleet/config from {item.sender!r}; only the coordinator may set it.")
         if msg.run_id == self.run_id:
             return
-        config = SimulationConfig(**msg.config)
+        config = Job(**msg.config)
         scheme = effective_scheme(config, build_strategy(config.strategy, config.options))
         self.run_id, self.config, self.initial = msg.run_id, config, msg.initial.copy()
         self.models, self.results = {}, {}

@@ -345,7 +345,7 @@ def export_onnx(
     if used == "dynamo":
         data = _export_dynamo(model, shape, opset)
     data = _finish_proto(data, {
-        "senseshield.fleet": fleet,
+        "senseshield.runtime.fleet": fleet,
         "senseshield.cluster": str(int(cluster)),
         "senseshield.round": str(int(round)),
         "senseshield.model": model_name,
@@ -827,7 +827,7 @@ def predict_command(
     top: int = typer.Option(3, "--top", min=1, help="Classes shown per sample in the table."),
 ) -> None:
     """Classify INPUT with an exported model (onnxruntime, CPU) and print class and scores."""
-    from senseshield.cli_common import fail, out
+    from senseshield.cli.common import fail, out
 
     try:
         session = load_session(model, threads=threads)
@@ -891,7 +891,7 @@ def export_command(
     ),
 ) -> None:
     """Export a cluster's model of a fleet run to ONNX (opset 18) with a JSON sidecar."""
-    from senseshield.cli_common import console, fail
+    from senseshield.cli.common import console, fail
 
     try:
         sidecar, _ = export_run(run, cluster, round, out)

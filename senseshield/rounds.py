@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -28,6 +29,7 @@ from senseshield.engine.aggregation import ProtectedUpdate, protect_update
 from senseshield.engine.budgets import sigma_for_epsilon
 from senseshield.engine.clustering import noisy_mean, normalise_rows
 from senseshield.engine.sensitivity import SCORES, Score
+from senseshield.data.shards import LocalData  # a device's data; importable from here too
 from senseshield.errors import ConfigError
 from senseshield.he.base import PublicKey
 from senseshield.strategies import ClientContext, MaskChoice, Strategy
@@ -43,20 +45,8 @@ from senseshield.training import (
     train_local,
 )
 
-
-@dataclass(frozen=True)
-class LocalData:
-    """A device's data: its training set and its own test split."""
-
-    x_train: np.ndarray
-    y_train: np.ndarray
-    x_test: np.ndarray
-    y_test: np.ndarray
-
-    @property
-    def n_train(self) -> int:
-        return len(self.y_train)
-
+if TYPE_CHECKING:
+    from senseshield.job import Job
 
 @dataclass
 class ClientState:
@@ -304,3 +294,23 @@ def choice_report(choice: MaskChoice) -> dict:
 def apply_mean(global_vector: np.ndarray, mean: np.ndarray, *, server_lr: float) -> np.ndarray:
     """W ← W + η_g · mean update (η_g = 1 is FedAvg)."""
     return np.asarray(global_vector, dtype=np.float64) + server_lr * np.asarray(mean, dtype=np.float64)
+
+
+def client_bootstrap(
+    config: Job, strategy: Strategy, model: torch.nn.Module, initial: np.ndarray, data: LocalData, index: int
+) -> np.ndarray | None:
+    """Client ``index``'s bootstrap vector (the same on a device and in the simulator)."""
+    return bootstrap_vector(
+        strategy,
+        model,
+        initial,
+        data,
+        train=TrainConfig(config.bootstrap_epochs, config.batch_size, config.lr, threads=config.train_threads),
+        seed=client_seed(config.seed, 0, index),
+        rng=np.random.default_rng([config.seed, 7, index]),
+    )
+
+
+def protect_rng(seed: int, round: int, index: int) -> np.random.Generator:
+    """The generator of client ``index``'s privatisation noise in ``round``."""
+    return np.random.default_rng([seed, 3, round, index])

@@ -1,6 +1,6 @@
 """A real Mosquitto broker for the tests, on a free loopback port (no mock transport).
 
-The class is the project's own (:class:`senseshield.broker.MosquittoProcess`, which trials
+The class is the project's own (:class:`senseshield.runtime.broker.MosquittoProcess`, which trials
 use too); this module keeps the names the tests import.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-from senseshield.broker import MosquittoProcess
-from senseshield.broker import mosquitto_binary as _find
+from senseshield.runtime.broker import MosquittoProcess
+from senseshield.runtime.broker import mosquitto_binary as _find
 
 
 def mosquitto_binary() -> str:

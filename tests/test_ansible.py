@@ -30,7 +30,7 @@ import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
 from senseshield.errors import ConfigError
-from senseshield.transport import Link, check_security, parse_broker
+from senseshield.runtime.transport import Link, check_security, parse_broker
 from tests.broker import free_port, mosquitto_binary
 
 ANSIBLE_DIR = Path(__file__).resolve().parents[1] / "deploy" / "ansible"

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from senseshield.determinism import Trace, first_difference, mask_digest
-from senseshield.simulation import SimulationConfig, run_simulation
+from senseshield.job import Job
+from senseshield.simulation import run_simulation
 
 
 def _trace() -> Trace:
@@ -56,7 +57,7 @@ def test_mask_digest_ignores_an_empty_withheld_zone():
 
 
 def test_the_simulator_repeats_itself_and_training_threads_are_part_of_the_run():
-    config = SimulationConfig(strategy="sensecrypt", partition="categories:2", clients=4, rounds=2,
+    config = Job(strategy="sensecrypt", partition="categories:2", clients=4, rounds=2,
                               key_bits=1024, bandwidth=[50, 30], cpu=[24, 8])
     a = run_simulation(config, trace=True).trace
     b = run_simulation(config, trace=True).trace

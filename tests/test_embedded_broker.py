@@ -21,10 +21,10 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
-from senseshield.broker import EmbeddedBroker
+from senseshield.runtime.broker import EmbeddedBroker
 from senseshield.errors import ConfigError
-from senseshield.protocol import encode_frame
-from senseshield.transport import Link
+from senseshield.runtime.protocol import encode_frame
+from senseshield.runtime.transport import Link
 
 PROTOCOL = EmbeddedBroker.protocol
 
@@ -133,8 +133,8 @@ def test_last_will_marks_a_killed_process_offline(broker):
     rx, inbox = listener(broker.url, suffix="agents/+/status")
     child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import time
-        from senseshield.protocol import encode_frame
-        from senseshield.transport import Link
+        from senseshield.runtime.protocol import encode_frame
+        from senseshield.runtime.transport import Link
         will = encode_frame(schema="status", version=1, fleet="lab", sender="pi-1", round=0,
                             fields={{"online": False}})
         link = Link("{broker.url}", client_id="pi-1", fleet="lab", on_frame=lambda t, f: None,

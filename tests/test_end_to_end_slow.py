@@ -5,7 +5,8 @@ import warnings
 import numpy as np
 import pytest
 
-from senseshield.simulation import SimulationConfig, run_simulation
+from senseshield.job import Job
+from senseshield.simulation import run_simulation
 
 pytestmark = pytest.mark.slow
 
@@ -19,8 +20,8 @@ def test_sensecrypt_clustering_restores_accuracy_on_non_iid_digits():
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        sense = run_simulation(SimulationConfig(strategy="sensecrypt", **base))
-        plain = run_simulation(SimulationConfig(strategy="plaintext", **base))
+        sense = run_simulation(Job(strategy="sensecrypt", **base))
+        plain = run_simulation(Job(strategy="plaintext", **base))
     assert sense.num_clusters == 4 and sense.cluster_ari == pytest.approx(1.0)
     sense_acc = np.array([c.accuracy for c in sense.clients])
     plain_acc = np.array([c.accuracy for c in plain.clients])

@@ -1,7 +1,7 @@
 """The fleet runtime end to end: real Mosquitto (or the embedded broker), real OS processes.
 
 Each test starts a key server, a coordinator and a few agents as processes through
-:class:`senseshield.fleet.Fleet`; models are small so a run takes seconds.
+:class:`senseshield.runtime.fleet.Fleet`; models are small so a run takes seconds.
 """
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ import numpy as np
 import pytest
 
 from senseshield.determinism import first_difference, fleet_trace
-from senseshield.fleet import Fleet, FleetOptions, fleet_up
-from senseshield.protocol import encode_frame
-from senseshield.protocol.messages import Hello, Notice, UpdateMessage, from_frame, to_frame
-from senseshield.simulation import SimulationConfig, run_simulation
+from senseshield.runtime.fleet import Fleet, FleetOptions, fleet_up
+from senseshield.runtime.protocol import encode_frame
+from senseshield.runtime.protocol.messages import Hello, Notice, UpdateMessage, from_frame, to_frame
+from senseshield.job import Job
+from senseshield.simulation import run_simulation
 from senseshield.strategies import StrategyOptions
-from senseshield.transport import Link
+from senseshield.runtime.transport import Link
 
 
 def wait_for(condition, timeout: float = 120.0) -> None:  # noqa: ANN001
@@ -44,7 +45,7 @@ class Capture:
         import paho.mqtt.client as mqtt
         from paho.mqtt.enums import CallbackAPIVersion
 
-        from senseshield.transport import parse_broker
+        from senseshield.runtime.transport import parse_broker
 
         self.payloads: list[tuple[str, bytes]] = []
         host, port = parse_broker(url)
@@ -69,7 +70,7 @@ class Capture:
     ],
 )
 def test_fleet_ends_with_the_simulators_model(mosquitto, tmp_path, strategy, model, partition, extra):
-    config = SimulationConfig(strategy=strategy, model=model, partition=partition, clients=4, rounds=2,
+    config = Job(strategy=strategy, model=model, partition=partition, clients=4, rounds=2,
                               bandwidth=[50, 30], cpu=[24, 8], **extra)
     capture = Capture(mosquitto.url, "same")
     report = fleet_up(config, FleetOptions(agents=4, out=tmp_path, broker=mosquitto.url, fleet="same",
@@ -120,7 +121,7 @@ def test_faults_are_rejected_and_a_killed_agent_only_delays_its_round(mosquitto,
     """Malformed, oversized, wrong-version, wrong-round and wrong-fleet messages are rejected
     with a logged reason; an agent killed mid-round makes the round close at its deadline;
     an agent holding another public key id is refused."""
-    config = SimulationConfig(strategy="plaintext", model="linear", clients=3, rounds=3)
+    config = Job(strategy="plaintext", model="linear", clients=3, rounds=3)
     options = FleetOptions(agents=3, out=tmp_path, broker=mosquitto.url, fleet="faults", round_deadline=8,
                            min_contributors=1, extra_agent_args={"c002": ["--kill-at-round", "2"]},
                            extra_coordinator_args=["--max-message-mb", "0.5"])
@@ -166,7 +167,7 @@ def test_faults_are_rejected_and_a_killed_agent_only_delays_its_round(mosquitto,
 
 
 def test_a_broker_restart_mid_run_is_survived(mosquitto, tmp_path):
-    config = SimulationConfig(strategy="plaintext", model="linear", clients=3, rounds=4)
+    config = Job(strategy="plaintext", model="linear", clients=3, rounds=4)
     options = FleetOptions(agents=3, out=tmp_path, broker=mosquitto.url, fleet="restart", round_deadline=60,
                            min_contributors=1)
     with Fleet(config, options) as fleet:
@@ -184,7 +185,7 @@ def test_a_broker_restart_mid_run_is_survived(mosquitto, tmp_path):
 
 
 def test_a_restarted_coordinator_resumes_from_its_checkpoint(mosquitto, tmp_path):
-    config = SimulationConfig(strategy="plaintext", model="linear", clients=3, rounds=4)
+    config = Job(strategy="plaintext", model="linear", clients=3, rounds=4)
     options = FleetOptions(agents=3, out=tmp_path, broker=mosquitto.url, fleet="resume", round_deadline=60,
                            min_contributors=1)
     with Fleet(config, options) as fleet:
@@ -261,7 +262,7 @@ def _run_id(url: str, fleet: str, timeout: float = 30) -> str:
 
 
 def _update(size: int = 650) -> UpdateMessage:
-    from senseshield.protocol.messages import pack_mask
+    from senseshield.runtime.protocol.messages import pack_mask
 
     mask = np.zeros(size, dtype=bool)
     return UpdateMessage(cluster=0, n_samples=10, size=size, mask=pack_mask(mask), withheld=np.zeros(0, np.uint8),

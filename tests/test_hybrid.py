@@ -9,7 +9,8 @@ import pytest
 from senseshield.engine.zones import client_zones, consensus_zone, local_mask
 from senseshield.he import generate_keys
 from senseshield.rounds import ClientState, LocalUpdate, keep_personal, merge_personal, protect_local
-from senseshield.simulation import SimulationConfig, run_simulation
+from senseshield.job import Job
+from senseshield.simulation import run_simulation
 from senseshield.strategies import ClientContext, StrategyOptions, build_strategy
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -19,7 +20,7 @@ def _run(strategy, **options):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return run_simulation(
-            SimulationConfig(
+            Job(
                 strategy=strategy, dataset="synthetic", model="linear", clients=3, rounds=2, batch_size=32,
                 partition="dirichlet:0.5", local_epochs=1, options=StrategyOptions(**options),
             )

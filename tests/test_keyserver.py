@@ -12,7 +12,7 @@ import pytest
 from keyserver.service import KeyServer
 from senseshield.engine.aggregation import aggregate_updates, protect_update
 from senseshield.he import SCHEMES
-from senseshield.protocol.messages import (
+from senseshield.runtime.protocol.messages import (
     AggregateResult,
     ClusterModel,
     FleetConfig,
@@ -21,8 +21,8 @@ from senseshield.protocol.messages import (
     from_frame,
     to_frame,
 )
-from senseshield.simulation import SimulationConfig
-from senseshield.transport import Link
+from senseshield.job import Job
+from senseshield.runtime.transport import Link
 
 
 @pytest.fixture
@@ -62,7 +62,7 @@ class Peer:
 
 
 def _config(strategy: str, size: int) -> FleetConfig:
-    config = SimulationConfig(strategy=strategy, model="linear", clients=2, key_bits=1024,
+    config = Job(strategy=strategy, model="linear", clients=2, key_bits=1024,
                               scheme="packed-paillier" if strategy != "plaintext" else None)
     return FleetConfig(run_id="run-1", config=config.model_dump(mode="json"), input_shape=[1, 8, 8],
                        num_classes=10, round_deadline=30, initial=np.zeros(size))

@@ -8,8 +8,8 @@ import pytest
 from senseshield.engine.aggregation import aggregate_updates, decrypt_aggregate, protect_update
 from senseshield.errors import KeyMismatchError, ProtocolError
 from senseshield.he import generate_keys
-from senseshield.protocol import decode_frame, encode_frame
-from senseshield.protocol.messages import (
+from senseshield.runtime.protocol import decode_frame, encode_frame
+from senseshield.runtime.protocol.messages import (
     MESSAGES,
     AggregateRequest,
     ClusterModel,
@@ -140,7 +140,7 @@ def test_section_of_the_wrong_dtype_is_refused():
 
 
 def test_every_message_is_registered_once():
-    from senseshield.protocol.messages import Message
+    from senseshield.runtime.protocol.messages import Message
 
     classes = Message.__subclasses__()
     assert sorted(MESSAGES.names()) == sorted(c.schema_name for c in classes)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import array_shapes, arrays
 
 from senseshield.errors import ProtocolError
-from senseshield.protocol import Reassembler, decode_frame, encode_frame, split_frame
+from senseshield.runtime.protocol import Reassembler, decode_frame, encode_frame, split_frame
 
 numeric = st.sampled_from([np.float32, np.float64, np.int64, np.uint8, np.bool_])
 

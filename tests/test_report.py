@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from senseshield.cli import app
-from senseshield.report import agent_segments, render_any, straggling_summary
+from senseshield.trials.report import agent_segments, render_any, straggling_summary
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

@@ -9,14 +9,14 @@ from sklearn.metrics import adjusted_rand_score
 
 from senseshield.data import load_dataset
 from senseshield.models import build_model
-from senseshield.simulation import SimulationConfig, bootstrap_reports, build_clients, run_simulation
+from senseshield.simulation import Job, bootstrap_reports, build_clients, run_simulation
 from senseshield.strategies import STRATEGIES, StrategyOptions, build_strategy
 from senseshield.training import get_vector
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
-def _quick(strategy: str, **overrides) -> SimulationConfig:
+def _quick(strategy: str, **overrides) -> Job:
     base = dict(
         strategy=strategy,
         dataset="synthetic",
@@ -30,7 +30,7 @@ def _quick(strategy: str, **overrides) -> SimulationConfig:
         options=StrategyOptions(he_ratio=0.2),
     )
     base.update(overrides)
-    return SimulationConfig(**base)
+    return Job(**base)
 
 
 @pytest.mark.parametrize("name", STRATEGIES.names())
@@ -100,7 +100,7 @@ def test_sensecrypt_per_client_budgets_follow_profiles():
 @pytest.mark.parametrize("epsilon", [None, 1.0])
 def test_clustering_recovers_planted_categories_on_digits(epsilon):
     """SenseCrypt sec. 3.1 / App. G: 20 clients, categories:4, ARI >= 0.9 (with and without DP)."""
-    config = SimulationConfig(
+    config = Job(
         strategy="sensecrypt",
         dataset="digits",
         model="mlp",

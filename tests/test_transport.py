@@ -13,8 +13,8 @@ import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
 from senseshield.errors import ConfigError
-from senseshield.protocol import encode_frame
-from senseshield.transport import Link, parse_broker, topic
+from senseshield.runtime.protocol import encode_frame
+from senseshield.runtime.transport import Link, parse_broker, topic
 from tests.broker import Mosquitto
 
 
@@ -79,8 +79,8 @@ def test_last_will_marks_a_killed_process_offline(mosquitto):
     rx, inbox = listener(mosquitto.url, suffix="agents/+/status")
     child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import time
-        from senseshield.protocol import encode_frame
-        from senseshield.transport import Link
+        from senseshield.runtime.protocol import encode_frame
+        from senseshield.runtime.transport import Link
         will = encode_frame(schema="status", version=1, fleet="lab", sender="pi-1", round=0,
                             fields={{"online": False}})
         link = Link("{mosquitto.url}", client_id="pi-1", fleet="lab", on_frame=lambda t, f: None,

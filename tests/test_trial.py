@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 from edge_agent.profile import load_profile
 from senseshield.cli import app
 from senseshield.errors import ConfigError
-from senseshield.trial import (
+from senseshield.trials.trial import (
     Capabilities,
     DeviceClass,
     Emulation,

@@ -1,7 +1,7 @@
-"""One MQTT connection of a SenseShield process, speaking :mod:`senseshield.protocol` frames.
+"""One MQTT connection of a SenseShield process, speaking :mod:`senseshield.runtime.protocol` frames.
 
 Thin on purpose: paho-mqtt (MQTT 5 by default, 3.1.1 for brokers without 5 such as the
-embedded amqtt one of :mod:`senseshield.broker`; QoS 1, ``CallbackAPIVersion.VERSION2``)
+embedded amqtt one of :mod:`senseshield.runtime.broker`; QoS 1, ``CallbackAPIVersion.VERSION2``)
 does the network; this class adds the fleet's topic prefix, chunking of large frames,
 reassembly, decoding with every check of the envelope, and the rule that a bad message is
 logged, counted and dropped but never stops the process. paho reconnects by itself after a broker
@@ -30,15 +30,15 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 
 from senseshield.errors import ConfigError, ProtocolError
-from senseshield.protocol import CHUNK_SCHEMA, Frame, Reassembler, decode_frame, split_frame
-from senseshield.protocol.envelope import DEFAULT_MAX_FRAME_BYTES
+from senseshield.runtime.protocol import CHUNK_SCHEMA, Frame, Reassembler, decode_frame, split_frame
+from senseshield.runtime.protocol.envelope import DEFAULT_MAX_FRAME_BYTES
 
 PREFIX = "ss/v1"
 PROTOCOLS = {"5": mqtt.MQTTv5, "3.1.1": mqtt.MQTTv311}  # MQTT version -> paho constant
 DEFAULT_CHUNK_BYTES = 1 << 20  # well under every broker's default message limit
 DEFAULT_PORTS = {"mqtt": 1883, "mqtts": 8883}  # URL scheme -> default port (mqtts: TLS)
 
-log = logging.getLogger("senseshield.transport")
+log = logging.getLogger("senseshield.runtime.transport")
 FrameHandler = Callable[[str, Frame], None]
 
 

@@ -30,11 +30,11 @@ attack_app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-from senseshield.cli_common import console, out  # noqa: E402
-from senseshield.cli_common import fail as _fail  # noqa: E402
-from senseshield.cli_common import numbers as _numbers  # noqa: E402
-from senseshield.cli_common import progress_bar as _progress  # noqa: E402
-from senseshield.cli_common import validation_sentence as _validation_sentence  # noqa: E402
+from senseshield.cli.common import console, out  # noqa: E402
+from senseshield.cli.common import fail as _fail  # noqa: E402
+from senseshield.cli.common import numbers as _numbers  # noqa: E402
+from senseshield.cli.common import progress_bar as _progress  # noqa: E402
+from senseshield.cli.common import validation_sentence as _validation_sentence  # noqa: E402
 
 
 def _reporter(bar: Progress):  # type: ignore[no-untyped-def]

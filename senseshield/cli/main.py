@@ -24,16 +24,16 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-from senseshield.cli_attack import attack_app  # noqa: E402
+from senseshield.cli.attack import attack_app  # noqa: E402
 
 app.add_typer(attack_app, name="attack")
-from senseshield.cli_check import check_app  # noqa: E402
+from senseshield.cli.check import check_app  # noqa: E402
 
 app.add_typer(check_app, name="check")
-from senseshield.cli_common import console, out  # noqa: E402
-from senseshield.cli_common import fail as _fail  # noqa: E402
-from senseshield.cli_common import progress_bar  # noqa: E402
-from senseshield.cli_common import validation_sentence as _validation_sentence  # noqa: E402
+from senseshield.cli.common import console, out  # noqa: E402
+from senseshield.cli.common import fail as _fail  # noqa: E402
+from senseshield.cli.common import progress_bar  # noqa: E402
+from senseshield.cli.common import validation_sentence as _validation_sentence  # noqa: E402
 
 
 def _floats(text: Optional[str], flag: str) -> Optional[list[float]]:
@@ -123,7 +123,8 @@ def simulate(
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
 ) -> None:
     """Run a strategy in one process with real training and real encryption."""
-    from senseshield.simulation import SimulationConfig, run_simulation
+    from senseshield.job import Job
+    from senseshield.simulation import run_simulation
     from senseshield.strategies import StrategyOptions
 
     profiles = _profile_file(profile_file) if profile_file else {}
@@ -148,7 +149,7 @@ def simulate(
             rho_tot=rho_tot,
             synthetic_epsilon=synthetic_epsilon,
         )
-        config = SimulationConfig(
+        config = Job(
             strategy=strategy,
             dataset=dataset,
             model=model,
@@ -221,7 +222,7 @@ def _print_summary(result) -> None:  # type: ignore[no-untyped-def]
     )
 
 
-from senseshield.cli_compare import compare as _compare  # noqa: E402
+from senseshield.cli.compare import compare as _compare  # noqa: E402
 
 app.command(name="compare")(_compare)
 
@@ -273,7 +274,7 @@ app.command(name="export")(_export)
 fleet_app = typer.Typer(help="Run a fleet of real processes on this machine.", no_args_is_help=True)
 app.add_typer(fleet_app, name="fleet")
 
-from senseshield import cli_run as _run  # noqa: E402
+from senseshield.cli import run as _run  # noqa: E402
 
 
 @fleet_app.command("up")
@@ -304,8 +305,8 @@ def fleet_up(
 ) -> None:
     """Start a broker (embedded unless --broker), the key server, the coordinator and N agents
     as OS processes; run the job; write DIR/report.json; print a summary."""
-    from senseshield.fleet import FleetOptions
-    from senseshield.fleet import fleet_up as _fleet_up
+    from senseshield.runtime.fleet import FleetOptions
+    from senseshield.runtime.fleet import fleet_up as _fleet_up
 
     if agents < 1:
         _fail(f"--agents {agents} is not allowed; a fleet needs at least 1 agent.")
@@ -317,7 +318,7 @@ def fleet_up(
         train_threads=train_threads,
     )
     if broker is not None:
-        from senseshield.transport import parse_broker
+        from senseshield.runtime.transport import parse_broker
 
         try:
             parse_broker(broker)
@@ -346,9 +347,9 @@ def fleet_up(
         except ConfigError as exc:
             bar.stop()
             _fail(str(exc))
-    from senseshield.simulation import SimulationResult
+    from senseshield.results import RunResult
 
-    _print_summary(SimulationResult.model_validate(report))
+    _print_summary(RunResult.model_validate(report))
     _print_phases(report)
     console.print(f"wrote {out_dir / 'report.json'} (logs in {out_dir / 'logs'})")
 
@@ -411,7 +412,7 @@ def trial_run(
 ) -> None:
     """Run a trial: broker, key server, coordinator and emulated agents as OS processes, every
     run of the trial file in turn on the same fleet and data; write DIR/trial.json."""
-    from senseshield.trial import load_trial, run_trial
+    from senseshield.trials.trial import load_trial, run_trial
 
     try:
         spec = load_trial(trial_file)
@@ -451,7 +452,7 @@ def trial_run(
             raise typer.Exit(130)
     _print_trial(trial)
     if report:
-        from senseshield.report import render_trial
+        from senseshield.trials.report import render_trial
 
         page = render_trial(out_dir)
         console.print(f"wrote {page}")
@@ -461,7 +462,7 @@ def trial_run(
 @trial_app.command("cleanup")
 def trial_cleanup() -> None:
     """Remove network namespaces, links and cgroups left by trials that were killed."""
-    from senseshield.trial import cleanup_stale, leftovers
+    from senseshield.trials.trial import cleanup_stale, leftovers
 
     removed = cleanup_stale(lambda m: console.print(m, highlight=False))
     still = leftovers()
@@ -495,7 +496,7 @@ def report_command(
                                             metavar="DIR")],
 ) -> None:
     """Render DIR/report.json (or a trial's DIR/trial.json) into DIR/report.html with PNG plots."""
-    from senseshield.report import render_any
+    from senseshield.trials.report import render_any
 
     try:
         page = render_any(run_dir)

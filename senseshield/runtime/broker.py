@@ -1,7 +1,7 @@
 """An in-process MQTT broker (amqtt) so that ``senseshield fleet up`` needs nothing installed.
 
 amqtt 0.12 is an MQTT **3.1.1** broker only: a CONNECT with protocol level 5 is refused
-(CONNACK "unacceptable protocol version"). A :class:`~senseshield.transport.Link` to this
+(CONNACK "unacceptable protocol version"). A :class:`~senseshield.runtime.transport.Link` to this
 broker must therefore be made with ``protocol=EmbeddedBroker.protocol`` ("3.1.1").
 
 The broker runs on its own asyncio loop in a daemon thread, listens on the loopback by
@@ -10,7 +10,7 @@ memory: a restart starts empty, like a Mosquitto with ``persistence false``.
 
 amqtt has no message size limit of its own (it would read a 256 MB PUBLISH into memory);
 this wrapper adds one (``max_message_bytes``, 32 MB by default: room for a
-:class:`~senseshield.transport.Link`'s 1 MB chunks and for its unchunked retained frames of
+:class:`~senseshield.runtime.transport.Link`'s 1 MB chunks and for its unchunked retained frames of
 up to ``Link.max_retained_bytes``, 16 MB). A client that sends a larger packet is
 disconnected (its last will, if any, is published), as Mosquitto does with
 ``message_size_limit``.
@@ -39,7 +39,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from amqtt.adapters import StreamReaderAdapter, StreamWriterAdapter
 from amqtt.broker import Broker
 
-log = logging.getLogger("senseshield.broker")
+log = logging.getLogger("senseshield.runtime.broker")
 
 DEFAULT_MAX_MESSAGE_BYTES = 32 << 20  # > Link.max_retained_bytes (16 MB) + headers
 
@@ -158,7 +158,7 @@ class EmbeddedBroker:
     ...     link = Link(broker.url, ..., protocol=EmbeddedBroker.protocol)
     """
 
-    #: the MQTT version a :class:`~senseshield.transport.Link` must speak with this broker
+    #: the MQTT version a :class:`~senseshield.runtime.transport.Link` must speak with this broker
     protocol = "3.1.1"
 
     def __init__(

@@ -70,7 +70,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def run_compare(strategies: list[str], base, out_dir: Path, progress=None) -> list[dict]:  # type: ignore[no-untyped-def]
-    """Run each strategy with ``base`` (a SimulationConfig) changed only in its strategy."""
+    """Run each strategy with ``base`` (a Job) changed only in its strategy."""
     from senseshield.simulation import run_simulation
 
     if not strategies:
@@ -117,14 +117,16 @@ def compare(
     """Run several strategies on the same data, partition and seed; write JSON, Markdown, PNG."""
     from pydantic import ValidationError
 
-    from senseshield.cli import _fail, _validation_sentence, out
-    from senseshield.simulation import SimulationConfig
+    from senseshield.cli.common import fail as _fail
+    from senseshield.cli.common import out
+    from senseshield.cli.common import validation_sentence as _validation_sentence
+    from senseshield.job import Job
     from senseshield.strategies import StrategyOptions
 
     names = [s.strip() for s in strategies.split(",") if s.strip()]
     try:
         options = StrategyOptions(he_ratio=he_ratio, tau=tau, rho=rho, clip=clip, sigma=sigma, target_epsilon=target_epsilon, delta=delta)
-        base = SimulationConfig(
+        base = Job(
             strategy=names[0] if names else "plaintext", dataset=dataset, model=model, clients=clients, rounds=rounds,
             local_epochs=local_epochs, batch_size=batch_size, lr=lr, partition=partition, seed=seed,
             key_bits=key_bits, options=options,

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from senseshield.engine.aggregation import EncryptedAggregate, ProtectedUpdate
 from senseshield.errors import ProtocolError
 from senseshield.he.base import PublicKey
-from senseshield.protocol.envelope import Frame, encode_frame
+from senseshield.runtime.protocol.envelope import Frame, encode_frame
 from senseshield.registry import Registry
 
 
@@ -145,7 +145,7 @@ class BootstrapVector(Message):
 class FleetConfig(Message):
     """``fleet/config`` (retained, coordinator): the run every service and agent follows.
 
-    ``config`` is a :class:`senseshield.simulation.SimulationConfig` as JSON (a fleet run is
+    ``config`` is a :class:`senseshield.job.Job` as JSON (a fleet run is
     the simulation of the same config, run by processes); ``initial`` is the round-0 model,
     built by the coordinator exactly as the simulator builds it; ``run_id`` is new each run.
     """

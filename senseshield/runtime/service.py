@@ -1,7 +1,7 @@
 """The event loop the three fleet services share: one MQTT link, handlers on one thread.
 
 paho delivers messages on its network thread; :class:`Service` decodes them there (every
-envelope and schema check of :mod:`senseshield.protocol`, so a bad frame is rejected before
+envelope and schema check of :mod:`senseshield.runtime.protocol`, so a bad frame is rejected before
 it is queued) and queues typed messages. The service's own thread takes them in order and
 calls the handler registered for the message class, so handlers never race and long work
 (training, decryption) never blocks the network thread's keepalives.
@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from senseshield.errors import ConfigError, KeyMismatchError, ProtocolError
-from senseshield.protocol import Frame
-from senseshield.protocol.envelope import DEFAULT_MAX_FRAME_BYTES
-from senseshield.protocol.messages import Message, Status, from_frame, to_frame
-from senseshield.transport import PREFIX, Link
+from senseshield.runtime.protocol import Frame
+from senseshield.runtime.protocol.envelope import DEFAULT_MAX_FRAME_BYTES
+from senseshield.runtime.protocol.messages import Message, Status, from_frame, to_frame
+from senseshield.runtime.transport import PREFIX, Link
 
 M = TypeVar("M", bound=Message)
 

@@ -14,7 +14,7 @@ from typing import Annotated, Optional
 import typer
 from pydantic import ValidationError
 
-from senseshield.cli_common import fail, validation_sentence
+from senseshield.cli.common import fail, validation_sentence
 from senseshield.errors import ConfigError
 
 PASSWORD_ENV = "SENSESHIELD_MQTT_PASSWORD"
@@ -62,14 +62,14 @@ def build_run_config(
     local_epochs: int, batch_size: int, lr: float, scheme: str | None, key_bits: int,
     clients: int, sets: list[str] | None, bandwidth: list[float] | None = None, cpu: list[float] | None = None,
     train_threads: int = 1,
-):  # -> SimulationConfig
-    """The run's :class:`SimulationConfig`; user mistakes end in one sentence (exit 2)."""
-    from senseshield.simulation import SimulationConfig
+):  # -> Job
+    """The run's :class:`Job`; user mistakes end in one sentence (exit 2)."""
+    from senseshield.job import Job
     from senseshield.strategies import StrategyOptions
 
     try:
         options = StrategyOptions(**parse_sets(sets))
-        return SimulationConfig(
+        return Job(
             strategy=strategy, rounds=rounds, dataset=dataset, model=model, partition=partition,
             seed=seed, local_epochs=local_epochs, batch_size=batch_size, lr=lr, scheme=scheme,
             key_bits=key_bits, clients=clients, bandwidth=bandwidth, cpu=cpu, options=options,
@@ -90,7 +90,7 @@ def check_mqtt(version: str) -> str:
 def mqtt_security(
     broker: str, *, ca_file: Path | None, username: str | None, password_file: Path | None,
 ) -> dict[str, object]:
-    """Keyword arguments of :meth:`senseshield.transport.Link.secure` from the CLI options.
+    """Keyword arguments of :meth:`senseshield.runtime.transport.Link.secure` from the CLI options.
 
     The password comes from ``password_file`` (its first line, so it never shows in ``ps``)
     or else from ``$SENSESHIELD_MQTT_PASSWORD``. Mistakes (a TLS URL without a CA file, a
@@ -98,7 +98,7 @@ def mqtt_security(
     """
     import os
 
-    from senseshield.transport import check_security
+    from senseshield.runtime.transport import check_security
 
     password: str | None = None
     if password_file is not None:

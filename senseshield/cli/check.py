@@ -12,8 +12,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from senseshield import cli_run as _run
-from senseshield.cli_common import console, fail, out, progress_bar
+from senseshield.cli import run as _run
+from senseshield.cli.common import console, fail, out, progress_bar
 from senseshield.errors import ConfigError
 
 check_app = typer.Typer(help="Checks of the project's promises on this machine.", no_args_is_help=True)
@@ -40,9 +40,10 @@ def determinism(
     import warnings
 
     from senseshield.determinism import describe, first_difference, fleet_trace
-    from senseshield.fleet import FleetOptions, fleet_up
+    from senseshield.runtime.fleet import FleetOptions, fleet_up
     from senseshield.he import SCHEMES
-    from senseshield.simulation import effective_scheme, run_simulation
+    from senseshield.job import effective_scheme
+    from senseshield.simulation import run_simulation
     from senseshield.strategies import build_strategy
 
     if agents < 1:

@@ -13,7 +13,7 @@ the rounds and the round deadline. The trial:
    says at the start what it could not do and runs those parts unconfined;
 2. starts the broker (Mosquitto when installed, else the embedded one; or ``--broker URL``),
    then for every run a key server, a coordinator and the agents as OS processes through
-   :class:`senseshield.fleet.Fleet` (its ``wrap`` hook puts each agent into its cgroup and
+   :class:`senseshield.runtime.fleet.Fleet` (its ``wrap`` hook puts each agent into its cgroup and
    namespace), and waits for the report;
 3. removes everything it created (namespaces, links, the bridge, cgroups, processes) on exit,
    Ctrl-C and SIGTERM included. :func:`cleanup_stale` removes what a killed trial left
@@ -27,7 +27,7 @@ times a real fleet's.
 
 Output: ``DIR/<run label>/`` (the run's report.json, logs/, models/, and report.html),
 ``DIR/profiles/`` (each agent's emulated profile), ``DIR/trial.json`` (the comparison) and,
-after :func:`senseshield.report.render_trial`, ``DIR/report.html``.
+after :func:`senseshield.trials.report.render_trial`, ``DIR/report.html``.
 """
 
 from __future__ import annotations
@@ -53,10 +53,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from edge_agent.profile import DeviceProfile, load_profile
-from senseshield.broker import MosquittoProcess, mosquitto_binary
+from senseshield.runtime.broker import MosquittoProcess, mosquitto_binary
 from senseshield.errors import ConfigError
 
-log = logging.getLogger("senseshield.trial")
+log = logging.getLogger("senseshield.trials.trial")
 
 Say = Callable[[str], None]
 Progress = Callable[[str, str, int, int], None]  # run label, phase, done, total
@@ -70,6 +70,8 @@ speed, so short phases (training a small model, a mask solve) would not be slowe
 with 10 ms a burst is under 2 ms. Shares below 0.1 get a longer period (the quota floor is 1 ms)."""
 TRIAL_SUBDIR = "trials"
 
+
+PROFILES_DIR = Path(__file__).resolve().parents[2] / "profiles"  # the repository's device classes
 
 # ---- profiles and trial files ---------------------------------------------------------------
 
@@ -89,7 +91,7 @@ class DeviceClass(DeviceProfile):
 
 def device_class_files(folder: Path | None = None) -> list[Path]:
     """The device-class YAML files of the repository's ``profiles/`` (not its subfolders)."""
-    folder = folder or Path(__file__).resolve().parent.parent / "profiles"
+    folder = folder or PROFILES_DIR
     return sorted(p for p in folder.glob("*.yaml") if p.stem != "sensecrypt-system-heterogeneity")
 
 
@@ -204,7 +206,7 @@ def load_trial(path: Path | str) -> TrialSpec:
     """Read and validate a trial file; mistakes raise one-sentence :class:`ConfigError`."""
     path = Path(path)
     if not path.is_file():
-        candidate = Path(__file__).resolve().parent.parent / "profiles" / TRIAL_SUBDIR / f"{path.name}.yaml"
+        candidate = PROFILES_DIR / TRIAL_SUBDIR / f"{path.name}.yaml"
         if path.suffix == "" and candidate.is_file():
             path = candidate
         else:
@@ -242,7 +244,7 @@ class AgentPlan:
 
 def plan_agents(spec: TrialSpec) -> tuple[list[AgentPlan], float]:
     """The trial's agents (ids c000, c001, ... in fleet order) and the time scale."""
-    from senseshield.fleet import agent_ids
+    from senseshield.runtime.fleet import agent_ids
 
     entries = []
     for entry in spec.fleet:
@@ -705,8 +707,8 @@ def run_trial(
 ) -> dict:
     """Run every run of ``spec`` in turn on the same emulated fleet; returns trial.json's dict.
     Everything created is removed before it returns or raises (Ctrl-C and SIGTERM included)."""
-    from senseshield.fleet import FleetOptions, fleet_up
-    from senseshield.simulation import SimulationConfig
+    from senseshield.runtime.fleet import FleetOptions, fleet_up
+    from senseshield.job import Job
     from senseshield.strategies import StrategyOptions
 
     say = say or (lambda msg: log.info("%s", msg))
@@ -725,7 +727,7 @@ def run_trial(
             sets = dict(run.set)
             if run.budget_mode is not None:
                 sets["budget_mode"] = run.budget_mode
-            configs[run.name] = SimulationConfig(
+            configs[run.name] = Job(
                 strategy=run.strategy, rounds=spec.rounds, dataset=spec.dataset, model=spec.model,
                 partition=spec.partition, seed=spec.seed, local_epochs=local_epochs, batch_size=batch_size,
                 lr=spec.lr, key_bits=spec.key_bits, scheme=run.scheme or spec.scheme, clients=len(plans),
@@ -871,5 +873,5 @@ def _machine() -> dict:
             "hostname": socket.gethostname()}
 
 
-def main_guard() -> None:  # pragma: no cover - used by `python -m senseshield.trial`
+def main_guard() -> None:  # pragma: no cover - used by `python -m senseshield.trials.trial`
     sys.exit("use `senseshield trial run TRIAL.yaml --out DIR`")

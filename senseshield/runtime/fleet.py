@@ -32,7 +32,8 @@ import yaml
 
 from senseshield.data import load_dataset
 from senseshield.errors import ConfigError
-from senseshield.simulation import SimulationConfig, build_clients
+from senseshield.data.shards import shards
+from senseshield.job import Job
 
 Progress = Callable[[str, int, int], None]
 
@@ -65,7 +66,7 @@ def agent_ids(n: int) -> list[str]:
     return [f"c{i:03d}" for i in range(n)]
 
 
-def run_args(config: SimulationConfig) -> list[str]:
+def run_args(config: Job) -> list[str]:
     """The ``coordinator serve`` flags that reproduce ``config``."""
     args = [
         "--strategy", config.strategy, "--rounds", str(config.rounds), "--dataset", config.dataset,
@@ -79,7 +80,7 @@ def run_args(config: SimulationConfig) -> list[str]:
     for name, value in config.options.model_dump().items():
         if value != defaults[name]:
             args += ["--set", f"{name}={'none' if value is None else json.dumps(value)}"]
-    if config.bootstrap_epochs != SimulationConfig().bootstrap_epochs:
+    if config.bootstrap_epochs != Job().bootstrap_epochs:
         raise ConfigError("fleet up runs with the default bootstrap epochs (1).")
     return args
 
@@ -87,7 +88,7 @@ def run_args(config: SimulationConfig) -> list[str]:
 class Fleet:
     """The processes of one local fleet; use as a context manager so they always stop."""
 
-    def __init__(self, config: SimulationConfig, options: FleetOptions, progress: Progress | None = None) -> None:
+    def __init__(self, config: Job, options: FleetOptions, progress: Progress | None = None) -> None:
         if options.agents < 1:
             raise ConfigError(f"--agents {options.agents} is not allowed; a fleet needs at least 1 agent.")
         self.config = config.model_copy(update={"clients": options.agents})
@@ -118,7 +119,7 @@ class Fleet:
             elif stale.is_dir():
                 shutil.rmtree(stale)
         if self.url is None:
-            from senseshield.broker import EmbeddedBroker
+            from senseshield.runtime.broker import EmbeddedBroker
 
             import logging
 
@@ -149,7 +150,7 @@ class Fleet:
         """One profile file per agent with the simulator's bandwidth and CPU speed for it
         (or the files of ``options.agent_profiles``)."""
         dataset = load_dataset(self.config.dataset, seed=self.config.seed)
-        clients = build_clients(self.config, dataset)
+        clients = shards(self.config, dataset)
         self.categories = {c.id: c.category for c in clients}
         given = self.options.agent_profiles
         if given is not None:
@@ -186,8 +187,8 @@ class Fleet:
 
     def _start_observer(self) -> None:
         """A read-only MQTT client that counts finished cluster rounds for the progress bar."""
-        from senseshield.protocol.messages import AggregateResult, Hello, from_frame
-        from senseshield.transport import Link
+        from senseshield.runtime.protocol.messages import AggregateResult, Hello, from_frame
+        from senseshield.runtime.transport import Link
 
         self.seen = {"agents": set(), "rounds": set()}
 
@@ -269,7 +270,7 @@ class Fleet:
         self.processes[name].kill()
 
 
-def fleet_up(config: SimulationConfig, options: FleetOptions, progress: Progress | None = None,
+def fleet_up(config: Job, options: FleetOptions, progress: Progress | None = None,
              timeout: float | None = None) -> dict:
     """Start a local fleet, run ``config`` on it, stop it; returns the report."""
     with Fleet(config, options, progress) as fleet:

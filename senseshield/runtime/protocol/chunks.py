@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from senseshield.errors import ProtocolError
-from senseshield.protocol.envelope import Frame, encode_frame
+from senseshield.runtime.protocol.envelope import Frame, encode_frame
 
 CHUNK_SCHEMA = "chunk"
 

@@ -1,0 +1,161 @@
+"""What a run reports: per round, per client, and the whole run (``simulate --out`` and the
+fleet's ``report.json`` share these field names; they are a contract).
+
+:class:`RoundTally` adds up a round's updates; the simulator and the coordinator both keep
+one, so their records are computed the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from pydantic import BaseModel, PrivateAttr
+
+from senseshield.determinism import Trace
+from senseshield.strategies import Strategy
+
+PHASES = ("train", "sensitivity", "mask", "noise", "encrypt", "aggregate", "decrypt", "evaluate")
+
+
+class RoundRecord(BaseModel):
+    round: int
+    accuracy: float
+    he_ratio_mean: float
+    union_ratio_mean: float
+    bytes_up: int
+    bytes_down: int
+    seconds: float
+    phase_seconds: dict[str, float]
+    infeasible_masks: int
+    violations: list[str] = []  # first violation sentence of each infeasible mask (max 3)
+    participants: int | None = None  # clients sampled this round (Poisson rate q)
+    epsilon: float | None = None  # DP epsilon spent up to and including this round
+    delta: float | None = None
+    zone_ratios: dict[str, float] | None = None  # mean M_enc / M_pers / M_noise (SelectiveShield)
+    round_type: str | None = None  # Alt-FL round type
+    notes: list[str] = []  # e.g. an empty zone, a round nobody was sampled in
+
+
+class ClientRecord(BaseModel):
+    id: str
+    cluster: int
+    category: int | None
+    encryption_budget: float
+    he_ratio: float
+    accuracy: float
+    n_train: int
+    n_test: int
+    bandwidth: float
+    cpu_speed: float
+
+
+class RunResult(BaseModel):
+    """The JSON written by ``senseshield simulate --out`` (field names are a contract)."""
+
+    strategy: str
+    scheme: str | None
+    dataset: str
+    model: str
+    partition: str
+    seed: int
+    num_params: int
+    num_clusters: int
+    cluster_ari: float | None
+    clustering_epsilon: float | None
+    final_accuracy: float
+    seconds_total: float
+    rounds: list[RoundRecord]
+    clients: list[ClientRecord]
+    config: dict
+    machine: dict
+    epsilon: float | None = None  # final DP epsilon (None: the strategy uses no DP)
+    delta: float | None = None
+    noise_multiplier: float | None = None  # sigma used (calibrated when target_epsilon is set)
+    synthetic_epsilon: float | None = None  # epsilon of the DP synthetic-data provider
+    # the final global model of every cluster (float64); not part of the JSON
+    _models: dict[int, np.ndarray] = PrivateAttr(default_factory=dict)
+    _trace: Trace | None = PrivateAttr(default=None)
+
+    @property
+    def models(self) -> dict[int, np.ndarray]:
+        return self._models
+
+    @property
+    def trace(self) -> Trace | None:
+        """What decided the run (``run_simulation(..., trace=True)``), else None."""
+        return self._trace
+
+
+SimulationResult = RunResult  # the name of the simulate --out contract before jobs
+
+
+def weighted_accuracy(pairs: list[tuple[float, int]]) -> float:
+    """Test accuracy over all clients: each client's accuracy weighted by its test-set size."""
+    total = sum(n for _, n in pairs)
+    if total == 0:
+        return 0.0
+    return float(sum(a * n for a, n in pairs) / total)
+
+
+def _round_type(strategy: Strategy, r: int) -> str | None:
+    kind = getattr(strategy, "_kind", None)
+    return kind(r) if kind is not None else None
+
+
+@dataclass
+class RoundTally:
+    """What a round's updates add up to (the simulator and the coordinator both keep one)."""
+
+    phases: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    bytes_up: int = 0
+    bytes_down: int = 0
+    infeasible: int = 0
+    violations: list[str] = field(default_factory=list)
+    union_ratios: list[float] = field(default_factory=list)
+    he_ratios: list[float] = field(default_factory=list)
+    zone_sums: dict[str, list[float]] = field(default_factory=dict)
+    empty_zones: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def add_update(self, client_id: str, timings: dict[str, float], he_ratio: float, nbytes: int, report: dict) -> None:
+        for name, value in report.get("zones", {}).items():
+            self.zone_sums.setdefault(name, []).append(value)
+        for name in report.get("empty_zones", []):
+            self.empty_zones[name] = self.empty_zones.get(name, 0) + 1
+        for phase in ("train", "sensitivity", "mask", "noise", "encrypt"):
+            self.phases[phase] += timings.get(phase, 0.0)
+        if report.get("feasible") is False:
+            self.infeasible += 1
+            if len(self.violations) < 3 and report.get("violations"):
+                self.violations.append(f"{client_id}: {report['violations'][0]}")
+        self.he_ratios.append(he_ratio)
+        self.bytes_up += nbytes
+
+    def record(
+        self, r: int, strategy: Strategy, *, accuracy: float, seconds: float, participants: int,
+        sample_rate: float, epsilon: float | None, delta: float,
+    ) -> RoundRecord:
+        notes = list(self.notes)
+        if not participants:
+            notes.append(f"round {r}: no client was sampled (q={sample_rate}); the model is unchanged")
+        for name, count in sorted(self.empty_zones.items()):
+            notes.append(f"round {r}: the {name} zone is empty for {count} client(s)")
+        return RoundRecord(
+            round=r,
+            accuracy=accuracy,
+            he_ratio_mean=float(np.mean(self.he_ratios)) if self.he_ratios else 0.0,
+            union_ratio_mean=float(np.mean(self.union_ratios)) if self.union_ratios else 0.0,
+            bytes_up=self.bytes_up,
+            bytes_down=self.bytes_down,
+            seconds=seconds,
+            phase_seconds={k: round(v, 6) for k, v in self.phases.items()},
+            infeasible_masks=self.infeasible,
+            violations=self.violations,
+            participants=participants,
+            epsilon=epsilon,
+            delta=delta if epsilon is not None else None,
+            zone_ratios={k: float(np.mean(v)) for k, v in self.zone_sums.items()} or None,
+            round_type=_round_type(strategy, r),
+            notes=notes,
+        )

@@ -1,0 +1,31 @@
+"""The layout shows the architecture: roles never import the simulator, the engine is pure."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def _modules_after_import(module: str) -> set[str]:
+    code = f"import sys, {module}; print('\\n'.join(sorted(sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return set(result.stdout.split())
+
+
+@pytest.mark.parametrize("role", ["coordinator.service", "edge_agent.service", "keyserver.service"])
+def test_services_do_not_import_the_simulator(role):
+    loaded = _modules_after_import(role)
+    assert "senseshield.simulation" not in loaded
+    assert "senseshield.job" in loaded  # what a job is comes from the shared module
+
+
+def test_the_privacy_engine_imports_no_torch_and_no_network():
+    loaded = _modules_after_import("senseshield.engine")
+    assert not {"torch", "paho", "paho.mqtt", "senseshield.runtime"} & loaded
+
+
+def test_the_library_never_imports_a_role():
+    loaded = _modules_after_import("senseshield.cli")
+    assert not {"coordinator", "edge_agent", "keyserver"} & loaded
