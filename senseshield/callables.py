@@ -87,14 +87,19 @@ def _load_module(module_name: str, spec: str) -> ModuleType:
         ) from exc
 
 
-def resolve_import_path(spec: str, *, what: str) -> Callable[..., Any]:
+def resolve_import_path(spec: str, *, what: str, label: str | None = None
+                        ) -> Callable[..., Any]:
     """The callable named by ``spec`` (``module:attr`` or ``file.py:attr``).
 
-    ``what`` says what the callable is for (``"model"``, ``"data loader"``) in messages.
+    ``what`` says what the callable is for (``"model"``, ``"data loader"``) in messages;
+    ``label`` is how the user wrote it, if not ``spec`` (e.g. with a ``python:`` prefix).
     """
     where, _, attr = spec.rpartition(":")
+    spec = label or spec
     if not where or not attr:
-        raise ConfigError(f"{what.capitalize()} {spec!r} is not an import path; give {IMPORT_PATH_FORMS}.")
+        raise ConfigError(
+            f"{what.capitalize()} {spec!r} is not an import path; give {IMPORT_PATH_FORMS}."
+        )
     is_file = where.endswith(".py") or "/" in where or "\\" in where
     module = _load_file(where, spec) if is_file else _load_module(where, spec)
     obj: Any = module
@@ -128,10 +133,10 @@ def call_with_job(
             f"in its arguments."
         )
     try:
-        params = inspect.signature(fn).parameters
+        params = dict(inspect.signature(fn).parameters)
+        takes_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
     except (TypeError, ValueError):  # some builtins have no signature: pass everything
-        params = {}
-    takes_all = not params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+        params, takes_all = {}, True
     keywords = [n for n, p in params.items()
                 if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n not in job]
     unknown = [] if takes_all else sorted(set(args) - set(keywords))
