@@ -27,7 +27,13 @@ from typing import Any
 
 from senseshield.errors import ConfigError
 
-__all__ = ["IMPORT_PATH_FORMS", "call_with_job", "is_import_path", "resolve_import_path"]
+__all__ = [
+    "IMPORT_PATH_FORMS",
+    "call_with_job",
+    "describe_exception",
+    "is_import_path",
+    "resolve_import_path",
+]
 
 #: How an import path is spelled, for error messages.
 IMPORT_PATH_FORMS = "'package.module:callable' or 'path/to/file.py:callable'"
@@ -38,9 +44,10 @@ def is_import_path(spec: str) -> bool:
     return isinstance(spec, str) and ":" in spec
 
 
-def _failure(exc: BaseException) -> str:
+def describe_exception(exc: BaseException) -> str:
+    """``"KeyError ('x')"``: the exception's type and the first line of its message."""
     message = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {message[0]}" if message else type(exc).__name__
+    return f"{type(exc).__name__} ({message[0]})" if message else type(exc).__name__
 
 
 def _load_file(path_text: str, spec: str) -> ModuleType:
@@ -64,7 +71,7 @@ def _load_file(path_text: str, spec: str) -> ModuleType:
     except Exception as exc:
         del sys.modules[name]
         raise ConfigError(
-            f"Loading {path_text!r} for {spec!r} failed with {_failure(exc)}."
+            f"Loading {path_text!r} for {spec!r} failed: {describe_exception(exc)}."
         ) from exc
     return module
 
@@ -72,18 +79,15 @@ def _load_file(path_text: str, spec: str) -> ModuleType:
 def _load_module(module_name: str, spec: str) -> ModuleType:
     try:
         return importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name is not None and (module_name + ".").startswith(exc.name + "."):
+    except Exception as exc:
+        missing = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
+        if missing is not None and (module_name + ".").startswith(missing + "."):
             raise ConfigError(
-                f"Module {module_name!r} of {spec!r} cannot be imported ({exc.name!r} is not "
+                f"Module {module_name!r} of {spec!r} cannot be imported ({missing!r} is not "
                 f"installed or not on sys.path); give {IMPORT_PATH_FORMS}."
             ) from exc
         raise ConfigError(
-            f"Importing module {module_name!r} of {spec!r} failed with {_failure(exc)}."
-        ) from exc
-    except Exception as exc:
-        raise ConfigError(
-            f"Importing module {module_name!r} of {spec!r} failed with {_failure(exc)}."
+            f"Importing module {module_name!r} of {spec!r} failed: {describe_exception(exc)}."
         ) from exc
 
 
@@ -111,7 +115,8 @@ def resolve_import_path(spec: str, *, what: str, label: str | None = None
         obj = getattr(obj, part)
     if not callable(obj):
         raise ConfigError(
-            f"{what.capitalize()} {spec!r} is a {type(obj).__name__}, not a callable."
+            f"{what.capitalize()} {spec!r} is an object of type {type(obj).__name__}, not a "
+            f"callable."
         )
     return obj
 
@@ -152,6 +157,6 @@ def call_with_job(
         raise
     except Exception as exc:
         raise ConfigError(
-            f"{what.capitalize()} {spec!r} raised {_failure(exc)} when called with "
+            f"{what.capitalize()} {spec!r} raised {describe_exception(exc)} when called with "
             f"arguments {sorted({**args, **passed})}."
         ) from exc

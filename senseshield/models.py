@@ -34,6 +34,7 @@ from torch import nn
 from senseshield.callables import (
     IMPORT_PATH_FORMS,
     call_with_job,
+    describe_exception,
     is_import_path,
     resolve_import_path,
 )
@@ -97,11 +98,12 @@ def resolve_model(name: str) -> ModelBuilder:
         builder = ep.load()
     except Exception as exc:
         raise ConfigError(
-            f"Model {name!r} from {origin} cannot be loaded: {type(exc).__name__}: {exc}."
+            f"Model {name!r} from {origin} cannot be loaded: {describe_exception(exc)}."
         ) from exc
     if not callable(builder):
         raise ConfigError(
-            f"Model {name!r} from {origin} is a {type(builder).__name__}, not a callable."
+            f"Model {name!r} from {origin} is an object of type {type(builder).__name__}, "
+            f"not a callable."
         )
     return builder
 
@@ -161,8 +163,7 @@ def check_model(model: Any, input_shape: tuple[int, ...], num_classes: int, *,
     except Exception as exc:
         raise ConfigError(
             f"Model {name!r} fails on a batch of zeros of shape {batch} (the job's "
-            f"input_shape {tuple(input_shape)}): {type(exc).__name__}: "
-            f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}."
+            f"input_shape {tuple(input_shape)}): {describe_exception(exc)}."
         ) from exc
     finally:
         for module, training in modes:
