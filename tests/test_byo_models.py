@@ -230,3 +230,32 @@ def test_har_cnn_example() -> None:
     model = build_model(f"{example}:har_cnn", (3, 64), 6, model_args={"channels": 8})
     assert model(torch.rand(5, 3, 64)).shape == (5, 6)
     refuse(f"{example}:har_cnn", "har.py", "ValueError", "(C, L)", shape=(3, 8, 8), classes=6)
+
+
+def test_har_worked_example_learns(tmp_path: Path) -> None:
+    """make_data.py (a real process) -> one .npz per device -> har_cnn learns each locally."""
+    import subprocess
+    import sys
+
+    from senseshield.data.local import describe_data, load_local_data
+    from senseshield.training import TrainConfig, evaluate, torch_threads, train_local
+
+    root = Path(__file__).resolve().parents[1] / "examples" / "har"
+    subprocess.run([sys.executable, str(root / "make_data.py"), "--devices", "3", "--out",
+                    str(tmp_path), "--seed", "0"], check=True, capture_output=True, timeout=60)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"device-{i}.npz" for i in range(3)]
+    accuracies, majorities, mixes = [], [], []
+    for i in range(3):
+        data = load_local_data(tmp_path / f"device-{i}.npz", input_shape=(3, 64), num_classes=6)
+        summary = describe_data(data)
+        assert (summary.n_train, summary.n_test) == (240, 60)
+        mixes.append(summary.train_counts)
+        torch.manual_seed(0)
+        model = build_model(f"{root / 'har.py'}:har_cnn", (3, 64), 6)
+        with torch_threads(1):
+            train_local(model, data.x_train, data.y_train, TrainConfig(3, 16, 0.05), seed=i)
+        accuracies.append(evaluate(model, data.x_test, data.y_test))
+        majorities.append(np.bincount(data.y_test).max() / len(data.y_test))
+    assert len({tuple(sorted(m.items())) for m in mixes}) == 3  # non-IID: every mix differs
+    assert min(a - m for a, m in zip(accuracies, majorities)) > 0.25, (accuracies, majorities)
+    assert np.mean(accuracies) > 0.85, accuracies
