@@ -282,9 +282,9 @@ def export_onnx(
 
     Writes the ONNX file and its sidecar :func:`sidecar_path` (``<out_path>.json``), both
     atomically, and returns the sidecar. ``class_labels`` defaults to ``"0"``, ``"1"``, ...
-    ``model_options`` are passed to :func:`senseshield.models.build_model` (e.g. lenet5's
-    ``activation``). Bad names, shapes, labels or a vector of the wrong size raise
-    :class:`ConfigError`. The caller's torch RNG state is left untouched.
+    ``model_options`` are the model's ``model_args`` for :func:`senseshield.models.build_model`
+    (e.g. lenet5's ``activation``). Bad names, shapes, labels or a vector of the wrong size
+    raise :class:`ConfigError`. The caller's torch RNG state is left untouched.
 
     ``exporter="torchscript"`` (the default) uses torch's TorchScript-based exporter
     (``dynamo=False``): on these small ``nn.Sequential`` models it is about ten times
@@ -313,7 +313,7 @@ def export_onnx(
     options = dict(model_options or {})
     with torch.random.fork_rng(devices=[]):  # build_model draws from the global RNG
         torch.manual_seed(0)
-        model = build_model(model_name, tuple(input_shape), num_classes, **options)
+        model = build_model(model_name, tuple(input_shape), num_classes, model_args=options)
     shape = tuple(int(d) for d in input_shape)
     num_classes = int(num_classes)
     if class_labels is None:

@@ -1,74 +1,188 @@
-"""The models, selectable by name: ``mlp``, ``simplecnn``, ``lenet5``.
+"""Models: Python callables that return a ``torch.nn.Module``, named by the job.
 
-:func:`build_model` validates the input shape and class count and returns a freshly
-initialised ``torch.nn.Module`` mapping ``(B, C, H, W)`` float inputs to ``(B, num_classes)``
-logits. Initialisation uses torch's global RNG: call ``torch.manual_seed`` first for
-reproducible weights. Every model is an ``nn.Sequential`` so ``state_dict`` names are stable
-(``"0.weight"``, ...), which the flat parameter layout of :mod:`senseshield.engine.params`
-relies on.
+A job names its model in one of three ways, resolved by :func:`resolve_model` in this order:
+
+1. a built-in name registered in :data:`MODELS` (``mlp``, ``linear``, ``simplecnn``,
+   ``lenet5``);
+2. a name registered by an installed package under the entry-point group
+   ``senseshield.models`` (looked up lazily with :mod:`importlib.metadata`, only when the
+   name is not built in);
+3. an import path: ``package.module:callable`` or ``path/to/file.py:callable``
+   (see :mod:`senseshield.callables`).
+
+:func:`build_model` calls the callable with the job's ``model_args`` as keywords, plus
+``input_shape`` (a tuple of any rank: ``(C, L)``, ``(C, H, W)``, ``(F,)``) and
+``num_classes`` when its signature has parameters of those names (or ``**kwargs``), then
+checks the result with :func:`check_model`: it must be an ``nn.Module`` that maps a batch of
+shape ``(2, *input_shape)`` to ``(2, num_classes)`` logits. Initialisation uses torch's
+global RNG: call ``torch.manual_seed`` first for reproducible weights (the check itself does
+not draw from it). The built-in models are ``nn.Sequential`` so ``state_dict`` names are
+stable (``"0.weight"``, ...); the flat parameter layout of :mod:`senseshield.engine.params`
+works with any module, in ``state_dict`` order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from importlib import metadata
 from typing import Any
 
 import numpy as np
+import torch
 from torch import nn
 
+from senseshield.callables import (
+    IMPORT_PATH_FORMS,
+    call_with_job,
+    describe_exception,
+    is_import_path,
+    resolve_import_path,
+)
 from senseshield.errors import ConfigError
 from senseshield.registry import Registry
+from senseshield.shapes import check_input_shape, check_num_classes
 
-__all__ = ["MODELS", "build_model"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "MODELS",
+    "build_model",
+    "check_model",
+    "model_names",
+    "resolve_model",
+]
 
-#: A builder takes ``(input_shape, num_classes, **options)`` and returns a module.
+#: A builder takes ``input_shape``, ``num_classes`` (if it wants them) and its own keyword
+#: arguments, and returns a module.
 ModelBuilder = Callable[..., nn.Module]
 
-#: Model builders by name.
+#: Built-in model builders by name.
 MODELS: Registry[ModelBuilder] = Registry("model")
+
+#: The entry-point group through which installed packages register models.
+ENTRY_POINT_GROUP = "senseshield.models"
+
+
+def _entry_points() -> dict[str, metadata.EntryPoint]:
+    """Entry points of :data:`ENTRY_POINT_GROUP` by name (the first one wins on a clash)."""
+    found: dict[str, metadata.EntryPoint] = {}
+    for ep in sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.value):
+        found.setdefault(ep.name, ep)
+    return found
+
+
+def model_names() -> list[str]:
+    """Every model name a job can use: the built-ins and those of installed packages."""
+    return sorted(set(MODELS.names()) | set(_entry_points()))
+
+
+def resolve_model(name: str) -> ModelBuilder:
+    """The callable a job's ``model`` names: built-in, entry point or import path."""
+    if not isinstance(name, str) or not name.strip():
+        raise ConfigError(
+            f"Model {name!r} is not allowed; give a registered name ({', '.join(model_names())}) "
+            f"or an import path {IMPORT_PATH_FORMS}."
+        )
+    builder = MODELS.find(name)
+    if builder is not None:
+        return builder
+    if is_import_path(name):
+        return resolve_import_path(name, what="model")
+    ep = _entry_points().get(name)
+    if ep is None:
+        raise ConfigError(
+            f"Unknown model {name!r}; choose one of: {', '.join(model_names())}, or give an "
+            f"import path {IMPORT_PATH_FORMS}."
+        )
+    origin = f"entry point '{ep.name} = {ep.value}' (group {ENTRY_POINT_GROUP!r})"
+    try:
+        builder = ep.load()
+    except Exception as exc:
+        raise ConfigError(
+            f"Model {name!r} from {origin} cannot be loaded: {describe_exception(exc)}."
+        ) from exc
+    if not callable(builder):
+        raise ConfigError(
+            f"Model {name!r} from {origin} is an object of type {type(builder).__name__}, "
+            f"not a callable."
+        )
+    return builder
 
 
 def build_model(
-    name: str, input_shape: tuple[int, int, int], num_classes: int, **options: Any
+    name: str, input_shape: tuple[int, ...], num_classes: int, *,
+    model_args: Mapping[str, Any] | None = None, **options: Any,
 ) -> nn.Module:
-    """Build the model registered as ``name`` for ``(C, H, W)`` inputs and ``num_classes``.
+    """Build the model ``name`` for inputs of ``input_shape`` and ``num_classes`` classes.
 
-    ``options`` are model-specific keywords (only ``lenet5`` has one: ``activation``).
-    Unknown names, bad shapes, ``num_classes < 2``, inputs too small for the model and
-    unknown options raise :class:`ConfigError`.
+    ``model_args`` (and, for older callers, ``**options``) are the model's own keywords,
+    e.g. lenet5's ``activation``. Unknown names, bad shapes, ``num_classes < 2``, arguments
+    the model does not take, a callable that fails or returns something else than a module
+    that fits the job raise :class:`ConfigError`.
     """
-    builder = MODELS.get(name)
-    shape = _check_shape(input_shape)
-    if isinstance(num_classes, bool) or not isinstance(num_classes, (int, np.integer)) \
-            or num_classes < 2:
+    builder = resolve_model(name)
+    shape = check_input_shape(input_shape)
+    classes = check_num_classes(num_classes)
+    if model_args is not None and not isinstance(model_args, Mapping):
         raise ConfigError(
-            f"num_classes={num_classes!r} is not allowed; it must be an integer >= 2."
+            f"model_args={model_args!r} is not allowed; it must be a mapping of keyword "
+            f"arguments."
         )
-    num_classes = int(num_classes)
-    try:
-        return builder(shape, num_classes, **options)
-    except TypeError as exc:
-        if "unexpected keyword" not in str(exc):
-            raise
-        raise ConfigError(
-            f"Model {name!r} does not accept option(s) {sorted(options)}; "
-            f"see senseshield.models.{builder.__name__}."
-        ) from None
+    args = dict(model_args or {})
+    both = sorted(set(args) & set(options))
+    if both:
+        raise ConfigError(f"Model argument(s) {both} are given twice (model_args and options).")
+    args.update(options)
+    bad = [k for k in args if not isinstance(k, str) or not k.isidentifier()]
+    if bad:
+        raise ConfigError(f"model_args keys {bad!r} are not allowed; they must be identifiers.")
+    model = call_with_job(builder, name, {"input_shape": shape, "num_classes": classes}, args,
+                          what="model")
+    check_model(model, shape, classes, name=name)
+    return model
 
 
-def _check_shape(input_shape: Any) -> tuple[int, int, int]:
-    try:
-        shape = tuple(int(d) for d in input_shape)
-        ok = len(shape) == 3 and all(d >= 1 for d in shape) and all(
-            int(d) == d for d in input_shape
-        )
-    except (TypeError, ValueError):
-        ok = False
-    if not ok:
+def check_model(model: Any, input_shape: tuple[int, ...], num_classes: int, *,
+                name: str = "model") -> None:
+    """Refuse a ``model`` that is not an ``nn.Module`` mapping ``(2, *input_shape)`` zeros to
+    ``(2, num_classes)`` outputs.
+
+    The forward pass runs in eval mode without gradients and with torch's RNG state forked,
+    so it changes neither BatchNorm statistics nor the caller's random stream; each
+    module's training flag is restored afterwards.
+    """
+    if not isinstance(model, nn.Module):
         raise ConfigError(
-            f"input_shape={input_shape!r} is not allowed; it must be (C, H, W) positive integers."
+            f"Model {name!r} returned a {type(model).__name__}, not a torch.nn.Module."
         )
-    return shape  # type: ignore[return-value]
+    batch = (2, *input_shape)
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            model.eval()
+            out = model(torch.zeros(batch))
+    except Exception as exc:
+        raise ConfigError(
+            f"Model {name!r} fails on a batch of zeros of shape {batch} (the job's "
+            f"input_shape {tuple(input_shape)}): {describe_exception(exc)}."
+        ) from exc
+    finally:
+        for module, training in modes:
+            module.training = training
+    found = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+    if found != (2, num_classes):
+        raise ConfigError(
+            f"Model {name!r} gives output {found} for a batch of shape {batch}; the job has "
+            f"num_classes={num_classes}, so it must give a tensor of shape (2, {num_classes})."
+        )
+
+
+def _image_shape(name: str, input_shape: tuple[int, ...]) -> tuple[int, int, int]:
+    if len(input_shape) != 3:
+        raise ConfigError(
+            f"input_shape={tuple(input_shape)} is not allowed for model {name!r}; it needs "
+            f"images of shape (C, H, W)."
+        )
+    return input_shape  # type: ignore[return-value]
 
 
 def _too_small(name: str, shape: tuple[int, int, int], minimum: int) -> ConfigError:
@@ -79,16 +193,15 @@ def _too_small(name: str, shape: tuple[int, int, int], minimum: int) -> ConfigEr
 
 
 @MODELS.register("mlp")
-def mlp(input_shape: tuple[int, int, int], num_classes: int) -> nn.Module:
+def mlp(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     """The SelectiveShield MLP: flatten -> 256 -> ReLU -> 128 -> ReLU -> classes.
 
     The fully connected network of the SelectiveShield paper (sensitivity-guided selective
-    homomorphic encryption for FL); it accepts any input size.
+    homomorphic encryption for FL); it accepts inputs of any shape.
     """
-    c, h, w = input_shape
     return nn.Sequential(
         nn.Flatten(),
-        nn.Linear(c * h * w, 256),
+        nn.Linear(int(np.prod(input_shape)), 256),
         nn.ReLU(),
         nn.Linear(256, 128),
         nn.ReLU(),
@@ -97,18 +210,17 @@ def mlp(input_shape: tuple[int, int, int], num_classes: int) -> nn.Module:
 
 
 @MODELS.register("linear")
-def linear(input_shape: tuple[int, int, int], num_classes: int) -> nn.Module:
+def linear(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     """Multinomial logistic regression: flatten -> classes (650 parameters on 8x8 digits).
 
     The smallest model: for the weakest devices, and for tests that must encrypt every
     parameter with per-value Paillier in seconds.
     """
-    c, h, w = input_shape
-    return nn.Sequential(nn.Flatten(), nn.Linear(c * h * w, num_classes))
+    return nn.Sequential(nn.Flatten(), nn.Linear(int(np.prod(input_shape)), num_classes))
 
 
 @MODELS.register("simplecnn")
-def simplecnn(input_shape: tuple[int, int, int], num_classes: int) -> nn.Module:
+def simplecnn(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     """A small two-block CNN: [Conv3x3(pad 1) -> BatchNorm -> ReLU -> MaxPool2]x2 (32, 64
     channels), then Linear(-> 128) -> ReLU -> Linear(-> classes).
 
@@ -117,7 +229,7 @@ def simplecnn(input_shape: tuple[int, int, int], num_classes: int) -> nn.Module:
     Data", here with 3x3 kernels and BatchNorm). The flattened size is computed from the
     input: 64 * (H // 4) * (W // 4); needs H, W >= 4.
     """
-    c, h, w = input_shape
+    c, h, w = _image_shape("simplecnn", input_shape)
     if min(h, w) < 4:
         raise _too_small("simplecnn", input_shape, 4)
 
@@ -144,7 +256,7 @@ _ACTIVATIONS: dict[str, type[nn.Module]] = {
 
 @MODELS.register("lenet5")
 def lenet5(
-    input_shape: tuple[int, int, int], num_classes: int, *, activation: str = "relu"
+    input_shape: tuple[int, ...], num_classes: int, *, activation: str = "relu"
 ) -> nn.Module:
     """LeNet-5 (LeCun et al., 1998, "Gradient-based learning applied to document
     recognition"), in its usual modern form.
@@ -163,7 +275,7 @@ def lenet5(
             f"{', '.join(sorted(_ACTIVATIONS))}."
         )
     act = _ACTIVATIONS[activation]
-    c, h, w = input_shape
+    c, h, w = _image_shape("lenet5", input_shape)
     if min(h, w) < 4:
         raise _too_small("lenet5", input_shape, 4)
     pad2 = 2 if min(h, w) < 16 else 0

@@ -90,10 +90,23 @@ def test_bad_num_classes(classes: int) -> None:
         build_model("mlp", (1, 8, 8), classes)
 
 
-@pytest.mark.parametrize("shape", [(8, 8), (1, 0, 8), (1, 8, 8, 1), "abc"])
+@pytest.mark.parametrize("shape", [(1, 0, 8), (), (1.5, 8), (True, 8), "abc"])
 def test_bad_input_shape(shape: object) -> None:
     with pytest.raises(ConfigError, match="input_shape"):
         build_model("mlp", shape, 10)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", ["simplecnn", "lenet5"])
+@pytest.mark.parametrize("shape", [(8, 8), (1, 8, 8, 1)])
+def test_image_models_need_chw(name: str, shape: tuple[int, ...]) -> None:
+    with pytest.raises(ConfigError, match=r"input_shape=.*\(C, H, W\)"):
+        build_model(name, shape, 10)
+
+
+@pytest.mark.parametrize("shape", [(8, 8), (12,), (1, 8, 8, 2)])
+def test_flat_models_take_any_rank(shape: tuple[int, ...]) -> None:
+    for name in ("mlp", "linear"):
+        assert build_model(name, shape, 4)(torch.rand(3, *shape)).shape == (3, 4)
 
 
 def test_unknown_model_and_option() -> None:
