@@ -20,7 +20,7 @@ from sklearn.metrics import adjusted_rand_score
 
 from senseshield.data import Dataset, load_dataset, partition_dataset, split_train_test
 from senseshield.engine.aggregation import ProtectedUpdate, aggregate_updates, decrypt_aggregate
-from senseshield.errors import ConfigError
+from senseshield.errors import ConfigError, ProtocolError
 from senseshield.he import SCHEMES, PublicKey, SecretKey
 from senseshield.models import build_model
 from senseshield.strategies import (
@@ -261,6 +261,24 @@ def initial_model(config: SimulationConfig, input_shape: tuple[int, ...], num_cl
 
 def train_config(config: SimulationConfig) -> TrainConfig:
     return TrainConfig(config.local_epochs, config.batch_size, config.lr, threads=config.train_threads)
+
+
+def announced_run(config: dict) -> tuple[SimulationConfig, Strategy, str | None]:
+    """The run a ``fleet/config`` message announces (its ``config`` field), checked before a
+    service acts on it: (config, strategy, HE scheme); :class:`ProtocolError` naming the
+    first bad field otherwise (a forged or broken config never reaches a service's state)."""
+    from pydantic import ValidationError
+
+    try:
+        run = SimulationConfig(**config)
+        strategy = build_strategy(run.strategy, run.options)
+        return run, strategy, effective_scheme(run, strategy)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "config"
+        raise ProtocolError(f"fleet/config field {where!r}: {first['msg'].lower()}.") from None
+    except (ConfigError, TypeError, ValueError) as exc:
+        raise ProtocolError(f"fleet/config does not describe a run: {exc}") from None
 
 
 def effective_scheme(config: SimulationConfig, strategy: Strategy) -> str | None:
