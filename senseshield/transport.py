@@ -346,7 +346,11 @@ class Link:
             if frame.fleet != self.fleet:
                 raise ProtocolError(f"Frame is for fleet {frame.fleet!r}, not {self.fleet!r}.")
             if frame.schema == CHUNK_SCHEMA:
-                whole = self._reassembler.add(frame)
+                dropped = self._reassembler.dropped
+                try:
+                    whole = self._reassembler.add(frame)
+                finally:
+                    self._note_dropped(message.topic, dropped)
                 if whole is None:
                     return
                 frame = decode_frame(whole, max_bytes=self.max_frame_bytes)
@@ -373,4 +377,11 @@ class Link:
 
     def expire_partials(self) -> None:
         """Drop incomplete chunk streams that have been idle too long (call now and then)."""
+        dropped = self._reassembler.dropped
         self._reassembler.expire()
+        self._note_dropped("chunks", dropped)
+
+    def _note_dropped(self, where: str, before: int) -> None:
+        n = self._reassembler.dropped - before
+        if n:
+            self._reject(where, f"{n} incomplete chunk stream(s) dropped (reassembly buffer full or idle)")
