@@ -31,6 +31,7 @@ from senseshield.protocol.messages import from_frame
 from senseshield.simulation import SimulationConfig, run_simulation
 from senseshield.transport import parse_broker
 from tests.test_fleet import wait_for
+from tests.test_keyserver import keyserver  # noqa: F401 - fixture
 
 SERVICES = ("coordinator", "keyserver")
 
@@ -492,3 +493,45 @@ def test_an_agent_rejects_a_bad_config_keeps_running_and_joins_a_valid_one(mosqu
         agent.stopping.set()
         thread.join(15)
         peer.stop()
+
+
+def test_the_key_server_checks_an_aggregate_completely_before_decrypting(mosquitto, keyserver):
+    """Wrong model size, a ciphertext with fewer blocks than the union mask, a truncated
+    ciphertext, weights above the total: rejected without an answer; a good one still works."""
+    from senseshield.engine.aggregation import aggregate_updates, protect_update
+    from senseshield.he import SCHEMES
+    from senseshield.protocol.messages import AggregateResult, PublicKeyAnnouncement, aggregate_to_message
+    from tests.test_keyserver import Peer, _config
+
+    peer = Peer(mosquitto.url)
+    size = 650
+    peer.send("fleet/config", _config("sensecrypt", size))
+    announcement, _ = peer.wait(PublicKeyAnnouncement)
+    public = SCHEMES.get(announcement.scheme).public_key_from_bytes(announcement.key)
+    rng = np.random.default_rng(1)
+
+    def request(round: int, blocks: int = 2, size: int = size):  # noqa: ANN202
+        mask = np.zeros(size, bool)
+        mask[: blocks * public.block_size] = True
+        updates = [protect_update(rng.normal(size=size) * 0.01, mask, public, client_id=c, round=round, cluster=0,
+                                  n_samples=10) for c in ("a", "b")]
+        return aggregate_to_message(aggregate_updates(updates, public, round=round, cluster=0), public, run_id="run-1")
+
+    good = request(1)
+    short = request(1, blocks=1)
+    bad = {
+        "has 651 parameters": request(1, size=651),
+        "does not match its union mask": good.model_copy(update={"ciphertext": short.ciphertext}),
+        "bytes; its header announces": good.model_copy(update={"ciphertext": good.ciphertext[:-5]}),
+        "position weights must be integers": good.model_copy(update={"position_weight": np.full(size, 99.0)}),
+    }
+    for msg in bad.values():
+        peer.send("keyserver/requests", msg, round=1)
+    peer.send("keyserver/requests", good, round=1)
+    result, r = peer.wait(AggregateResult)
+    assert result.accepted and r == 1
+    reasons = " | ".join(keyserver.rejected)
+    for needle in bad:
+        assert needle in reasons, needle
+    assert not any(isinstance(m, AggregateResult) for _, m, _ in peer.got)  # no answer to the bad ones
+    peer.link.stop()
