@@ -534,6 +534,8 @@ class Coordinator(Service):
         msg: UpdateMessage = item.message  # type: ignore[assignment]
         # everything is checked before the update touches the round (a bad one would fail
         # the cluster's aggregation later)
+        if not 1 <= item.round <= self.round:
+            raise ProtocolError(f"Update of {agent_id!r} is for round {item.round}; the current round is {self.round}.")
         hello = self._check_facts(agent_id, "Update", cluster=msg.cluster, size=msg.size)
         if msg.n_samples != hello.n_samples:
             raise ProtocolError(f"Update of {agent_id!r} claims {msg.n_samples} samples; it joined with {hello.n_samples}.")
