@@ -75,7 +75,8 @@ class FleetReport(RunResult):
     cluster, ``straggling`` figures (per round slowest/fastest/ratio/idle and the median
     ratio, :func:`senseshield.trials.report.straggling_summary`), ``straggling_events`` (agents a
     round closed without), how budgets were chosen (``budgets``), refused agents and
-    rejected messages."""
+    rejected messages (``rejected_messages``: the latest 1,000 reasons; ``rejected_total``:
+    how many in all)."""
 
     fleet: str
     run_id: str
@@ -90,6 +91,7 @@ class FleetReport(RunResult):
     budgets: dict = {}
     refused: dict[str, str] = {}
     rejected_messages: list[str] = []
+    rejected_total: int = 0
 
 
 class CoordinatorMetrics:
@@ -283,8 +285,12 @@ class Coordinator(Service):
         want = self.scheme or ""
         if msg.scheme != want:
             raise ProtocolError(f"The key server announces scheme {msg.scheme!r}; this run needs {want!r}.")
-        self.public = SCHEMES.get(msg.scheme).public_key_from_bytes(msg.key) if msg.scheme else None
-        self.key_id = msg.key_id
+        if msg.key_id == self.key_id:
+            return  # the same key again (retained message after a reconnect)
+        public = SCHEMES.get(msg.scheme).public_key_from_bytes(msg.key) if msg.scheme else None
+        if public is not None and public.key_id != msg.key_id:
+            raise ProtocolError(f"The announced key id {msg.key_id!r} is not the key's id {public.key_id!r}.")
+        self.public, self.key_id = public, msg.key_id
         for agent_id, info in list(self.agents.items()):
             self._check_key(agent_id, info.hello)
 
@@ -313,14 +319,25 @@ class Coordinator(Service):
         if self.plan is not None and agent_id not in self.plan.cluster_of:
             self.log.warning("agent %s joined after the bootstrap; it takes part in the next run", agent_id)
             return
-        self._uplink(agent_id, item)
         known = self.agents.get(agent_id)
+        if known is not None and self.plan is not None:
+            # the fleet was planned with the first hello: a repeat (reconnect, restart) must
+            # bring the same data facts, and the planned hello stays
+            first = known.hello
+            if (msg.n_samples, msg.index, msg.key_id) != (first.n_samples, first.index, first.key_id):
+                raise ProtocolError(
+                    f"Hello of {agent_id!r} claims {msg.n_samples} samples, shard {msg.index}, key {msg.key_id!r}; "
+                    f"it joined with {first.n_samples}, {first.index}, {first.key_id!r}."
+                )
+        self._uplink(agent_id, item)
         if known is None:
             self.agents[agent_id] = AgentInfo(msg)
             self.log.info("agent %s joined (%d/%d): %d samples, %.1f MB/s, cpu %.1f",
                           agent_id, len(self.agents), self.expected_agents, msg.n_samples, msg.bandwidth, msg.cpu_speed)
-        else:
+        elif self.plan is None:
             known.hello, known.online = msg, True
+        else:
+            known.online = True
         if self.plan is not None:  # a re-sent hello after a reconnect: repeat the assignment
             self._assign(agent_id)
 
@@ -340,6 +357,8 @@ class Coordinator(Service):
         vector = item.message.sensitivity  # type: ignore[attr-defined]
         if vector.size != self.size:
             raise ProtocolError(f"Bootstrap vector of {agent_id!r} has {vector.size} values; the model has {self.size}.")
+        if self.plan is not None and info.vector is not None:
+            return  # the fleet is planned: a repeated vector changes nothing
         info.vector = vector
 
     def _on_foreign_config(self, item: Inbound) -> None:
@@ -493,8 +512,9 @@ class Coordinator(Service):
 
     def _on_proposal(self, item: Inbound) -> None:
         agent_id = check_sender(item)
-        cr = self._cluster_round_of(agent_id, item.round, "proposal")
         msg: Proposal = item.message  # type: ignore[assignment]
+        self._check_facts(agent_id, "Proposal", cluster=msg.cluster, size=msg.size)
+        cr = self._cluster_round_of(agent_id, item.round, "proposal")
         if cr.phase != "proposals":
             self._late(agent_id, item.round, "proposal", item.received)
             return
@@ -503,21 +523,34 @@ class Coordinator(Service):
 
     def _on_update(self, item: Inbound) -> None:
         agent_id = check_sender(item)
-        cr = self._cluster_round_of(agent_id, item.round, "update")
         msg: UpdateMessage = item.message  # type: ignore[assignment]
+        # everything is checked before the update touches the round (a bad one would fail
+        # the cluster's aggregation later)
+        if not 1 <= item.round <= self.round:
+            raise ProtocolError(f"Update of {agent_id!r} is for round {item.round}; the current round is {self.round}.")
+        hello = self._check_facts(agent_id, "Update", cluster=msg.cluster, size=msg.size)
+        if msg.n_samples != hello.n_samples:
+            raise ProtocolError(f"Update of {agent_id!r} claims {msg.n_samples} samples; it joined with {hello.n_samples}.")
+        update = update_from_message(msg, self.public, client_id=agent_id, round=item.round, size=self.size)
+        cr = self._cluster_round_of(agent_id, item.round, "update")
         if agent_id in cr.updates:
             return  # a re-sent duplicate
         if cr.phase != "updates" or agent_id not in cr.expected:
             self._late(agent_id, item.round, "update", item.received)
             return
-        if msg.size != self.size:
-            raise ProtocolError(f"Update of {agent_id!r} has {msg.size} parameters; the model has {self.size}.")
-        if msg.cluster != self.plan.cluster_of[agent_id]:
-            raise ProtocolError(f"Update of {agent_id!r} is for cluster {msg.cluster}; it belongs to {self.plan.cluster_of[agent_id]}.")
-        update = update_from_message(msg, self.public, client_id=agent_id, round=item.round)
         cr.updates[agent_id] = (update, item)
         self.agent_rounds[agent_id][item.round]["update_received"] = item.received
         self._advance()
+
+    def _check_facts(self, agent_id: str, what: str, *, cluster: int, size: int) -> Hello:
+        """An agent's message must name its cluster and the model's size; returns its hello."""
+        if self.plan is None or agent_id not in self.plan.cluster_of or agent_id not in self.agents:
+            raise ProtocolError(f"{what} from {agent_id!r}, which is not in this run.")
+        if size != self.size:
+            raise ProtocolError(f"{what} of {agent_id!r} has {size} parameters; the model has {self.size}.")
+        if cluster != self.plan.cluster_of[agent_id]:
+            raise ProtocolError(f"{what} of {agent_id!r} is for cluster {cluster}; it belongs to {self.plan.cluster_of[agent_id]}.")
+        return self.agents[agent_id].hello
 
     def _cluster_round_of(self, agent_id: str, r: int, what: str) -> ClusterRound:
         if self.plan is None or agent_id not in self.plan.cluster_of:
@@ -580,7 +613,12 @@ class Coordinator(Service):
         cr.timestamps["closed_at"] = time.time()
         t = time.perf_counter()
         updates = [cr.updates[a][0] for a in sorted(cr.updates)]
-        aggregate = aggregate_updates(updates, self.public, round=self.round, cluster=k)
+        try:
+            aggregate = aggregate_updates(updates, self.public, round=self.round, cluster=k)
+        except ProtocolError as exc:  # e.g. the key's weight head-room: the cluster's round fails alone
+            cr.phase, cr.accepted, cr.reason = "done", False, f"aggregation failed: {exc}"
+            self.log.warning("round %d cluster %d: %s", self.round, k, cr.reason)
+            return
         request = aggregate_to_message(aggregate, self.public, run_id=self.run_id)
         cr.timings["aggregate"] = time.perf_counter() - t
         cr.union_ratio = float(aggregate.union_mask.mean())  # type: ignore[attr-defined]
@@ -614,6 +652,10 @@ class Coordinator(Service):
             return
         if msg.weights.size != self.size:
             raise ProtocolError(f"Cluster model of {msg.weights.size} parameters; the model has {self.size}.")
+        if self.plan is None or msg.cluster not in self.plan.clusters or not 1 <= item.round <= self.round:
+            raise ProtocolError(f"Cluster model of cluster {msg.cluster} for round {item.round}; the run is at round {self.round}.")
+        if item.round < self.models.get(msg.cluster, (0, None))[0]:
+            return  # an older model (a repeat of a retained message)
         self.models[msg.cluster] = (item.round, msg.weights)
         self.model_bytes = item.nbytes
         cr = self.clusters.get(msg.cluster)
@@ -626,11 +668,30 @@ class Coordinator(Service):
         msg: Metrics = item.message  # type: ignore[assignment]
         if self.plan is None or agent_id not in self.plan.cluster_of:
             raise ProtocolError(f"Metrics from {agent_id!r}, which is not in this run.")
-        self.metrics[(agent_id, item.round)] = msg
+        r, k = item.round, self.plan.cluster_of[agent_id]
+        if msg.cluster != k:
+            raise ProtocolError(f"Metrics of {agent_id!r} are for cluster {msg.cluster}; it belongs to {k}.")
+        if not self._has_model(k, r):
+            raise ProtocolError(f"Metrics of {agent_id!r} for round {r}, in which cluster {k} got no model (now round {self.round}).")
+        if (agent_id, r) in self.metrics:
+            return  # the first report of a round stands (agents repeat theirs after a restart)
+        self.metrics[(agent_id, r)] = msg
         self._uplink(agent_id, item)
         if self.metrics_server is not None:
             self.metrics_server.agent_round(agent_id, item.round, msg.timings)
             self._publish_straggling()
+
+    def _has_model(self, k: int, r: int) -> bool:
+        """Whether cluster ``k`` got a new model in round ``r`` (so far)."""
+        if not 1 <= r <= self.round:
+            return False
+        if self.model_round.get(k) == r or self.models.get(k, (0, None))[0] == r:
+            return True
+        for rec in self.records:  # closed rounds (cluster keys are strings after a resume)
+            if rec["round"] == r:
+                cluster = rec["clusters"].get(k) or rec["clusters"].get(str(k)) or {}
+                return bool(cluster.get("accepted"))
+        return False
 
     def _uplink(self, agent_id: str, item: Inbound) -> None:
         """One clock sample: arrival (our clock) - send time (the agent's) of a small frame."""
@@ -716,7 +777,7 @@ class Coordinator(Service):
         self._checkpoint()
         if self.metrics_server is not None:
             bytes_up = {a: self.agent_rounds[a][r].get("bytes_up") for a in self.agent_rounds if r in self.agent_rounds[a]}
-            self.metrics_server.round_done(r, self.records[-1], bytes_up, len(self.straggling), len(self.rejected),
+            self.metrics_server.round_done(r, self.records[-1], bytes_up, len(self.straggling), self.rejected_total,
                                            sum(i.online for i in self.agents.values()), len(self.agents))
 
     # ---- results ------------------------------------------------------------------------
@@ -799,7 +860,7 @@ class Coordinator(Service):
             round_deadline=self.round_deadline, bootstrap_seconds=self.bootstrap_seconds,
             agents=agents, server=server, straggling=straggling, straggling_events=self.straggling,
             budgets=self.plan.budget_notes, refused=self.refused,
-            rejected_messages=list(self.rejected),
+            rejected_messages=list(self.rejected), rejected_total=self.rejected_total,
         )
 
     def _clock_offset(self, agent_id: str) -> float:
@@ -959,8 +1020,8 @@ class Coordinator(Service):
                     if self.stopping.is_set():
                         raise KeyboardInterrupt
                     self.pump(0.2)
-                    self._advance()
-                self._finish_round(r)
+                    self.guard("round step", self._advance)
+                self.guard(f"closing round {r}", lambda: self._finish_round(r))
                 if self.progress:
                     self.progress("round", r, self.config.rounds)
             self._wait_final_metrics()

@@ -59,8 +59,8 @@ from senseshield.rounds import (
 from senseshield.accounting import Accountant
 from senseshield.runtime.service import Inbound, Service
 from senseshield.data.shards import shards
-from senseshield.job import Job, train_config
-from senseshield.strategies import ClientContext, build_strategy
+from senseshield.job import Job, announced_run, train_config
+from senseshield.strategies import ClientContext
 from senseshield.inference import export_onnx, latency, load_session
 from senseshield.training import layout_of
 
@@ -102,6 +102,19 @@ class DataSpec:
         if not 0 <= i < n:
             raise ConfigError(f"--shard {text!r} is not allowed; use I/N with 0 <= I < N, e.g. 3/20.")
         return i, n
+
+
+@dataclass(frozen=True)
+class PreparedRun:
+    """A checked ``fleet/config``: what joining it needs (built before anything changes)."""
+
+    msg: FleetConfig
+    config: Job
+    strategy: object
+    data: LocalData
+    model: torch.nn.Module
+    index: int
+    count: int
 
 
 @dataclass
@@ -165,7 +178,8 @@ class EdgeAgent(Service):
         if threads is not None:
             torch.set_num_threads(threads)
         self.run: RunState | None = None
-        self.pending_config: FleetConfig | None = None
+        self.pending_config: PreparedRun | None = None
+        self.newest_plan = 0  # highest round a plan arrived for
         self.key: PublicKeyAnnouncement | None = None
         self.public: PublicKey | None = None
         self.plans: list[tuple[int, RoundPlan]] = []
@@ -191,14 +205,19 @@ class EdgeAgent(Service):
             raise ProtocolError(f"fleet/config from {item.sender!r}; only the coordinator may set it.")
         msg: FleetConfig = item.message  # type: ignore[assignment]
         if self.run is None or msg.run_id != self.run.run_id:
-            self.pending_config = msg
+            if self.pending_config is None or self.pending_config.msg.run_id != msg.run_id:
+                self.pending_config = self._prepare(msg)  # a bad config is rejected here
 
     def _on_key(self, item: Inbound) -> None:
         if item.sender != "keyserver":
             raise ProtocolError(f"keys/public from {item.sender!r}; only the key server may announce keys.")
         msg: PublicKeyAnnouncement = item.message  # type: ignore[assignment]
-        self.key = msg
-        self.public = SCHEMES.get(msg.scheme).public_key_from_bytes(msg.key) if msg.scheme else None
+        if self.key is not None and msg.key_id == self.key.key_id:
+            return  # the same key again (keeps the key object and its randomness pool)
+        public = SCHEMES.get(msg.scheme).public_key_from_bytes(msg.key) if msg.scheme else None
+        if public is not None and public.key_id != msg.key_id:
+            raise ProtocolError(f"The announced key id {msg.key_id!r} is not the key's id {public.key_id!r}.")
+        self.key, self.public = msg, public
 
     def _inbox(self, item: Inbound) -> None:
         if item.suffix != f"agents/{self.agent_id}/inbox" or item.sender != "coordinator":
@@ -219,13 +238,22 @@ class EdgeAgent(Service):
             raise ProtocolError("A round plan arrived before the agent joined a run.")
         if msg.size != self.run.initial.size:
             raise ProtocolError(f"Round plan for {msg.size} parameters; the model has {self.run.initial.size}.")
+        if item.round < 1 or msg.model_round >= item.round:
+            raise ProtocolError(f"Round plan for round {item.round} starts from model round {msg.model_round}; "
+                                "rounds start at 1 from an earlier model.")
+        if item.round < self.newest_plan:
+            raise ProtocolError(f"Round plan for round {item.round}; round {self.newest_plan} has begun.")
+        self.newest_plan = item.round
         self.plans.append((item.round, msg))
         self.plan_sent_at.setdefault(item.round, item.frame.sent_at)
         self.plan_arrived_at.setdefault(item.round, item.received)
 
     def _on_decision(self, item: Inbound) -> None:
         self._inbox(item)
-        self.decisions[item.round] = item.message  # type: ignore[assignment]
+        msg: MaskDecision = item.message  # type: ignore[assignment]
+        if self.run is None or msg.size != self.run.initial.size:
+            raise ProtocolError(f"Mask decision for {msg.size} parameters does not fit this agent's run.")
+        self.decisions[item.round] = msg
 
     def _on_model(self, item: Inbound) -> None:
         msg: ClusterModel = item.message  # type: ignore[assignment]
@@ -234,8 +262,9 @@ class EdgeAgent(Service):
         run = self.run
         if run is None or msg.run_id != run.run_id:
             return
-        if msg.weights.size != run.initial.size:
-            raise ProtocolError(f"Cluster model of {msg.weights.size} parameters; the model has {run.initial.size}.")
+        if msg.weights.size != run.initial.size or item.round < 1:
+            raise ProtocolError(f"Cluster model of {msg.weights.size} parameters for round {item.round}; "
+                                f"the model has {run.initial.size} and rounds start at 1.")
         known = run.models.get(msg.cluster)
         if known is None or item.round > known[0]:
             run.models[msg.cluster] = (item.round, msg.weights.astype(np.float64))
@@ -264,10 +293,10 @@ class EdgeAgent(Service):
                 self.link.publish(f"agents/{self.agent_id}/update", frame)
 
     # ---- joining ------------------------------------------------------------------------
-    def _join(self, msg: FleetConfig) -> None:
-        """Set up for a new run: data, model, hello, bootstrap vector, synthetic data."""
-        config = Job(**msg.config)
-        strategy = build_strategy(config.strategy, config.options)
+    def _prepare(self, msg: FleetConfig) -> PreparedRun:
+        """Check a new run's config against this device (config fields, strategy, the local
+        dataset's shapes, the model's size) and load its data; ProtocolError/ConfigError."""
+        config, strategy, _ = announced_run(msg.config)
         spec = self.data_spec
         index, count = spec.shard if spec.shard is not None else (0, 1)
         local_config = config.model_copy(update={
@@ -285,9 +314,15 @@ class EdgeAgent(Service):
         model = build_model(config.model, tuple(msg.input_shape), msg.num_classes)
         if layout_of(model).size != msg.initial.size:
             raise ConfigError(f"The run's model {config.model!r} has {msg.initial.size} parameters here it has {layout_of(model).size}; versions differ.")
+        return PreparedRun(msg, config, strategy, data, model, index, count)
+
+    def _join(self, prepared: PreparedRun) -> None:
+        """Set up for a new run: data, model, hello, bootstrap vector, synthetic data."""
+        msg, config, strategy = prepared.msg, prepared.config, prepared.strategy
+        data, model, index, count = prepared.data, prepared.model, prepared.index, prepared.count
         run = RunState(msg.run_id, config, msg.initial.astype(np.float64), tuple(msg.input_shape), msg.num_classes,
                        index=index, data=data, model=model)
-        self.run, self.plans, self.decisions = run, [], {}
+        self.run, self.plans, self.decisions, self.newest_plan = run, [], {}, 0
         self.plan_sent_at, self.plan_arrived_at = {}, {}
         self.deadline_s = msg.round_deadline
         calibrate = config.options.budget_mode == "calibrated" and self.public is not None
@@ -507,13 +542,15 @@ class EdgeAgent(Service):
         try:
             while not self.stopping.is_set() and self.exit is None:
                 self.pump(0.5)
+                # every step under the guard: a bad message or a failing step is logged and
+                # rejected, the agent keeps serving
                 if self.pending_config is not None and self.key is not None:
-                    msg, self.pending_config = self.pending_config, None
-                    self._join(msg)
+                    prepared, self.pending_config = self.pending_config, None
+                    self.guard("fleet/config", lambda: self._join(prepared))
                 while self.plans and self.exit is None and not self.stopping.is_set():
                     r, plan = self.plans.pop(0)
-                    self._do_round(r, plan)
-                self._evaluate_new_model()
+                    self.guard(f"round {r}", lambda: self._do_round(r, plan))
+                self.guard("evaluation", self._evaluate_new_model)
             if self.exit is not None:
                 (log.info if self.exit.code == 0 else log.error)("%s: %s", self.agent_id, self.exit)
                 return self.exit.code

@@ -36,8 +36,7 @@ from senseshield.runtime.protocol.messages import (
 )
 from senseshield.rounds import apply_mean
 from senseshield.runtime.service import Inbound, Service
-from senseshield.job import Job, effective_scheme
-from senseshield.strategies import build_strategy
+from senseshield.job import Job, announced_run
 
 log = logging.getLogger("senseshield.keyserver")
 
@@ -122,8 +121,7 @@ class KeyServer(Service):
             raise ProtocolError(f"fleet/config from {item.sender!r}; only the coordinator may set it.")
         if msg.run_id == self.run_id:
             return
-        config = Job(**msg.config)
-        scheme = effective_scheme(config, build_strategy(config.strategy, config.options))
+        config, _, scheme = announced_run(msg.config)  # checked before anything changes
         self.run_id, self.config, self.initial = msg.run_id, config, msg.initial.copy()
         self.models, self.results = {}, {}
         if scheme is None:
@@ -160,9 +158,8 @@ class KeyServer(Service):
             self._answer(r, k, AggregateResult(run_id=self.run_id, cluster=k, accepted=False, reason=reason))
             return
         t = time.perf_counter()
-        aggregate = aggregate_from_message(msg, self.public, round=r)
-        if aggregate.size != self.initial.size:
-            raise ProtocolError(f"Aggregate has {aggregate.size} parameters; the model has {self.initial.size}.")
+        # sizes, masks, weights and the ciphertext's blocks are all checked before decrypting
+        aggregate = aggregate_from_message(msg, self.public, round=r, size=self.initial.size)
         mean = decrypt_aggregate(aggregate, self.secret, threads=self.threads)
         t_decrypt = time.perf_counter() - t
         current = self.models.get(k, (0, self.initial))[1]

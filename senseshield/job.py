@@ -15,7 +15,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from senseshield.accounting import calibrate_sigma
-from senseshield.errors import ConfigError
+from senseshield.errors import ConfigError, ProtocolError
 from senseshield.he import SCHEMES, PublicKey, SecretKey
 from senseshield.models import build_model
 from senseshield.strategies import STRATEGIES, Strategy, StrategyOptions
@@ -139,4 +139,24 @@ def noise_multipliers(
     return user, record
 
 
-__all__ = ["Job", "effective_scheme", "initial_model", "key_pair", "noise_multipliers", "train_config"]
+def announced_run(config: dict) -> tuple[Job, Strategy, str | None]:
+    """The run a ``fleet/config`` message announces (its ``config`` field), checked before a
+    service acts on it: (job, strategy, HE scheme); :class:`ProtocolError` naming the
+    first bad field otherwise (a forged or broken config never reaches a service's state)."""
+    from pydantic import ValidationError
+
+    from senseshield.strategies import build_strategy
+
+    try:
+        run = Job(**config)
+        strategy = build_strategy(run.strategy, run.options)
+        return run, strategy, effective_scheme(run, strategy)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "config"
+        raise ProtocolError(f"fleet/config field {where!r}: {first['msg'].lower()}.") from None
+    except (ConfigError, TypeError, ValueError) as exc:
+        raise ProtocolError(f"fleet/config does not describe a run: {exc}") from None
+
+
+__all__ = ["Job", "announced_run", "effective_scheme", "initial_model", "key_pair", "noise_multipliers", "train_config"]

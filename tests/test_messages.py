@@ -79,7 +79,7 @@ def test_updates_and_aggregates_survive_the_wire_exactly(keys, scheme):
         update.plaintext = delta[keep].astype(np.float32)
         updates.append(update)
         msg = wire(update_to_message(update, pk))
-        back = update_from_message(msg, pk, client_id=f"c{i}", round=3)
+        back = update_from_message(msg, pk, client_id=f"c{i}", round=3, size=size)
         assert np.array_equal(back.mask, update.mask) and np.array_equal(back.withheld, withheld)
         assert np.array_equal(back.plaintext, update.plaintext)
         wired.append(back)
@@ -87,7 +87,7 @@ def test_updates_and_aggregates_survive_the_wire_exactly(keys, scheme):
     aggregate = aggregate_updates(wired, pk, round=3, cluster=0)
     request = wire(aggregate_to_message(aggregate, pk, run_id="r1"))
     assert isinstance(request, AggregateRequest) and request.contributors == ["c0", "c1", "c2"]
-    via_wire = decrypt_aggregate(aggregate_from_message(request, pk, round=3), secret)
+    via_wire = decrypt_aggregate(aggregate_from_message(request, pk, round=3, size=size), secret)
     np.testing.assert_array_equal(via_wire, direct)
 
 
@@ -96,7 +96,7 @@ def test_ciphertext_under_another_key_is_refused(keys):
     update = protect_update(np.ones(4), np.array([1, 1, 0, 0], bool), other, client_id="c", round=1, cluster=0, n_samples=1)
     msg = wire(update_to_message(update, other))
     with pytest.raises(KeyMismatchError):
-        update_from_message(msg, pk, client_id="c", round=1)
+        update_from_message(msg, pk, client_id="c", round=1, size=4)
 
 
 def test_public_key_announcement_carries_no_secret(keys):

@@ -113,13 +113,16 @@ def test_chunks_reassemble_in_any_order(size, limit, rnd):
     assert assembler.pending == 0
 
 
-def test_reassembler_rejects_tampering_and_expires_old_parts():
+def test_reassembler_rejects_tampering_and_expires_idle_parts():
     frame = _frame(x=np.arange(5000, dtype=np.uint8))
     chunks = [decode_frame(c) for c in split_frame(frame, limit=1024, fleet="f", sender="a", round=1)]
-    assembler = Reassembler(max_age=10)
+    assembler = Reassembler(max_idle=10)
     assembler.add(chunks[0], now=0.0)
-    assert assembler.add(chunks[1], now=100.0) is None  # chunk 0 expired, a new partial started
-    assert assembler.pending == 1
+    assert assembler.add(chunks[1], now=9.0) is None  # still alive: 9 s since its last chunk
+    assert assembler.add(chunks[2], now=18.0) is None
+    assert assembler.held_bytes == sum(len(c.sections["data"]) for c in chunks[:3])
+    assembler.expire(now=28.5)  # idle for 10.5 s: dropped without waiting for another chunk
+    assert assembler.pending == 0 and assembler.held_bytes == 0 and assembler.dropped == 1
     tampered = Reassembler()
     for c in chunks[:-1]:
         tampered.add(c, now=0.0)
@@ -131,3 +134,27 @@ def test_reassembler_rejects_tampering_and_expires_old_parts():
     with pytest.raises(ProtocolError):
         for c in chunks:
             small.add(c, now=0.0)
+
+
+def test_reassembler_evicts_the_oldest_incomplete_streams_first():
+    def stream(sender: str) -> list:
+        frame = _frame(x=np.arange(5000, dtype=np.uint8))
+        return [decode_frame(c) for c in split_frame(frame, limit=1024, fleet="f", sender=sender, round=1)]
+
+    assembler = Reassembler(max_bytes=6000)
+    a, b = stream("a"), stream("b")
+    for c in a[:-1]:
+        assembler.add(c, now=0.0)
+    for c in b[:-1]:  # b's chunks push a (the oldest) out; the total stays within 6000 bytes
+        assembler.add(c, now=1.0)
+        assert assembler.held_bytes <= 6000
+    assert assembler.dropped == 1 and assembler.pending == 1
+    assert assembler.add(b[-1], now=1.0) is not None  # b completes
+    assert assembler.held_bytes == 0
+    liar = stream("c")
+    liar[1].fields["index"] = 0  # same index again, another payload size: fine (replaced)
+    assembler.add(liar[0], now=2.0)
+    liar[2].sections["data"] = bytes(5000)  # more bytes than the stream's declared total
+    with pytest.raises(ProtocolError, match="exceed its total"):
+        assembler.add(liar[2], now=2.0)
+    assert assembler.held_bytes == 0

@@ -8,8 +8,10 @@ calls the handler registered for the message class, so handlers never race and l
 
 A handler that raises :class:`ProtocolError`, :class:`ConfigError` or
 :class:`KeyMismatchError` rejects that one message: the reason is logged and kept in
-``rejected``, and the service carries on. Any other exception is logged with its traceback
-and the service carries on too: one message never stops a service.
+``rejected`` (the latest 1,000; ``rejected_total`` counts all), and the service carries on.
+Any other exception is logged with its traceback and the service carries on too: one
+message never stops a service. The services' own loop steps (closing a round, joining a
+run, training) run under the same :meth:`Service.guard`.
 """
 
 from __future__ import annotations
@@ -136,6 +138,7 @@ class Service:
     # -- the loop -------------------------------------------------------------------------
     def pump(self, timeout: float) -> bool:
         """Handle at most one queued message, waiting up to ``timeout`` s; False if none."""
+        self.link.expire_partials()
         try:
             item = self._queue.get(timeout=max(timeout, 0.0))
         except queue.Empty:
@@ -144,13 +147,13 @@ class Service:
             return False
         if item is _RECONNECTED:
             self.log.info("%s: reconnected to the broker; re-sending state", self.name)
-            self._guard("reconnect", self.on_reconnect)
+            self.guard("reconnect", self.on_reconnect)
             return True
         handler = self._handlers.get(type(item.message))
         if handler is None:
             self.reject(item.suffix, f"{item.message.schema_name!r} is not expected here")
             return True
-        self._guard(item.suffix, lambda: handler(item))
+        self.guard(item.suffix, lambda: handler(item))
         return True
 
     def wait_until(self, predicate: Callable[[], bool], timeout: float | None = None) -> bool:
@@ -175,17 +178,27 @@ class Service:
 
     def reject(self, where: str, reason: str) -> None:
         self.log.warning("%s: rejected message on %s: %s", self.name, where, reason)
-        self.rejected.append(f"{where}: {reason}")
+        self.link.note_rejection(where, reason)
 
-    # -- internals ------------------------------------------------------------------------
-    def _guard(self, where: str, fn: Callable[[], None]) -> None:
+    @property
+    def rejected_total(self) -> int:
+        """Every message rejected so far (``rejected`` keeps the latest 1,000 reasons)."""
+        return self.link.rejected_total
+
+    def guard(self, where: str, fn: Callable[[], None]) -> bool:
+        """Run one handler or loop step; an exception rejects/logs it and the service goes
+        on. True if ``fn`` finished."""
         try:
             fn()
+            return True
         except (ProtocolError, ConfigError, KeyMismatchError) as exc:
             self.reject(where, str(exc))
         except Exception:  # noqa: BLE001 - one message never stops a service
             self.log.exception("%s: failed handling %s", self.name, where)
-            self.rejected.append(f"{where}: internal error")
+            self.link.note_rejection(where, "internal error")
+        return False
+
+    # -- internals ------------------------------------------------------------------------
 
     def _on_frame(self, full_topic: str, frame: Frame) -> None:
         # network thread: decode into the typed message (raises ProtocolError -> Link rejects)

@@ -4,7 +4,9 @@ Thin on purpose: paho-mqtt (MQTT 5 by default, 3.1.1 for brokers without 5 such 
 embedded amqtt one of :mod:`senseshield.runtime.broker`; QoS 1, ``CallbackAPIVersion.VERSION2``)
 does the network; this class adds the fleet's topic prefix, chunking of large frames,
 reassembly, decoding with every check of the envelope, and the rule that a bad message is
-logged, counted and dropped but never stops the process. paho reconnects by itself after a broker
+logged, counted and dropped but never stops the process. Incomplete chunk streams hold at
+most ``max_frame_bytes`` in all (oldest evicted first) and are dropped after
+:data:`~senseshield.runtime.protocol.chunks.DEFAULT_MAX_IDLE` seconds without a chunk. paho reconnects by itself after a broker
 or network loss; subscriptions are renewed on every (re)connect.
 
 A secured broker (issue 7, ``deploy/ansible``): ``mqtts://HOST[:PORT]`` (default port 8883)
@@ -146,7 +148,8 @@ class Link:
         self.on_frame = on_frame
         self.max_frame_bytes = max_frame_bytes
         self.chunk_bytes = chunk_bytes
-        self.rejected: deque[str] = deque(maxlen=1000)
+        self.rejected: deque[str] = deque(maxlen=1000)  # the latest reasons
+        self.rejected_total = 0  # every rejection, also those the deque no longer holds
         self._subscriptions: set[str] = set()
         self.max_retained_bytes = 16 << 20  # brokers must accept messages this large
         self._retained: dict[str, bytes] = {}  # re-published after a reconnect (brokers forget)
@@ -343,7 +346,11 @@ class Link:
             if frame.fleet != self.fleet:
                 raise ProtocolError(f"Frame is for fleet {frame.fleet!r}, not {self.fleet!r}.")
             if frame.schema == CHUNK_SCHEMA:
-                whole = self._reassembler.add(frame)
+                dropped = self._reassembler.dropped
+                try:
+                    whole = self._reassembler.add(frame)
+                finally:
+                    self._note_dropped(message.topic, dropped)
                 if whole is None:
                     return
                 frame = decode_frame(whole, max_bytes=self.max_frame_bytes)
@@ -356,8 +363,25 @@ class Link:
             self._reject(message.topic, str(exc))
         except Exception:  # a handler bug must not kill the network thread
             log.exception("%s: handler failed on %s", self.client_id, message.topic)
-            self.rejected.append(f"{message.topic}: handler error")
+            self.note_rejection(message.topic, "handler error")
 
     def _reject(self, where: str, reason: str) -> None:
         log.warning("%s: rejected message on %s: %s", self.client_id, where, reason)
-        self.rejected.append(f"{where}: {reason}")
+        self.note_rejection(where, reason)
+
+    def note_rejection(self, where: str, reason: str) -> None:
+        """Count one rejected message and keep its reason (the latest 1,000 reasons)."""
+        with self._lock:
+            self.rejected.append(f"{where}: {reason}")
+            self.rejected_total += 1
+
+    def expire_partials(self) -> None:
+        """Drop incomplete chunk streams that have been idle too long (call now and then)."""
+        dropped = self._reassembler.dropped
+        self._reassembler.expire()
+        self._note_dropped("chunks", dropped)
+
+    def _note_dropped(self, where: str, before: int) -> None:
+        n = self._reassembler.dropped - before
+        if n:
+            self._reject(where, f"{n} incomplete chunk stream(s) dropped (reassembly buffer full or idle)")

@@ -10,7 +10,7 @@ and one descriptor per binary section: its name, dtype, shape and byte length. S
 follow the header in descriptor order: numeric arrays little-endian, raw bytes as they are.
 
 :func:`decode_frame` checks everything before it hands out a payload: magic, frame version,
-header size, JSON validity, descriptor types, that every section's length equals
+header size, JSON validity (no NaN or infinite numbers in the header), descriptor types, that every section's length equals
 ``prod(shape) * itemsize``, that the lengths add up to the frame, the total size limit, and
 (for float sections) finiteness. Any violation raises :class:`ProtocolError` with the reason.
 """
@@ -124,9 +124,14 @@ def decode_frame(data: bytes, *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Fr
     if header_len > MAX_HEADER_BYTES or _PREFIX.size + header_len > len(data):
         raise ProtocolError(f"Header length {header_len:,} does not fit the {len(data):,}-byte frame.")
     try:
-        header = json.loads(data[_PREFIX.size : _PREFIX.size + header_len])
+        header = json.loads(
+            data[_PREFIX.size : _PREFIX.size + header_len],
+            parse_constant=_no_constant, parse_float=_finite_float,
+        )
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ProtocolError(f"Header is not valid JSON ({exc.__class__.__name__}).") from None
+    except RecursionError:
+        raise ProtocolError("Header JSON is nested too deeply.") from None
     _check_header(header)
     offset = _PREFIX.size + header_len
     sections: dict[str, np.ndarray | bytes] = {}
@@ -159,6 +164,17 @@ def decode_frame(data: bytes, *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Fr
         fields=header["fields"],
         sections=sections,
     )
+
+
+def _no_constant(name: str) -> float:
+    raise ProtocolError(f"Header holds the number {name}; only finite numbers are allowed.")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ProtocolError(f"Header holds the number {text[:20]}, which overflows a float; only finite numbers are allowed.")
+    return value
 
 
 def _check_header(header: Any) -> None:

@@ -7,6 +7,12 @@ section dtype ``u8``, with the vector length in a field).
 
 Version rule: a receiver accepts exactly the version it was built with and otherwise
 rejects the message saying which side is older, so old agents fail clearly.
+
+Validation rule: a message class checks everything it can know by itself (bitset lengths
+against ``size``, section lengths against the masks, sample counts within
+:data:`MAX_SAMPLES`, a ciphertext exactly when a mask selects positions), so a typed
+message that exists is internally consistent; :func:`update_from_message` and
+:func:`aggregate_from_message` add what the receiver knows (the model's size, the key).
 """
 
 from __future__ import annotations
@@ -14,9 +20,9 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from senseshield.engine.aggregation import EncryptedAggregate, ProtectedUpdate
+from senseshield.engine.aggregation import EncryptedAggregate, ProtectedUpdate, validate_update
 from senseshield.errors import ProtocolError
 from senseshield.he.base import PublicKey
 from senseshield.runtime.protocol.envelope import Frame, encode_frame
@@ -35,6 +41,10 @@ class Message(BaseModel):
 
 MESSAGES: Registry[type[Message]] = Registry("message schema")
 
+MAX_SAMPLES = 1 << 24
+"""Most training samples a device may claim (hello, updates): 16.7 million. The coordinator
+also requires an update's count to equal the agent's hello."""
+
 
 def message(cls: type[Message]) -> type[Message]:
     """Class decorator: register a message under its ``schema_name``."""
@@ -46,9 +56,14 @@ def pack_mask(mask: np.ndarray) -> np.ndarray:
 
 
 def unpack_mask(bits: np.ndarray, size: int) -> np.ndarray:
+    """The bool mask of a bitset of ``size`` positions; :class:`ProtocolError` unless the
+    bitset has exactly ``ceil(size / 8)`` bytes and its padding bits are zero."""
     if bits.size != -(-size // 8):
         raise ProtocolError(f"A mask of {size} positions needs {-(-size // 8)} bytes, got {bits.size}.")
-    return np.unpackbits(bits, count=size).astype(bool)
+    unpacked = np.unpackbits(bits).astype(bool)
+    if unpacked[size:].any():
+        raise ProtocolError(f"A mask of {size} positions has padding bits set after position {size}.")
+    return unpacked[:size]
 
 
 def to_frame(msg: Message, *, fleet: str, sender: str, round: int) -> bytes:
@@ -72,6 +87,9 @@ def from_frame(frame: Frame) -> Message:
             f"Message {frame.schema!r} has version {frame.version}; this build speaks version "
             f"{cls.version}, so {older} is out of date."
         )
+    clash = set(frame.fields) & set(frame.sections)
+    if clash:
+        raise ProtocolError(f"Message {frame.schema!r} names {sorted(clash)} both as field and as section.")
     if set(frame.sections) != set(cls.sections):
         raise ProtocolError(
             f"Message {frame.schema!r} carries sections {sorted(frame.sections)}; "
@@ -88,6 +106,9 @@ def from_frame(frame: Frame) -> Message:
         return cls(**frame.fields, **frame.sections)
     except ValidationError as exc:
         first = exc.errors()[0]
+        error = first.get("ctx", {}).get("error")
+        if isinstance(error, ProtocolError):  # a class's own consistency check
+            raise ProtocolError(f"Message {frame.schema!r}: {error}") from None
         where = ".".join(str(p) for p in first["loc"])
         raise ProtocolError(f"Message {frame.schema!r}: field {where!r} {first['msg'].lower()}.") from None
 
@@ -124,7 +145,7 @@ class Hello(Message):
     schema_name: ClassVar[str] = "hello"
     run_id: str  # the fleet run the agent joins (FleetConfig.run_id)
     agent_id: str
-    n_samples: int = Field(ge=1)
+    n_samples: int = Field(ge=1, le=MAX_SAMPLES)
     bandwidth: float = Field(gt=0)  # r_i, MB/s
     cpu_speed: float = Field(gt=0)  # v_i, GHz x cores
     profile: dict[str, Any] = {}
@@ -188,6 +209,16 @@ class RoundPlan(Message):
     has_shared_mask: bool = False
     shared_mask: np.ndarray  # bitset; empty when has_shared_mask is False
 
+    @model_validator(mode="after")
+    def _consistent(self) -> "RoundPlan":
+        if self.has_shared_mask:
+            unpack_mask(self.shared_mask, self.size)
+        elif self.shared_mask.size:
+            raise ProtocolError("A round plan without a shared mask carries mask bytes.")
+        if self.block_size > self.size:
+            raise ProtocolError(f"Block size {self.block_size} exceeds the model's {self.size} parameters.")
+        return self
+
     def mask(self) -> np.ndarray | None:
         return unpack_mask(self.shared_mask, self.size) if self.has_shared_mask else None
 
@@ -202,6 +233,11 @@ class Proposal(Message):
     size: int = Field(ge=1)
     proposal: np.ndarray
 
+    @model_validator(mode="after")
+    def _consistent(self) -> "Proposal":
+        unpack_mask(self.proposal, self.size)
+        return self
+
 
 @message
 class MaskDecision(Message):
@@ -212,6 +248,11 @@ class MaskDecision(Message):
     cluster: int = Field(ge=0)
     size: int = Field(ge=1)
     shared_mask: np.ndarray
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "MaskDecision":
+        unpack_mask(self.shared_mask, self.size)
+        return self
 
 
 @message
@@ -261,7 +302,7 @@ class UpdateMessage(Message):
         "mask": "u8", "withheld": "u8", "plaintext": "f32", "ciphertext": "bytes",
     }
     cluster: int = Field(ge=0)
-    n_samples: int = Field(ge=1)
+    n_samples: int = Field(ge=1, le=MAX_SAMPLES)
     size: int = Field(ge=1)
     has_withheld: bool = False
     timings: dict[str, float] = {}
@@ -270,6 +311,25 @@ class UpdateMessage(Message):
     withheld: np.ndarray
     plaintext: np.ndarray
     ciphertext: bytes
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "UpdateMessage":
+        mask = unpack_mask(self.mask, self.size)
+        sent = self.size - int(mask.sum())
+        if self.has_withheld:
+            withheld = unpack_mask(self.withheld, self.size)
+            if np.any(withheld & mask):
+                raise ProtocolError("An update marks positions as both encrypted and withheld.")
+            sent -= int(withheld.sum())
+        elif self.withheld.size:
+            raise ProtocolError("An update without withheld positions carries a withheld mask.")
+        if self.plaintext.size != sent:
+            raise ProtocolError(f"An update has {self.plaintext.size} plaintext values; its masks leave {sent}.")
+        if not np.all(np.isfinite(self.plaintext)):
+            raise ProtocolError("An update holds NaN or inf in its plaintext part.")
+        if bool(self.ciphertext) != bool(mask.any()):
+            raise ProtocolError("An update must carry a ciphertext exactly when its mask selects positions.")
+        return self
 
 
 @message
@@ -289,6 +349,26 @@ class AggregateRequest(Message):
     plain_sum: np.ndarray
     position_weight: np.ndarray  # empty when every client sent every position
     ciphertext: bytes
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "AggregateRequest":
+        union = unpack_mask(self.union_mask, self.size)
+        left = self.size - int(union.sum())
+        if self.plain_sum.size != left:
+            raise ProtocolError(f"An aggregate has {self.plain_sum.size} plaintext sums; its union mask leaves {left}.")
+        if not np.all(np.isfinite(self.plain_sum)):
+            raise ProtocolError("An aggregate holds NaN or inf in its plaintext sums.")
+        w = self.position_weight
+        if w.size not in (0, self.size):
+            raise ProtocolError(f"An aggregate has {w.size} position weights; it needs 0 or {self.size}.")
+        if w.size and (np.any(w < 0) or np.any(w > self.total_weight) or np.any(w != np.round(w))):
+            raise ProtocolError(f"An aggregate's position weights must be integers in 0..{self.total_weight}.")
+        distinct = len(set(self.contributors))  # a name given twice counts once (key server's rule)
+        if not distinct or distinct > self.total_weight:
+            raise ProtocolError(f"An aggregate of {distinct} contributors cannot weigh {self.total_weight}.")
+        if bool(self.ciphertext) != bool(union.any()):
+            raise ProtocolError("An aggregate must carry a ciphertext exactly when its union mask selects positions.")
+        return self
 
 
 @message
@@ -329,16 +409,20 @@ def update_to_message(
 
 
 def update_from_message(
-    msg: UpdateMessage, public_key: PublicKey | None, *, client_id: str, round: int
+    msg: UpdateMessage, public_key: PublicKey | None, *, client_id: str, round: int, size: int
 ) -> ProtectedUpdate:
-    """Rebuild the engine's update; the ciphertext is checked against ``public_key``."""
+    """Rebuild the engine's update for a model of ``size`` parameters, checked completely
+    (:func:`validate_update`: shapes, masks, finiteness; the ciphertext against
+    ``public_key`` and the mask) before anyone uses it; :class:`ProtocolError` otherwise."""
+    if msg.size != size:
+        raise ProtocolError(f"Update of {client_id!r} has {msg.size} parameters; the model has {size}.")
     ciphertext = None
     if msg.ciphertext:
         if public_key is None:
             raise ProtocolError(f"Update from {client_id!r} is encrypted but no public key is known.")
         ciphertext = public_key.vector_from_bytes(msg.ciphertext)
         public_key.check(ciphertext)
-    return ProtectedUpdate(
+    update = ProtectedUpdate(
         client_id=client_id,
         round=round,
         cluster=msg.cluster,
@@ -350,6 +434,8 @@ def update_from_message(
         timings=dict(msg.timings),
         withheld=unpack_mask(msg.withheld, msg.size) if msg.has_withheld else None,
     )
+    validate_update(update, size=size, round=round)
+    return update
 
 
 def aggregate_to_message(
@@ -373,15 +459,15 @@ def aggregate_to_message(
     )
 
 
-def aggregate_from_message(msg: AggregateRequest, public_key: PublicKey | None, *, round: int) -> EncryptedAggregate:
+def aggregate_from_message(
+    msg: AggregateRequest, public_key: PublicKey | None, *, round: int, size: int
+) -> EncryptedAggregate:
+    """The engine's aggregate for a model of ``size`` parameters; sections were checked by
+    the message class, the ciphertext (key, block count and size, positions = union mask)
+    is checked here, before anything is decrypted."""
+    if msg.size != size:
+        raise ProtocolError(f"Aggregate of cluster {msg.cluster} has {msg.size} parameters; the model has {size}.")
     union = unpack_mask(msg.union_mask, msg.size)
-    if msg.plain_sum.size != msg.size - int(union.sum()):
-        raise ProtocolError(
-            f"Aggregate of cluster {msg.cluster} has {msg.plain_sum.size} plaintext sums; "
-            f"its union mask leaves {msg.size - int(union.sum())}."
-        )
-    if msg.position_weight.size not in (0, msg.size):
-        raise ProtocolError(f"Aggregate of cluster {msg.cluster} has a malformed position weight.")
     ciphertext = None
     if msg.ciphertext:
         if public_key is None:
