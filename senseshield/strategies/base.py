@@ -58,14 +58,15 @@ class StrategyOptions(BaseModel):
             "round times line up under the deadline)."
         ),
     )
-    budget_tolerance: float = Field(
+    budget_tolerance: float | None = Field(
         0.05,
         ge=0.0,
         le=1.0,
         description=(
             "Relative tolerance added to every measured figure's probe interval [min, max] before "
             "budgets: devices whose widened intervals overlap count as equal and share the median "
-            "figure (declared figures are exact); 0 pools only overlapping probe intervals."
+            "figure (declared figures are exact); 0 pools only overlapping probe intervals; None "
+            "uses every figure as reported (no pooling, as before)."
         ),
     )
     # ---- hybrid HE + DP strategies (docs/hybrid.md) ----
@@ -214,15 +215,17 @@ def _figure(report: BootstrapReport, name: str) -> float | None:
 
 
 def stable_inputs(
-    reports: Sequence[BootstrapReport], *, tolerance: float
+    reports: Sequence[BootstrapReport], *, tolerance: float | None
 ) -> tuple[list[BootstrapReport], dict[str, dict[str, list[float]]]]:
     """The reports with every budget figure (:data:`BUDGET_FIGURES`) pooled over the devices
     the measurements cannot tell apart (:func:`senseshield.engine.measurements.pool_agreeing`):
     a measured figure's interval is its probe ``[min, max]`` widened by ``tolerance``, a
     declared figure is exact. Returns the new reports and, per figure, ``{client: [measured,
-    used]}`` for the figures that changed."""
+    used]}`` for the figures that changed. ``tolerance=None`` returns the reports unchanged."""
     from dataclasses import replace
 
+    if tolerance is None:
+        return list(reports), {}
     figures: dict[str, dict[str, float]] = {}
     changed: dict[str, dict[str, list[float]]] = {}
     for name in BUDGET_FIGURES:
@@ -398,7 +401,7 @@ def budgets_per_cluster(
     deadline: float | None = None,
     fractions: dict[str, np.ndarray] | None = None,
     notes: dict[str, Any] | None = None,
-    tolerance: float = StrategyOptions.model_fields["budget_tolerance"].default,
+    tolerance: float | None = StrategyOptions.model_fields["budget_tolerance"].default,
 ) -> dict[str, float]:
     """SenseCrypt sec. 3.2: the max-abs scaling runs over the N^c clients of each cluster.
 
