@@ -419,6 +419,7 @@ def budgets_per_cluster(
         if mode == "calibrated":
             budgets, note = calibrated_cluster_budgets(
                 members, size=size, block_size=block_size, deadline=deadline, fractions=fractions,
+                slack=tolerance or 0.0,
             )
         else:
             budgets, note = _budgets(members), {"mode": "paper"}
@@ -440,9 +441,11 @@ def calibrated_cluster_budgets(
     block_size: int = 1,
     deadline: float | None = None,
     fractions: dict[str, np.ndarray] | None = None,
+    slack: float = 0.0,
 ) -> tuple[dict[str, float], dict[str, Any]]:
     """Calibrated budgets (:func:`senseshield.engine.budgets.calibrated_budgets`) of one
-    cluster from the members' measured :class:`RoundCosts` and bandwidths.
+    cluster from the members' measured :class:`RoundCosts` and bandwidths; ``slack``: predicted
+    times within that fraction of the target count as on target.
 
     Members that measured nothing get costs scaled from the measured ones by CPU speed
     (train time / v_i, encryption rate x v_i); if nobody measured, the paper's budgets are
@@ -478,6 +481,7 @@ def calibrated_cluster_budgets(
         fraction=fraction,
         deadline_s=deadline,
         floor=min(1.0, block_size / size),
+        slack=slack,
     )
     note: dict[str, Any] = {
         "mode": "calibrated",
