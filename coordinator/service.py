@@ -56,7 +56,7 @@ from senseshield.runtime.service import Inbound, Service, check_sender
 from senseshield.job import Job, effective_scheme, initial_model, noise_multipliers
 from senseshield.results import ClientRecord, RoundRecord, RoundTally, RunResult, weighted_accuracy
 from senseshield.strategies import BootstrapReport, FleetPlan, build_strategy
-from senseshield.strategies.base import RoundCosts
+from senseshield.strategies.base import RoundCosts, measured_intervals
 
 log = logging.getLogger("senseshield.coordinator")
 
@@ -404,7 +404,8 @@ class Coordinator(Service):
         reports = [
             BootstrapReport(a, self.agents[a].hello.n_samples, self.agents[a].hello.bandwidth,
                             self.agents[a].hello.cpu_speed, self.agents[a].vector,
-                            RoundCosts.from_profile(self.agents[a].hello.profile))
+                            RoundCosts.from_profile(self.agents[a].hello.profile),
+                            measured_intervals(self.agents[a].hello.profile))
             for a in ids
         ]
         block = self.block_size
@@ -464,7 +465,8 @@ class Coordinator(Service):
         rounds since round 2 showed (round 1 warms torch and the HE tables up) -- medians of
         the encryption rate (encrypted values / encrypt seconds), of the budget-independent
         work (train, sensitivity, mask, noise) plus what the delivered round took beyond the
-        model (busy time - those phases - encryption - bytes / bandwidth) -- and let the
+        model (busy time - those phases - encryption - bytes / bandwidth), with their min/max
+        over the rounds as intervals (devices that agree within them are pooled) -- and let the
         strategy recompute the budgets (:meth:`Strategy.rebudget`)."""
         if self.plan is None or self.config.options.budget_mode != "calibrated" or r < 3:
             return
@@ -496,8 +498,12 @@ class Coordinator(Service):
             rate = float(np.median(rates)) if rates else base.encrypt_per_s  # type: ignore[union-attr]
             train = float(np.median(fixed)) if fixed else base.train_s  # type: ignore[union-attr]
             costs = RoundCosts(train, rate, base.bytes_per_encrypted if base else 8.0, base.latency_s if base else 0.0)
+            intervals = measured_intervals(info.hello.profile)  # the rounds' spread replaces the join's
+            for name, seen in (("encrypt_per_s", rates), ("train_s", fixed)):
+                if len(seen) >= 2:
+                    intervals[name] = (min(seen), max(seen))
             reports.append(BootstrapReport(a, info.hello.n_samples, info.hello.bandwidth, info.hello.cpu_speed,
-                                           info.vector, costs))
+                                           info.vector, costs, intervals))
         if not reports:
             return
         block = self.block_size

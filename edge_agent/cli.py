@@ -27,7 +27,8 @@ def join(
     broker: Broker = "mqtt://127.0.0.1:1883",
     fleet: Fleet = "default",
     agent_id: Annotated[Optional[str], typer.Option(help="This device's id (default: the host name).")] = None,
-    profile: Annotated[str, typer.Option(help="auto (measure now) | NAME (profiles/NAME.yaml) | FILE.yaml.")] = "auto",
+    profile: Annotated[str, typer.Option(help="auto (measure now) | auto:NAME or auto:FILE.yaml (measure, bounded by that declared profile) | NAME (profiles/NAME.yaml) | FILE.yaml.")] = "auto",
+    probe: Annotated[str, typer.Option(help="Bandwidth probe plan with --profile auto: robust | single (the old best-of-two, for before/after benchmarks).", hidden=True)] = "robust",
     dataset: Annotated[Optional[str], typer.Option(help="Local data: digits | mnist5k | idx:<dir> | synthetic (default: the run's).")] = None,
     shard: Annotated[Optional[str], typer.Option(help="Use shard I/N of the dataset (0 <= I < N), cut by the run's partition.")] = None,
     partition: Annotated[Optional[str], typer.Option(help="How shards are cut (default: the run's partition).")] = None,
@@ -44,7 +45,7 @@ def join(
     import logging
     import socket
 
-    from edge_agent.profile import load_profile
+    from edge_agent.profile import is_measured, load_profile
     from edge_agent.service import DataSpec, EdgeAgent
 
     setup_logging(log_level, f"agent:{agent_id or socket.gethostname()}")
@@ -53,12 +54,13 @@ def join(
         spec = DataSpec(dataset=dataset, shard=DataSpec.parse_shard(shard), partition=partition)
         if threads is not None and threads < 1:
             raise ConfigError(f"--threads {threads} is not allowed; use 1 or more.")
-        if profile == "auto" and security:
+        if is_measured(profile) and security:
             # the bandwidth probe's anonymous client and topic are not allowed on a secured broker
             logging.getLogger("edge_agent").warning(
                 "--profile auto on a secured broker: bandwidth not measured, declared default used")
-        probe = None if security else broker
-        device = load_profile(profile, broker=probe, fleet=fleet, quick=True, mqtt=check_mqtt(mqtt)) if profile == "auto" else load_profile(profile)
+        measure = {"broker": None if security else broker, "fleet": fleet, "quick": True, "mqtt": check_mqtt(mqtt),
+                   "probe": probe}
+        device = load_profile(profile, **measure)  # the measuring keywords apply to auto[:SPEC] only
         agent = EdgeAgent(
             broker, fleet=fleet, agent_id=agent_id or socket.gethostname(), bandwidth=device.bandwidth,
             cpu_speed=device.cpu_speed, profile=device.model_dump(mode="json"), data=spec, threads=threads,

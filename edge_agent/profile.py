@@ -7,6 +7,13 @@ The coordinator needs two numbers per agent (SenseCrypt sec. 3.2, sent in ``Hell
 * ``bandwidth`` -- r_i, MB/s (10^6 bytes per second): the measured up bandwidth through the
   broker (:func:`measure_bandwidth`), else the declared :data:`DEFAULT_BANDWIDTH_MBPS`.
 
+Every measured figure is the median of several probes of a minimum duration each;
+``measurements`` keeps min/median/max, quartiles, the probe count and the confidence of
+``[min, max]`` as an interval for the median (the coordinator treats devices whose intervals
+overlap as equal, :func:`senseshield.engine.measurements.pool_agreeing`). With
+``--profile auto:NAME`` (or ``auto:FILE``) the measured r_i and v_i are bounded by the declared
+profile: a measured figure never exceeds the declared one (:func:`bound_profile`).
+
 :func:`measure_profile` also records what the device is (board, CPU, cores, memory) and two
 microbenchmarks that explain its round times: float32 matmul GFLOP/s with torch and values
 encrypted per second with the fleet's HE scheme and key size. Every measurement reports how
@@ -51,6 +58,7 @@ import numpy as np
 import typer
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from senseshield.engine.measurements import Spread, summarise
 from senseshield.errors import ConfigError
 
 DEFAULT_SCHEME = "packed-paillier"
@@ -80,6 +88,30 @@ ARM_PARTS = {
     ("0x41", "0xd41"): "Cortex-A78", ("0x41", "0xd42"): "Cortex-A78AE",
     ("0x41", "0xd4b"): "Cortex-A78C", ("0x4e", "0x004"): "NVIDIA Carmel",
 }
+
+
+class ProbeSummary(BaseModel):
+    """Several probes of one figure (:func:`senseshield.engine.measurements.summarise`):
+    ``median`` is the figure; ``[min, max]`` covers the true median with ``confidence``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    median: float = Field(ge=0)
+    min: float = Field(ge=0)
+    max: float = Field(ge=0)
+    q1: float = Field(ge=0)
+    q3: float = Field(ge=0)
+    probes: int = Field(ge=1)
+    rel_iqr: float = Field(ge=0, description="(q3 - q1) / median.")
+    confidence: float = Field(ge=0, le=1, description="1 - 2 x 0.5^probes: coverage of [min, max] for the median.")
+
+    @classmethod
+    def of(cls, spread: Spread) -> "ProbeSummary":
+        return cls.model_validate(spread.as_dict())
+
+
+BOUNDED_FIELDS = ("bandwidth", "cpu_speed")
+"""The figures a declared profile bounds (``--profile auto:NAME``): r_i and v_i, the budget inputs."""
 
 
 class DeviceProfile(BaseModel):
@@ -160,6 +192,21 @@ class DeviceProfile(BaseModel):
     timings: dict[str, Annotated[float, Field(ge=0)]] = Field(
         default_factory=dict, description="Seconds each measurement took (and 'total')."
     )
+    measurements: dict[str, ProbeSummary] = Field(
+        default_factory=dict,
+        description=(
+            "Probe summaries of the measured figures (bandwidth in MB/s, gflops, "
+            "he_encryptions_per_s): median, min, max, quartiles, probe count, confidence."
+        ),
+    )
+    declared_profile: Optional[str] = Field(
+        None, description="The declared profile (NAME or FILE of --profile auto:SPEC) that bounds the measured figures."
+    )
+    bounds: dict[str, float] = Field(
+        default_factory=dict,
+        description=f"Declared upper bounds of {' and '.join(BOUNDED_FIELDS)}: a measured figure never exceeds them.",
+    )
+    capped: list[str] = Field(default_factory=list, description="Measured figures lowered to their declared bound.")
 
     @model_validator(mode="before")
     @classmethod
@@ -276,29 +323,36 @@ def clock_mhz(*, cpuinfo: Path = CPUINFO) -> float | None:
 # ---- microbenchmarks ---------------------------------------------------------------------------
 
 
-def measure_gflops(n: int = 512, repeats: int = 5, min_seconds: float = 0.15) -> float:
-    """float32 GFLOP/s of an ``n x n`` torch matmul (2 n^3 flops), with torch's default
-    thread count: the best of at least ``repeats`` products, repeated until ``min_seconds``
-    have passed, after one warm-up product.
+def measure_gflops(n: int = 512, probes: int = 5, min_seconds: float = 0.05) -> Spread:
+    """float32 GFLOP/s of ``n x n`` torch matmuls (2 n^3 flops each) with torch's default
+    thread count: after one warm-up product, ``probes`` probes, each repeating products for
+    at least ``min_seconds`` (and at least one); a probe's figure is its flops over its wall
+    time. Returns the :class:`~senseshield.engine.measurements.Spread` of the probes (the
+    profile's ``gflops`` is the median).
 
     It measures what the device offers now: a busy device (another process on a core that
-    torch's threads need) scores lower; the time floor gives it chances to catch a quiet spell.
+    torch's threads need) scores lower in the probes that overlap the busy spell.
     """
     import torch
 
-    if n < 1 or repeats < 1:
-        raise ConfigError(f"Matmul n={n}, repeats={repeats} is not allowed; both must be >= 1.")
+    if n < 1 or probes < 1 or not min_seconds >= 0:
+        raise ConfigError(f"Matmul n={n}, probes={probes}, min_seconds={min_seconds} is not allowed; "
+                          "n and probes must be >= 1, min_seconds >= 0.")
     generator = torch.Generator().manual_seed(0)
     a = torch.randn(n, n, generator=generator, dtype=torch.float32)
     b = torch.randn(n, n, generator=generator, dtype=torch.float32)
     torch.mm(a, b)
-    best, done, began = math.inf, 0, time.perf_counter()
-    while done < repeats or time.perf_counter() - began < min_seconds:
-        start = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - start)
-        done += 1
-    return 2.0 * n**3 / max(best, 1e-9) / 1e9
+
+    def probe() -> float:
+        done, start = 0, time.perf_counter()
+        while True:
+            torch.mm(a, b)
+            done += 1
+            elapsed = time.perf_counter() - start
+            if elapsed >= min_seconds:
+                return 2.0 * n**3 * done / max(elapsed, 1e-9) / 1e9
+
+    return summarise([probe() for _ in range(probes)])
 
 
 @dataclass(frozen=True)
@@ -311,6 +365,7 @@ class HEMeasurement:
     keygen_s: float  # 0 when a public key was given
     setup_s: float  # the first encryption (builds tables such as packed Paillier's fixed-base table)
     encrypt_s: float  # the timed encryptions
+    spread: Spread | None = None  # values/s of the timed calls at the final vector length
 
 
 def resolve_key_bits(scheme: str, key_bits: int | None) -> int | None:
@@ -343,9 +398,11 @@ def measure_encryption(
 
     The key is generated once (``keygen_s``); one warm-up encryption of one block
     (``setup_s``); then vectors of whole blocks, doubling in length while one encryption
-    takes under ``budget_s / 8``, are encrypted until ``budget_s`` is spent. The rate is the
-    best values/second of a single call, so per-value schemes and packed ones (66 values per
-    packed-Paillier ciphertext, thousands per CKKS ciphertext) are both counted in values.
+    takes under ``budget_s / 8``, are encrypted until ``budget_s`` is spent (at least three
+    calls at the final length). The rate is the median values/second of the calls at the
+    final length (``spread`` summarises them), so per-value schemes and packed ones (66
+    values per packed-Paillier ciphertext, thousands per CKKS ciphertext) are both counted
+    in values.
     """
     from senseshield.he import SCHEMES
 
@@ -369,26 +426,56 @@ def measure_encryption(
         return time.perf_counter() - start
 
     setup_s = encrypt(n)
-    rate, spent = 0.0, 0.0
+    rates: list[float] = []
+    spent = 0.0
     while True:
         elapsed = encrypt(n)
         spent += elapsed
-        rate = max(rate, n / max(elapsed, 1e-9))
-        if spent >= budget_s:
+        rates.append(n / max(elapsed, 1e-9))
+        if spent >= budget_s and len(rates) >= 3:
             break
         if elapsed < budget_s / 8 and 2 * n <= max_values:
             n *= 2
-    return HEMeasurement(scheme, key_bits, rate, keygen_s, setup_s, spent)
+            rates = []  # only calls of the final length count
+    spread = summarise(rates)
+    return HEMeasurement(scheme, key_bits, spread.median, keygen_s, setup_s, spent, spread)
 
 
 @dataclass(frozen=True)
 class BandwidthMeasurement:
     """Result of :func:`measure_bandwidth`."""
 
-    mbps: float  # MB/s (10^6 bytes) each way, assuming a symmetric link
-    round_trip_s: float  # best round trip of the probe
+    mbps: float  # MB/s (10^6 bytes) each way, assuming a symmetric link: the probes' median
+    round_trip_s: float  # round trip of one probe frame at ``mbps``
     frame_bytes: int  # probe frame size on the wire (payload + envelope header)
     seconds: float  # how long the whole measurement took (connect included)
+    spread: Spread | None = None  # MB/s of every probe
+
+
+@dataclass(frozen=True)
+class ProbePlan:
+    """How :func:`measure_bandwidth` probes: ``probes`` probes of ``nbytes`` frames, each
+    repeating round trips for at least ``min_seconds``; the figure is the probes' median,
+    or their best with ``best`` (the single short probe SenseShield used before, kept for
+    ``benchmarks/bench_budgets.py``'s before/after)."""
+
+    nbytes: int
+    probes: int
+    min_seconds: float
+    best: bool = False
+
+
+PROBE_PLANS: dict[str, dict[bool, ProbePlan]] = {  # name -> quick -> plan
+    "robust": {True: ProbePlan(250_000, 5, 0.08), False: ProbePlan(1_000_000, 7, 0.2)},
+    "single": {True: ProbePlan(250_000, 2, 0.0, best=True), False: ProbePlan(1_000_000, 3, 0.0, best=True)},
+}
+"""Bandwidth probe plans by name (``edge-agent join/profile --probe``); ``robust`` is the default."""
+
+
+def probe_plan(name: str, *, quick: bool) -> ProbePlan:
+    if name not in PROBE_PLANS:
+        raise ConfigError(f"--probe {name!r} is not allowed; use one of: {', '.join(PROBE_PLANS)}.")
+    return PROBE_PLANS[name][quick]
 
 
 def measure_bandwidth(
@@ -396,27 +483,32 @@ def measure_bandwidth(
     fleet: str = DEFAULT_FLEET,
     *,
     nbytes: int = 1_000_000,
-    repeats: int = 3,
+    probes: int = 5,
+    min_seconds: float = 0.1,
+    best: bool = False,
     timeout: float = 10.0,
     link_factory: Callable[..., Any] | None = None,
 ) -> BandwidthMeasurement:
-    """MB/s through ``broker``: publish an ``nbytes`` probe on ``ss/v1/<fleet>/probe/<id>``,
-    which the same client subscribes to, and time until it comes back.
+    """MB/s through ``broker``: publish ``nbytes`` probe frames on ``ss/v1/<fleet>/probe/<id>``,
+    which the same client subscribes to, and time until each comes back.
 
-    The probe crosses the device's link twice (up to the broker, then down), and the broker
-    forwards it only once it has it whole, so one round trip of ``L`` bytes taking ``t``
-    seconds gives ``2 L / t`` MB/s per direction, latency included. A single round trip
-    cannot separate up from down: the profile reports the same number for both (on
-    loopback it measures the broker and the MQTT stack, not a network). Best of ``repeats``
-    after a small warm-up probe. ``link_factory`` builds the :class:`senseshield.runtime.transport.Link`
-    (default ``Link``; e.g. ``functools.partial(Link, ...)`` for other link options).
-    Raises :class:`ConnectionError` when the broker is unreachable or does not echo in time.
+    A frame crosses the device's link twice (up to the broker, then down), and the broker
+    forwards it only once it has it whole, so ``k`` round trips of ``L`` bytes taking ``t``
+    seconds give ``2 k L / t`` MB/s per direction, latency included. A round trip cannot
+    separate up from down: the profile reports the same number for both (on loopback it
+    measures the broker and the MQTT stack, not a network). After a small warm-up frame,
+    ``probes`` probes each repeat round trips for at least ``min_seconds`` (at least one);
+    the figure is the median probe (``best``: the fastest), ``spread`` has them all.
+    ``link_factory`` builds the :class:`senseshield.runtime.transport.Link` (default ``Link``; e.g.
+    ``functools.partial(Link, ...)`` for other link options). Raises
+    :class:`ConnectionError` when the broker is unreachable or does not echo in time.
     """
     from senseshield.runtime.protocol import encode_frame
     from senseshield.runtime.transport import Link
 
-    if nbytes < 1 or repeats < 1:
-        raise ConfigError(f"Bandwidth probe of {nbytes} bytes x {repeats} is not allowed; both must be >= 1.")
+    if nbytes < 1 or probes < 1 or not min_seconds >= 0:
+        raise ConfigError(f"Bandwidth probes of {nbytes} bytes x {probes} (min {min_seconds} s) are not allowed; "
+                          "bytes and probes must be >= 1, the minimum duration >= 0.")
     began = time.perf_counter()
     client_id = f"profile-{secrets.token_hex(4)}"
     suffix = f"probe/{client_id}"
@@ -429,9 +521,12 @@ def measure_bandwidth(
     link = (link_factory or Link)(broker, client_id=client_id, fleet=fleet, on_frame=on_frame)
     link.subscribe(suffix)
     link.start(timeout=timeout)
+    seq = 0
     try:
 
-        def round_trip(seq: int, data: bytes) -> tuple[float, int]:
+        def round_trip(data: bytes) -> tuple[float, int]:
+            nonlocal seq
+            seq += 1
             frame = encode_frame(
                 schema=PROBE_SCHEMA, version=1, fleet=fleet, sender=client_id, round=0,
                 fields={"seq": seq}, sections={"data": data},
@@ -452,12 +547,20 @@ def measure_bandwidth(
                     pass
             return time.perf_counter() - start, len(frame)
 
-        round_trip(0, b"")
+        round_trip(b"")
         payload = os.urandom(nbytes)
-        best, size = min(round_trip(seq, payload) for seq in range(1, repeats + 1))
+        rates, size = [], 0
+        for _ in range(probes):
+            done, spent = 0, 0.0
+            while done == 0 or spent < min_seconds:
+                elapsed, size = round_trip(payload)
+                done, spent = done + 1, spent + elapsed
+            rates.append(2 * size * done / max(spent, 1e-9) / 1e6)
     finally:
         link.stop()
-    return BandwidthMeasurement(2 * size / max(best, 1e-9) / 1e6, best, size, time.perf_counter() - began)
+    spread = summarise(rates)
+    mbps = spread.high if best else spread.median
+    return BandwidthMeasurement(mbps, 2 * size / (mbps * 1e6), size, time.perf_counter() - began, spread)
 
 
 # ---- the profile ----------------------------------------------------------------------------
@@ -472,6 +575,7 @@ def measure_profile(
     quick: bool = False,
     mqtt: str = "5",
     public_key: Any = None,
+    probe: str = "robust",
     device_tree_model: Path = DEVICE_TREE_MODEL,
     tegra_release: Path = TEGRA_RELEASE,
     cpuinfo: Path = CPUINFO,
@@ -481,7 +585,10 @@ def measure_profile(
 
     ``key_bits`` defaults to the scheme's (2048 for the Paillier schemes); ``public_key``
     (the fleet's) replaces key generation. ``quick`` shrinks every benchmark (256 x 256
-    matmuls for 0.05 s, 0.15 s of encryption, a 250 kB probe) for tests and impatient users.
+    matmuls, 0.15 s of encryption, 250 kB probe frames) for joins, tests and impatient users.
+    ``probe`` names the bandwidth plan (:data:`PROBE_PLANS`: ``robust``, the median of several
+    probes of a minimum duration, or ``single``, the old best-of-two short probe). Every
+    figure comes from several probes; ``measurements`` holds their summaries.
     The bandwidth is measured first, so an unreachable broker fails fast. Timings:
     ``bandwidth`` (with a broker), ``system``, ``matmul``, ``he_keygen``, ``he_setup``,
     ``he_encrypt`` and ``total``, in seconds.
@@ -496,7 +603,9 @@ def measure_profile(
 
         parse_broker(broker)
         topic(fleet, "probe")
+    plan = probe_plan(probe, quick=quick)
     timings: dict[str, float] = {}
+    summaries: dict[str, ProbeSummary] = {}
 
     up = None
     if broker is not None:  # first: an unreachable broker fails before the benchmarks run
@@ -504,10 +613,11 @@ def measure_profile(
 
         from senseshield.runtime.transport import Link
 
-        bw = measure_bandwidth(broker, fleet, nbytes=250_000 if quick else 1_000_000, repeats=2 if quick else 3,
-                               link_factory=partial(Link, protocol=mqtt))
+        bw = measure_bandwidth(broker, fleet, nbytes=plan.nbytes, probes=plan.probes, min_seconds=plan.min_seconds,
+                               best=plan.best, link_factory=partial(Link, protocol=mqtt))
         timings["bandwidth"] = bw.seconds
         up = bw.mbps
+        summaries["bandwidth"] = ProbeSummary.of(bw.spread)
 
     start = time.perf_counter()
     cores = psutil.cpu_count(logical=True) or os.cpu_count() or 1
@@ -524,16 +634,18 @@ def measure_profile(
     import torch  # noqa: F401  (imported before the clock starts: the import is no benchmark)
 
     start = time.perf_counter()
-    gflops = measure_gflops(*((256, 3, 0.05) if quick else (512, 5, 0.15)))
+    gflops = measure_gflops(*((256, 5, 0.02) if quick else (512, 5, 0.05)))
     timings["matmul"] = time.perf_counter() - start
+    summaries["gflops"] = ProbeSummary.of(gflops)
 
     he = measure_encryption(scheme, key_bits, public_key=public_key, budget_s=0.15 if quick else 0.3)
     timings.update(he_keygen=he.keygen_s, he_setup=he.setup_s, he_encrypt=he.encrypt_s)
+    summaries["he_encryptions_per_s"] = ProbeSummary.of(he.spread)
 
     timings["total"] = time.perf_counter() - began
     return DeviceProfile(
         **facts,
-        gflops=gflops,
+        gflops=gflops.median,
         he_scheme=he.scheme,
         he_key_bits=he.key_bits,
         he_encryptions_per_s=he.encryptions_per_s,
@@ -542,7 +654,23 @@ def measure_profile(
         cpu_speed=cpu_speed_of(facts["clock_mhz"], cores),
         bandwidth=DEFAULT_BANDWIDTH_MBPS if up is None else up,
         timings=timings,
+        measurements=summaries,
     )
+
+
+def bound_profile(measured: DeviceProfile, declared: DeviceProfile, source: str) -> DeviceProfile:
+    """``measured`` bounded by the ``declared`` profile (read from ``source``): each of
+    :data:`BOUNDED_FIELDS` is at most the declared value (``capped`` lists the lowered ones),
+    and what only a declared device class carries (``cpu_share``, ``latency_ms``,
+    ``local_epochs``, ``batch_size``) is taken from it. The probe summaries stay as measured;
+    ``bounds`` records the caps so the coordinator bounds the intervals alike."""
+    bounds = {name: float(getattr(declared, name)) for name in BOUNDED_FIELDS}
+    update: dict[str, Any] = {name: min(float(getattr(measured, name)), cap) for name, cap in bounds.items()}
+    capped = [name for name, cap in bounds.items() if float(getattr(measured, name)) > cap]
+    for name in ("cpu_share", "latency_ms", "local_epochs", "batch_size"):
+        if getattr(measured, name) is None:
+            update[name] = getattr(declared, name)
+    return measured.model_copy(update={**update, "declared_profile": source, "bounds": bounds, "capped": capped})
 
 
 def profile_dirs() -> list[Path]:
@@ -609,13 +737,30 @@ def read_profile(path: Path | str) -> DeviceProfile:
         raise ConfigError(_sentence(exc, source)) from None
 
 
+MEASURE = "auto"
+
+
+def is_measured(spec: str) -> bool:
+    """Whether a ``--profile`` spec measures this device: ``auto`` or ``auto:NAME|FILE``."""
+    return spec == MEASURE or spec.startswith(MEASURE + ":")
+
+
 def load_profile(spec: str, **measure: Any) -> DeviceProfile:
     """``"auto"`` -> :func:`measure_profile` (with ``measure`` as its keyword arguments);
+    ``"auto:NAME"`` / ``"auto:FILE"`` -> measured, then bounded by that declared profile
+    (:func:`bound_profile`: a measured bandwidth or CPU speed never exceeds the declared one);
     a path (contains a ``/`` or ends in ``.yaml``/``.yml``/``.json``) -> :func:`read_profile`;
     a NAME -> ``NAME.yaml`` in :func:`profile_dirs`. Unknown names raise ConfigError listing
     the available ones."""
-    if spec == "auto":
+    if spec == MEASURE:
         return measure_profile(**measure)
+    if is_measured(spec):
+        source = spec[len(MEASURE) + 1:]
+        if not source or is_measured(source):
+            raise ConfigError(f"Profile {spec!r} is not allowed; use auto:NAME or auto:FILE.yaml to bound "
+                              "the measured figures by a declared profile.")
+        declared = load_profile(source)  # read first: a bad name fails before measuring
+        return bound_profile(measure_profile(**measure), declared, source)
     if "/" in spec or os.sep in spec or spec.endswith((".yaml", ".yml", ".json")):
         return read_profile(spec)
     for directory in profile_dirs():
@@ -623,7 +768,7 @@ def load_profile(spec: str, **measure: Any) -> DeviceProfile:
         if candidate.is_file():
             return read_profile(candidate)
     names = profile_names()
-    choices = ", ".join(["auto", *names])
+    choices = ", ".join(["auto", "auto:NAME|FILE", *names])
     raise ConfigError(
         f"Unknown profile {spec!r}; use a YAML file path or one of: {choices}."
     )
@@ -664,20 +809,28 @@ def profile_command(
         Optional[Path],
         typer.Option(help="The fleet's ONNX model (`senseshield export`): also measure its inference latency."),
     ] = None,
+    declared: Annotated[
+        Optional[str],
+        typer.Option(help="Declared profile NAME or FILE.yaml bounding the measured bandwidth and CPU speed (as `join --profile auto:NAME`)."),
+    ] = None,
+    probe: Annotated[str, typer.Option(help="Bandwidth probe plan: robust (median of several probes) | single (the old best-of-two).", hidden=True)] = "robust",
 ) -> None:
     """Measure this device and print its profile as JSON on stdout.
 
     Board, CPU, cores, clock and memory; float32 matmul GFLOP/s (torch); values encrypted per
     second with the fleet's HE scheme and key size; with --broker, MB/s through the broker
-    (one round trip, reported for up and down alike). `cpu_speed` (GHz x cores) and
-    `bandwidth` (MB/s) are the v_i and r_i the coordinator uses; `timings` says how long each
-    measurement took in seconds.
+    (reported for up and down alike). Every figure is the median of several probes;
+    `measurements` gives min/median/max, quartiles, probe count and confidence. `cpu_speed`
+    (GHz x cores) and `bandwidth` (MB/s) are the v_i and r_i the coordinator uses, at most
+    the --declared profile's; `timings` says how long each measurement took in seconds.
     """
     from senseshield.cli.common import console, fail
 
     try:
         console.print(f"Profiling this device ({scheme}{', quick' if quick else ''})...", highlight=False)
-        profile = measure_profile(scheme=scheme, key_bits=key_bits, broker=broker, fleet=fleet, quick=quick)
+        spec = MEASURE if declared is None else f"{MEASURE}:{declared}"
+        profile = load_profile(spec, scheme=scheme, key_bits=key_bits, broker=broker, fleet=fleet, quick=quick,
+                               probe=probe)
         if model is not None:
             profile = with_inference_latency(profile, model, repeats=30 if quick else 200)
     except ConfigError as exc:

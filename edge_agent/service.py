@@ -203,7 +203,7 @@ class EdgeAgent(Service):
     def _on_config(self, item: Inbound) -> None:
         if item.sender != "coordinator":
             raise ProtocolError(f"fleet/config from {item.sender!r}; only the coordinator may set it.")
-        msg: FleetConfig = item.message  # type: ignore[assignment]
+        msg: FleetConfig = item.message
         if self.run is None or msg.run_id != self.run.run_id:
             if self.pending_config is None or self.pending_config.msg.run_id != msg.run_id:
                 self.pending_config = self._prepare(msg)  # a bad config is rejected here
@@ -226,14 +226,14 @@ class EdgeAgent(Service):
     def _on_assignment(self, item: Inbound) -> None:
         self._inbox(item)
         if self.run is not None:
-            msg: Assignment = item.message  # type: ignore[assignment]
+            msg: Assignment = item.message
             if self.run.cluster != msg.cluster:
                 self.link.subscribe(f"clusters/{msg.cluster}/model")
             self.run.cluster, self.run.budget = msg.cluster, msg.encryption_budget
 
     def _on_plan(self, item: Inbound) -> None:
         self._inbox(item)
-        msg: RoundPlan = item.message  # type: ignore[assignment]
+        msg: RoundPlan = item.message
         if self.run is None:
             raise ProtocolError("A round plan arrived before the agent joined a run.")
         if msg.size != self.run.initial.size:
@@ -256,7 +256,7 @@ class EdgeAgent(Service):
         self.decisions[item.round] = msg
 
     def _on_model(self, item: Inbound) -> None:
-        msg: ClusterModel = item.message  # type: ignore[assignment]
+        msg: ClusterModel = item.message
         if item.sender != "keyserver":
             raise ProtocolError(f"Cluster model from {item.sender!r}; only the key server publishes models.")
         run = self.run
@@ -274,7 +274,7 @@ class EdgeAgent(Service):
                 tm["bytes_down"] = float(item.nbytes)
 
     def _on_notice(self, item: Inbound) -> None:
-        msg: Notice = item.message  # type: ignore[assignment]
+        msg: Notice = item.message
         if item.sender != "coordinator" or self.run is None or msg.run_id != self.run.run_id:
             return
         if msg.kind == "refused":
@@ -359,11 +359,12 @@ class EdgeAgent(Service):
         run.timings.setdefault(0, {})["bootstrap"] = time.perf_counter() - t
         return vector
 
-    def _measure_costs(self, run: RunState) -> dict[str, float]:
+    def _measure_costs(self, run: RunState) -> dict:
         """This device's round costs for calibrated budgets (``Hello.profile["measured"]``):
         local training per round (a timed warm epoch x (local epochs + 1 for the sensitivity
         pass)), values encrypted per second with the fleet's key (sustained over ~0.5 s), and
-        ciphertext bytes per value. The first encryption also builds the key's tables, as
+        ciphertext bytes per value, with ``spread`` (min/max of the epochs and of the encryption
+        calls). The first encryption also builds the key's tables, as
         round 1 would. The coordinator refines these from every round it sees."""
         from edge_agent.profile import measure_encryption
         from senseshield.training import TrainConfig, torch_threads, train_local
@@ -389,9 +390,11 @@ class EdgeAgent(Service):
         block = max(1, int(self.public.block_size))
         count = block * max(1, 2048 // block)
         values, positions = np.zeros(count), np.arange(count, dtype=np.int64)
-        done, t = 0, time.perf_counter()
+        done, t, calls = 0, time.perf_counter(), []
         while True:
+            start = time.perf_counter()
             vec = self.public.encrypt(values, positions)
+            calls.append(count / max(time.perf_counter() - start, 1e-9))
             done += count
             elapsed = time.perf_counter() - t
             if elapsed >= 0.5:
@@ -403,6 +406,10 @@ class EdgeAgent(Service):
                     "bytes_per_encrypted": float(per_value), "latency_s": latency,
                     "seconds": time.perf_counter() - t0}
         self.log.info("measured round costs: %s", {k: round(v, 4) for k, v in measured.items()})
+        # probe intervals (the coordinator pools devices that agree within them)
+        scale = config.local_epochs + 1
+        measured["spread"] = {"train_s": [min(epoch_s) * scale, max(epoch_s) * scale],
+                              "encrypt_per_s": [min(min(calls), rate), max(max(calls), rate)]}
         return measured
 
     def _start_pool(self, run: RunState) -> None:

@@ -182,11 +182,38 @@ def test_key_bits_are_refused_for_schemes_without_them():
 
 
 def test_bandwidth_through_a_real_mosquitto(mosquitto):
-    result = measure_bandwidth(mosquitto.url, "lab", nbytes=200_000, repeats=2)
+    result = measure_bandwidth(mosquitto.url, "lab", nbytes=200_000, probes=5, min_seconds=0.03)
     assert _positive(result.mbps) and _positive(result.round_trip_s)
     assert result.frame_bytes > 200_000
     assert result.mbps == pytest.approx(2 * result.frame_bytes / result.round_trip_s / 1e6)
-    assert result.seconds >= result.round_trip_s
+    spread = result.spread
+    assert spread.probes == 5 and result.mbps == spread.median and spread.low <= spread.median <= spread.high
+    assert result.seconds >= 5 * 0.03  # every probe lasted its minimum duration
+    best = measure_bandwidth(mosquitto.url, "lab", nbytes=200_000, probes=2, min_seconds=0.0, best=True)
+    assert best.mbps == best.spread.high and best.spread.probes == 2  # the old single short probe
+
+
+def test_declared_profile_bounds_measured_figures(mosquitto, tmp_path):
+    declared = tmp_path / "slow.yaml"
+    declared.write_text("bandwidth: 2.5\ncpu_speed: 0.5\nlatency_ms: 20\nlocal_epochs: 2\n")
+    profile = load_profile(f"auto:{declared}", broker=mosquitto.url, fleet="lab", quick=True)
+    # loopback measures far more than 2.5 MB/s and this machine more than 0.5 GHz x cores
+    assert profile.bandwidth_up_mbps > 2.5 and profile.bandwidth == 2.5
+    assert profile.cpu_speed == 0.5 and profile.capped == ["bandwidth", "cpu_speed"]
+    assert profile.bounds == {"bandwidth": 2.5, "cpu_speed": 0.5} and profile.declared_profile == str(declared)
+    assert profile.latency_ms == 20 and profile.local_epochs == 2  # the declared class's defaults
+    assert profile.measurements["bandwidth"].probes >= 5  # what was measured stays as measured
+    # a generous declaration bounds nothing
+    roomy = load_profile("auto:x86", quick=True)
+    assert roomy.capped == [] and roomy.cpu_speed <= roomy.bounds["cpu_speed"]
+    assert roomy.declared_profile == "x86"
+
+
+def test_declared_profile_mistakes_are_one_sentence():
+    with pytest.raises(ConfigError, match=r"Profile 'auto:' is not allowed; use auto:NAME or auto:FILE.yaml"):
+        load_profile("auto:")
+    with pytest.raises(ConfigError, match=r"Unknown profile 'pi9'; use a YAML file path or one of: auto, auto:NAME\|FILE"):
+        load_profile("auto:pi9")  # refused before anything is measured
 
 
 def test_bandwidth_without_a_broker_is_a_connection_error(tmp_path):
@@ -217,6 +244,19 @@ def test_profile_command_prints_json_with_a_measured_bandwidth(mosquitto):
     profile = DeviceProfile.model_validate(data)
     assert profile.bandwidth == profile.bandwidth_up_mbps == profile.bandwidth_down_mbps > 0
     assert {"matmul", "he_keygen", "he_encrypt", "bandwidth", "total"} <= set(profile.timings)
+    summary = data["measurements"]["bandwidth"]
+    assert summary["median"] == profile.bandwidth and summary["min"] <= summary["median"] <= summary["max"]
+    assert summary["probes"] >= 5 and summary["confidence"] == pytest.approx(1 - 2 * 0.5 ** summary["probes"])
+    assert {"gflops", "he_encryptions_per_s"} <= set(data["measurements"])
+
+
+def test_profile_command_with_a_declared_profile_is_bounded(mosquitto):
+    result = CliRunner().invoke(_app(), ["profile", "--quick", "--broker", mosquitto.url, "--declared", "rpi4"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout[result.stdout.index("{"):])
+    rpi4 = load_profile("rpi4")
+    assert data["bandwidth"] <= rpi4.bandwidth and data["cpu_speed"] <= rpi4.cpu_speed
+    assert data["declared_profile"] == "rpi4" and "bandwidth" in data["capped"]
 
 
 def test_profile_command_refuses_bad_options_in_one_sentence():

@@ -164,27 +164,30 @@ band = st.floats(min_value=0.05, max_value=100.0, allow_nan=False)
     ),
     st.integers(min_value=100, max_value=200_000),
     st.one_of(st.none(), st.floats(min_value=0.05, max_value=50.0)),
+    st.sampled_from([0.0, 0.05, 0.3]),
 )
-def test_calibrated_matches_brute_force(devices, size, deadline) -> None:  # noqa: ANN001
+def test_calibrated_matches_brute_force(devices, size, deadline, slack) -> None:  # noqa: ANN001
     """Brute force: for each device, the largest budget on a 0.001 grid whose predicted time
-    is <= T, with T = min(min_i t_i(1), 0.8 x deadline); budgets agree within one step and the
-    predicted times line up at T (except devices that cannot reach T at budget 0)."""
+    is <= T (1 + slack), with T = min(min_i t_i(1), 0.8 x deadline); budgets agree within one
+    step and the predicted times line up at T (1 + slack) (except devices that cannot reach it
+    at budget 0)."""
     fixed, rates, bws = (np.array(v) for v in devices)
     kw = dict(fixed_s=fixed, encrypt_per_s=rates, bandwidth=bws, size=size, bytes_per_encrypted=BYTES_ENC)
-    res = calibrated_budgets(**kw, deadline_s=deadline)
+    res = calibrated_budgets(**kw, deadline_s=deadline, slack=slack)
     grid = np.round(np.arange(0, 1001) / 1000, 3)
     table = np.stack([predicted_round_seconds(np.full(fixed.size, a), **kw) for a in grid], axis=1)
     target = min(table[:, -1].min(), 0.8 * deadline if deadline is not None else np.inf)
     assert res.target_s == pytest.approx(target, rel=1e-9)
+    limit = target * (1 + slack)
     for i in range(fixed.size):
-        ok = np.flatnonzero(table[i] <= target * (1 + 1e-9))
+        ok = np.flatnonzero(table[i] <= limit * (1 + 1e-9))
         brute = grid[ok[-1]] if ok.size else 0.0
         assert brute - 1e-9 <= res.alphas[i] <= brute + 1e-3 + 1e-9
         assert 0.0 <= res.alphas[i] <= 1.0
-        if ok.size:  # reachable: lined up at T (or budget 1 below it)
-            assert res.predicted_s[i] <= target * (1 + 1e-6)
+        if ok.size:  # reachable: lined up at T (1 + slack) (or budget 1 below it)
+            assert res.predicted_s[i] <= limit * (1 + 1e-6)
             if res.alphas[i] < 1.0:
-                assert res.predicted_s[i] == pytest.approx(target, rel=1e-6)
+                assert res.predicted_s[i] == pytest.approx(limit, rel=1e-6)
     np.testing.assert_allclose(res.predicted_s, predicted_round_seconds(res.alphas, **kw), rtol=1e-9)
     if deadline is None:
         assert res.alphas.max() == 1.0  # the quickest device gets the whole budget, as in max-abs
@@ -205,6 +208,7 @@ def test_calibrated_matches_brute_force(devices, size, deadline) -> None:  # noq
         (dict(fixed_s=[0.1], encrypt_per_s=[1.0], bandwidth=[1], headroom=1.5), "headroom=1.5"),
         (dict(fixed_s=[0.1], encrypt_per_s=[1.0], bandwidth=[1], fraction=[[0, 2]]), "fraction values"),
         (dict(fixed_s=[0.1], encrypt_per_s=[1.0], bandwidth=[1], deadline_s=0.0), "deadline_s=0.0"),
+        (dict(fixed_s=[0.1], encrypt_per_s=[1.0], bandwidth=[1], slack=-0.1), "slack=-0.1 is not allowed"),
     ],
 )
 def test_calibrated_bad_input_is_one_sentence(kwargs: dict, needle: str) -> None:
@@ -226,14 +230,15 @@ def test_sensecrypt_budget_modes_paper_and_calibrated() -> None:
     paper = build_strategy("sensecrypt", StrategyOptions()).plan_fleet(reports, size=size, block_size=66)
     assert paper.budget_notes["mode"] == "paper"
     assert max(paper.budget_of.values()) == 1.0
-    strategy = build_strategy("sensecrypt", StrategyOptions(budget_mode="calibrated"))
-    strategy.fleet_context.round_deadline = 60.0
-    plan = strategy.plan_fleet(reports, size=size, block_size=66)
-    (note,) = plan.budget_notes["clusters"].values()
-    assert note["mode"] == "calibrated" and note["solver_fractions"]
-    times = list(note["predicted_s"].values())
-    assert max(times) / min(times) == pytest.approx(1.0, abs=1e-3)  # lined up
-    assert plan.budget_of["c0"] == 1.0 and plan.budget_of["c0"] > plan.budget_of["c1"] > plan.budget_of["c2"]
+    for tolerance, lined_up in ((0.0, 1.0), (0.05, 1.05)):  # predicted times within the tolerance count as on time
+        strategy = build_strategy("sensecrypt", StrategyOptions(budget_mode="calibrated", budget_tolerance=tolerance))
+        strategy.fleet_context.round_deadline = 60.0
+        plan = strategy.plan_fleet(reports, size=size, block_size=66)
+        (note,) = plan.budget_notes["clusters"].values()
+        assert note["mode"] == "calibrated" and note["solver_fractions"]
+        times = list(note["predicted_s"].values())
+        assert max(times) / min(times) == pytest.approx(lined_up, abs=1e-3)  # lined up
+        assert plan.budget_of["c0"] == 1.0 and plan.budget_of["c0"] > plan.budget_of["c1"] > plan.budget_of["c2"]
     # without measurements the calibrated mode falls back to the paper's formula, and says so
     bare = [BootstrapReport(r.client_id, r.n_samples, r.bandwidth, r.cpu_speed, r.sensitivity) for r in reports]
     fallback = strategy.plan_fleet(bare, size=size, block_size=66)

@@ -194,6 +194,7 @@ def calibrated_budgets(
     headroom: float = 0.8,
     floor: float = 0.0,
     resolution: int = 2000,
+    slack: float = 0.0,
 ) -> CalibratedBudgets:
     """Budgets that make the devices' predicted round times line up.
 
@@ -210,6 +211,9 @@ def calibrated_budgets(
     [0, 1] with t_i(a_i) <= T (found on a grid of ``resolution`` steps, then interpolated),
     at least ``floor``. A device whose budget-independent work alone exceeds T gets
     ``floor``: it straggles whatever it encrypts, and ``predicted_s`` says by how much.
+    ``slack`` (>= 0) lets every device take ``T x (1 + slack)`` instead of T: devices whose
+    predicted times agree within the measurements' tolerance are treated as equal (near the
+    top of a flat time curve a 5 % longer prediction would otherwise cost a third of the budget).
 
     Raises :class:`ConfigError` naming a bad input (lengths differ, a rate or bandwidth
     not finite and > 0, ``headroom`` outside (0, 1], ``floor`` outside [0, 1]).
@@ -225,6 +229,8 @@ def calibrated_budgets(
         raise ConfigError(f"deadline_s={deadline_s!r} is not allowed; it must be a finite number of seconds > 0.")
     if not isinstance(resolution, int) or resolution < 10:
         raise ConfigError(f"resolution={resolution!r} is not allowed; use an integer >= 10.")
+    if not (isinstance(slack, (int, float)) and math.isfinite(slack) and slack >= 0):
+        raise ConfigError(f"slack={slack!r} is not allowed; it must be a finite number >= 0.")
     grid = np.linspace(0.0, 1.0, resolution + 1)
     table = _fraction_table(fraction, fixed.size, grid)
     times = np.maximum.accumulate(_seconds(table, fixed, rate, r, n_params, b_enc, b_plain), axis=1)
@@ -234,8 +240,9 @@ def calibrated_budgets(
     if deadline_s is not None and headroom * deadline_s < target:
         target, capped = float(headroom * deadline_s), True
     alphas = np.empty(fixed.size)
+    limit = target * (1 + slack)
     for i, row in enumerate(times):
-        ok = np.flatnonzero(row <= target * (1 + 1e-12))
+        ok = np.flatnonzero(row <= limit * (1 + 1e-12))
         if ok.size == 0:
             alphas[i] = floor
             continue
@@ -245,7 +252,7 @@ def calibrated_budgets(
             continue
         # interpolate between grid[k] (feasible) and grid[k + 1] (not) to hit T
         lo, hi = row[k], row[k + 1]
-        step = 0.0 if hi <= lo else (target - lo) / (hi - lo)
+        step = 0.0 if hi <= lo else (limit - lo) / (hi - lo)
         alphas[i] = max(floor, float(grid[k] + min(max(step, 0.0), 1.0) * (grid[1] - grid[0])))
     predicted = np.array([
         np.interp(alphas[i], grid, times[i]) for i in range(fixed.size)

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from senseshield.engine.budgets import encryption_budgets
 from senseshield.engine.dp import check_clip, check_sigma
+from senseshield.engine.measurements import pool_agreeing
 from senseshield.engine.zones import check_unit, parse_ratio
 from senseshield.errors import ConfigError
 from senseshield.registry import Registry
@@ -55,6 +56,17 @@ class StrategyOptions(BaseModel):
             "Encryption budgets: 'paper' (max-abs over bandwidth and CPU speed, SenseCrypt sec. 3.2) "
             "or 'calibrated' (from measured train/encrypt rates and bandwidth, so that predicted "
             "round times line up under the deadline)."
+        ),
+    )
+    budget_tolerance: float | None = Field(
+        0.05,
+        ge=0.0,
+        le=1.0,
+        description=(
+            "Relative tolerance added to every measured figure's probe interval [min, max] before "
+            "budgets: devices whose widened intervals overlap count as equal and share the median "
+            "figure (declared figures are exact); 0 pools only overlapping probe intervals; None "
+            "uses every figure as reported (no pooling, as before)."
         ),
     )
     # ---- hybrid HE + DP strategies (docs/hybrid.md) ----
@@ -162,6 +174,80 @@ class BootstrapReport:
     cpu_speed: float  # v_i, e.g. GHz x cores
     sensitivity: np.ndarray | None = None  # (noised, normalised) sensitivity vector
     costs: RoundCosts | None = None  # measured on the device (calibrated budgets)
+    # probe interval [min, max] of measured figures ("bandwidth", "cpu_speed", "train_s",
+    # "encrypt_per_s"); a figure without one is declared, i.e. exact
+    intervals: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+
+BUDGET_FIGURES = ("bandwidth", "cpu_speed", "train_s", "encrypt_per_s")
+"""The measured figures budgets are computed from (the first two on the report, the others in its costs)."""
+
+
+def measured_intervals(profile: dict[str, Any] | None) -> dict[str, tuple[float, float]]:
+    """Probe intervals ``[min, max]`` of an agent's measured budget figures, from its hello
+    profile: ``measurements`` (``edge-agent join --profile auto``; bounded by the declared
+    ``bounds`` like the figures themselves) and ``measured.spread`` (calibrated round costs).
+    Malformed entries are left out: the figure then counts as exact."""
+    profile = profile or {}
+    out: dict[str, tuple[float, float]] = {}
+    caps = profile.get("bounds") if isinstance(profile.get("bounds"), dict) else {}
+    summaries = profile.get("measurements") if isinstance(profile.get("measurements"), dict) else {}
+    spread = (profile.get("measured") or {}).get("spread") if isinstance(profile.get("measured"), dict) else None
+    candidates = {name: summaries.get(name) for name in BUDGET_FIGURES}
+    for name, pair in (spread if isinstance(spread, dict) else {}).items():
+        candidates[name] = {"min": pair[0], "max": pair[1]} if isinstance(pair, (list, tuple)) and len(pair) == 2 else None
+    for name, entry in candidates.items():
+        if name not in BUDGET_FIGURES or not isinstance(entry, dict):
+            continue
+        try:
+            cap = float(caps.get(name, np.inf))
+            lo, hi = min(float(entry["min"]), cap), min(float(entry["max"]), cap)
+        except (KeyError, TypeError, ValueError):
+            continue
+        if np.isfinite(lo) and np.isfinite(hi) and 0 < lo <= hi:
+            out[name] = (lo, hi)
+    return out
+
+
+def _figure(report: BootstrapReport, name: str) -> float | None:
+    holder = report.costs if name in ("train_s", "encrypt_per_s") else report
+    return None if holder is None else float(getattr(holder, name))
+
+
+def stable_inputs(
+    reports: Sequence[BootstrapReport], *, tolerance: float | None
+) -> tuple[list[BootstrapReport], dict[str, dict[str, list[float]]]]:
+    """The reports with every budget figure (:data:`BUDGET_FIGURES`) pooled over the devices
+    the measurements cannot tell apart (:func:`senseshield.engine.measurements.pool_agreeing`):
+    a measured figure's interval is its probe ``[min, max]`` widened by ``tolerance``, a
+    declared figure is exact. Returns the new reports and, per figure, ``{client: [measured,
+    used]}`` for the figures that changed. ``tolerance=None`` returns the reports unchanged."""
+    from dataclasses import replace
+
+    if tolerance is None:
+        return list(reports), {}
+    figures: dict[str, dict[str, float]] = {}
+    changed: dict[str, dict[str, list[float]]] = {}
+    for name in BUDGET_FIGURES:
+        have = [r for r in reports if _figure(r, name) is not None and _figure(r, name) > 0]
+        if len(have) < 2:
+            continue
+        values = np.array([_figure(r, name) for r in have])
+        inside = [name in r.intervals and r.intervals[name][0] <= v <= r.intervals[name][1] for r, v in zip(have, values)]
+        low = np.array([r.intervals[name][0] if ok else v for r, v, ok in zip(have, values, inside)])
+        high = np.array([r.intervals[name][1] if ok else v for r, v, ok in zip(have, values, inside)])
+        pooled = pool_agreeing(values, low=low, high=high, tolerance=np.where(inside, tolerance, 0.0))
+        figures[name] = {r.client_id: float(p) for r, p in zip(have, pooled)}
+        diff = {r.client_id: [float(v), float(p)] for r, v, p in zip(have, values, pooled) if p != v}
+        if diff:
+            changed[name] = diff
+    out = []
+    for r in reports:
+        top = {n: figures[n][r.client_id] for n in ("bandwidth", "cpu_speed") if r.client_id in figures.get(n, {})}
+        cost = {n: figures[n][r.client_id] for n in ("train_s", "encrypt_per_s") if r.client_id in figures.get(n, {})}
+        costs = replace(r.costs, **cost) if cost and r.costs is not None else r.costs
+        out.append(replace(r, **top, costs=costs))
+    return out, changed
 
 
 @dataclass
@@ -243,8 +329,8 @@ class Strategy(ABC):
         self, reports: Sequence[BootstrapReport], *, size: int, block_size: int = 1
     ) -> FleetPlan:
         """Default: one cluster; budgets from the profiles over the whole fleet (sec. 3.2)."""
-        budgets = _budgets(reports)
-        return FleetPlan({r.client_id: 0 for r in reports}, budgets)
+        cluster_of = {r.client_id: 0 for r in reports}
+        return FleetPlan(cluster_of, budgets_per_cluster(reports, cluster_of, tolerance=self.options.budget_tolerance))
 
     def rebudget(
         self,
@@ -315,23 +401,34 @@ def budgets_per_cluster(
     deadline: float | None = None,
     fractions: dict[str, np.ndarray] | None = None,
     notes: dict[str, Any] | None = None,
+    tolerance: float | None = StrategyOptions.model_fields["budget_tolerance"].default,
 ) -> dict[str, float]:
     """SenseCrypt sec. 3.2: the max-abs scaling runs over the N^c clients of each cluster.
 
-    ``mode="calibrated"`` uses :func:`calibrated_cluster_budgets` instead (it needs ``size``
-    and the reports' measured ``costs``); ``notes`` (a dict) receives what was decided per
-    cluster, for the run's report.
+    Every budget in SenseShield is decided here. First the measured figures are made stable
+    (:func:`stable_inputs`: devices whose probe intervals, widened by ``tolerance``, overlap
+    get one figure, so identical devices get identical budgets). ``mode="calibrated"`` then
+    uses :func:`calibrated_cluster_budgets` (it needs ``size`` and the reports' measured
+    ``costs``), else the paper's max-abs formula; ``notes`` (a dict) receives what was decided
+    per cluster (with ``pooled``: the figures pooling changed), for the run's report.
     """
+    reports, pooled = stable_inputs(reports, tolerance=tolerance)
     out: dict[str, float] = {}
     for cluster in sorted(set(cluster_of.values())):
         members = [r for r in reports if cluster_of[r.client_id] == cluster]
         if mode == "calibrated":
             budgets, note = calibrated_cluster_budgets(
                 members, size=size, block_size=block_size, deadline=deadline, fractions=fractions,
+                slack=tolerance or 0.0,
             )
         else:
             budgets, note = _budgets(members), {"mode": "paper"}
         out.update(budgets)
+        ids = {r.client_id for r in members}
+        changed = {f: {c: v for c, v in d.items() if c in ids} for f, d in pooled.items()}
+        changed = {f: d for f, d in changed.items() if d}
+        if changed:
+            note = {**note, "pooled": changed}
         if notes is not None:
             notes[str(cluster)] = note
     return out
@@ -344,9 +441,11 @@ def calibrated_cluster_budgets(
     block_size: int = 1,
     deadline: float | None = None,
     fractions: dict[str, np.ndarray] | None = None,
+    slack: float = 0.0,
 ) -> tuple[dict[str, float], dict[str, Any]]:
     """Calibrated budgets (:func:`senseshield.engine.budgets.calibrated_budgets`) of one
-    cluster from the members' measured :class:`RoundCosts` and bandwidths.
+    cluster from the members' measured :class:`RoundCosts` and bandwidths; ``slack``: predicted
+    times within that fraction of the target count as on target.
 
     Members that measured nothing get costs scaled from the measured ones by CPU speed
     (train time / v_i, encryption rate x v_i); if nobody measured, the paper's budgets are
@@ -382,6 +481,7 @@ def calibrated_cluster_budgets(
         fraction=fraction,
         deadline_s=deadline,
         floor=min(1.0, block_size / size),
+        slack=slack,
     )
     note: dict[str, Any] = {
         "mode": "calibrated",

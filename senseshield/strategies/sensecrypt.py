@@ -56,6 +56,7 @@ class SenseCrypt(Strategy):
         budgets = budgets_per_cluster(
             reports, cluster_of, mode=mode, size=size, block_size=block_size,
             deadline=self.fleet_context.round_deadline, fractions=fractions, notes=notes,
+            tolerance=self.options.budget_tolerance,
         )
         return FleetPlan(cluster_of, budgets, budget_notes={"mode": mode, "clusters": notes})
 
@@ -91,6 +92,7 @@ class SenseCrypt(Strategy):
         budgets = budgets_per_cluster(
             reports, cluster_of, mode="calibrated", size=size, block_size=block_size,
             deadline=self.fleet_context.round_deadline, fractions=fractions, notes=notes,
+            tolerance=self.options.budget_tolerance,
         )
         return budgets, {"mode": "calibrated", "clusters": notes}
 
