@@ -189,10 +189,17 @@ def test_a_restarted_coordinator_resumes_from_its_checkpoint(mosquitto, tmp_path
     with Fleet(config, options) as fleet:
         fleet.start()
         wait_for(lambda: fleet.seen["rounds"])  # the first round is done
-        fleet.restart("coordinator")  # SIGKILL, then the same command line again
+        fleet.kill("coordinator")
+        time.sleep(1.0)  # agents and key server see its last will, say so, and keep waiting
+        fleet.restart("coordinator")  # the same command line again
         report = fleet.wait(timeout=300)
     assert [r["round"] for r in report["rounds"]] == [1, 2, 3, 4]
     assert "resuming run" in (tmp_path / "logs" / "coordinator.log").read_text()
+    for name in ("keyserver", "c000", "c001", "c002"):
+        log = (tmp_path / "logs" / f"{name}.log").read_text()
+        offline = log.index("coordinator offline since ")
+        assert "; waiting for it to come back" in log[offline:], name
+        assert log.index("coordinator is back online", offline) > offline, name
     sim = run_simulation(config)
     assert [r["accuracy"] for r in report["rounds"]] == pytest.approx([r.accuracy for r in sim.rounds], abs=1e-9)
 
