@@ -363,8 +363,10 @@ class Coordinator(Service):
             info.online = msg.online
             self.log.info("agent %s is %s", agent_id, "online" if msg.online else "offline")
             for cr in self.clusters.values():
-                if agent_id in cr.members:
-                    (cr.offline.add if not msg.online else cr.offline.discard)(agent_id)
+                if msg.online:
+                    cr.offline.discard(agent_id)
+                elif agent_id in cr.members:
+                    cr.offline.add(agent_id)
             self._advance()  # a round waiting only for agents now offline closes now
 
     def _on_bootstrap(self, item: Inbound) -> None:
