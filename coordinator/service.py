@@ -5,9 +5,11 @@ key id must match the key server's) and status (last will), collects bootstrap v
 plans the fleet through the strategy (clusters, budgets, fixed masks), and runs each round
 for all clusters in parallel: round plans out, [proposals in, consensus mask out],
 protected updates in until every member delivered or the deadline passed (late updates are
-recorded as straggling and dropped), aggregation of ciphertext + plaintext parts with the
-union mask (it holds the public key only), the aggregate to the key server, the new
-cluster model back. State is checkpointed after every round so a restart resumes.
+recorded as straggling and dropped; a member whose last will says offline is not waited
+for), aggregation of ciphertext + plaintext parts with the union mask (it holds the public
+key only), the aggregate to the key server, the new cluster model back. A pending aggregate
+request is re-sent as soon as the key server is back (its status, or its public key
+announced again). State is checkpointed after every round so a restart resumes.
 
 The round's steps are the simulator's (:mod:`senseshield.rounds`), so a run gives the
 simulator's result for the same config and seed.
@@ -52,7 +54,7 @@ from senseshield.runtime.protocol.messages import (
     update_from_message,
 )
 from senseshield.accounting import Accountant
-from senseshield.runtime.service import Inbound, Service, check_sender
+from senseshield.runtime.service import Inbound, Service, check_sender, writable_dir
 from senseshield.job import Job, effective_scheme, initial_model, noise_multipliers
 from senseshield.results import ClientRecord, RoundRecord, RoundTally, RunResult, weighted_accuracy
 from senseshield.strategies import BootstrapReport, FleetPlan, build_strategy
@@ -188,8 +190,10 @@ class ClusterRound:
     expected: set[str] = field(default_factory=set)  # who must send an update
     updates: dict[str, tuple[ProtectedUpdate, Inbound]] = field(default_factory=dict)
     straggled: list[str] = field(default_factory=list)
-    request: bytes | None = None  # the aggregate frame, kept to re-send after a reconnect
+    offline: set[str] = field(default_factory=set)  # members whose last will fired: not waited for
+    request: bytes | None = None  # the aggregate frame, kept to re-send (reconnect, key server back)
     requested_at: float = 0.0
+    sent_at: float = 0.0  # latest (re-)send of the request
     accepted: bool | None = None
     reason: str = ""
     timings: dict[str, float] = field(default_factory=dict)
@@ -222,7 +226,7 @@ class Coordinator(Service):
         if round_deadline <= 0:
             raise ConfigError(f"--round-deadline {round_deadline} is not allowed; it must be > 0 seconds.")
         super().__init__(broker, fleet=fleet, client_id="coordinator", logger=log, protocol=protocol,
-                         max_frame_bytes=max_frame_bytes)
+                         max_frame_bytes=max_frame_bytes, status_topic="coordinator/status")
         from senseshield.training import layout_of
 
         self.config = config
@@ -231,8 +235,9 @@ class Coordinator(Service):
         self.expected_agents = agents
         self.round_deadline = round_deadline
         self.join_timeout = join_timeout
-        self.state_dir = Path(state_dir) if state_dir is not None else None
-        self.out_dir = Path(out_dir) if out_dir is not None else None
+        # checked now: a bad directory stops the run before round 1, not after the last one
+        self.state_dir = writable_dir(state_dir, "--state-dir") if state_dir is not None else None
+        self.out_dir = writable_dir(out_dir, "--out") if out_dir is not None else None
         self.progress = progress
         model, self.initial = initial_model(config, input_shape, num_classes)
         self.size = layout_of(model).size
@@ -275,6 +280,7 @@ class Coordinator(Service):
             FleetConfig: self._on_foreign_config,
         }.items():
             self.on(cls, handler)
+        self.watch("keyserver", self._on_keyserver_status)
         self._resume()
 
     # ---- registry -----------------------------------------------------------------------
@@ -293,6 +299,23 @@ class Coordinator(Service):
         self.public, self.key_id = public, msg.key_id
         for agent_id, info in list(self.agents.items()):
             self._check_key(agent_id, info.hello)
+        self._resend_requests("the key server announced its key")  # e.g. it restarted
+
+    def _on_keyserver_status(self, online: bool) -> None:
+        if online:
+            self._resend_requests("the key server is back online")
+
+    def _resend_requests(self, why: str) -> None:
+        """Re-send every aggregate request still waiting for its verdict (the key server
+        answers a repeat with the verdict it gave, so duplicates are harmless)."""
+        for k, cr in self.clusters.items():
+            if cr.phase == "decrypting" and cr.request is not None:
+                self.log.info("round %d cluster %d: %s; re-sending the aggregate request", self.round, k, why)
+                self._send_request(cr)
+
+    def _send_request(self, cr: ClusterRound) -> None:
+        cr.sent_at = time.time()
+        self.link.publish("keyserver/requests", cr.request)
 
     def _check_key(self, agent_id: str, hello: Hello) -> bool:
         if self.key_id is None or hello.key_id == self.key_id:
@@ -348,6 +371,12 @@ class Coordinator(Service):
         if info is not None and info.online != msg.online:
             info.online = msg.online
             self.log.info("agent %s is %s", agent_id, "online" if msg.online else "offline")
+            for cr in self.clusters.values():
+                if msg.online:
+                    cr.offline.discard(agent_id)
+                elif agent_id in cr.members:
+                    cr.offline.add(agent_id)
+            self._advance()  # a round waiting only for agents now offline closes now
 
     def _on_bootstrap(self, item: Inbound) -> None:
         agent_id = check_sender(item)
@@ -583,8 +612,9 @@ class Coordinator(Service):
         for k, cr in self.clusters.items():
             if cr.phase == "proposals":
                 half = cr.deadline - self.round_deadline / 2
-                if len(cr.proposals) == len(cr.members) or now >= half:
-                    self._straggle(k, cr, [a for a in cr.members if a not in cr.proposals], "proposal", half)
+                missing = [a for a in cr.members if a not in cr.proposals]
+                if set(missing) <= cr.offline or now >= half:
+                    self._straggle(k, cr, missing, "proposal", half)
                     proposers = sorted(cr.proposals)
                     if proposers:
                         shared = self.strategy.consensus(
@@ -597,20 +627,29 @@ class Coordinator(Service):
                     cr.expected = set(proposers)
                     cr.phase = "updates"
             if cr.phase == "updates":
-                if set(cr.updates) >= cr.expected or now >= cr.deadline:
-                    self._straggle(k, cr, sorted(cr.expected - set(cr.updates)), "update", cr.deadline)
+                missing = cr.expected - set(cr.updates)
+                if missing <= cr.offline or now >= cr.deadline:
+                    self._straggle(k, cr, sorted(missing), "update", cr.deadline)
                     self._aggregate(k, cr)
-            if cr.phase == "decrypting" and now - cr.requested_at > self.round_deadline + 60:
+            # an online key server silent for this long lost the request; an offline one is
+            # waited for (the request is re-sent when it is back)
+            if (cr.phase == "decrypting" and self.peer_online("keyserver") is not False
+                    and now - cr.sent_at > self.round_deadline + 60):
                 cr.phase, cr.accepted, cr.reason = "done", False, "no answer from the key server"
                 self.log.warning("round %d cluster %d: %s", self.round, k, cr.reason)
 
     def _straggle(self, k: int, cr: ClusterRound, missing: list[str], what: str, deadline: float) -> None:
         for a in missing:
             cr.straggled.append(a)
-            self.straggling.append({"round": self.round, "cluster": k, "agent": a, "missing": what,
+            gone = a in cr.offline
+            self.straggling.append({"round": self.round, "cluster": k, "agent": a,
+                                    "missing": "offline" if gone else what,
                                     "deadline": deadline, "online": self._online(a),
                                     "arrived_late": False})
-            self.log.warning("round %d cluster %d: no %s from %s by the deadline; closing without it", self.round, k, what, a)
+            if gone:
+                self.log.warning("round %d cluster %d: %s went offline (last will); closing without it", self.round, k, a)
+            else:
+                self.log.warning("round %d cluster %d: no %s from %s by the deadline; closing without it", self.round, k, what, a)
 
     def _aggregate(self, k: int, cr: ClusterRound) -> None:
         if not cr.updates:
@@ -632,7 +671,7 @@ class Coordinator(Service):
         cr.requested_at = time.time()
         cr.timestamps["requested_at"] = cr.requested_at
         cr.phase = "decrypting"
-        self.link.publish("keyserver/requests", cr.request)
+        self._send_request(cr)
 
     def _on_result(self, item: Inbound) -> None:
         if item.sender != "keyserver":
@@ -715,8 +754,7 @@ class Coordinator(Service):
                 pending = [a for a in cr.members if a not in cr.updates]
                 self.log.info("round %d cluster %d: re-sending plans to %s", self.round, k, pending)
                 self._resend_plans(k, pending)
-            elif cr.phase == "decrypting" and cr.request is not None:
-                self.link.publish("keyserver/requests", cr.request)
+        self._resend_requests("reconnected")
 
     def _resend_plans(self, k: int, agents: list[str]) -> None:
         for a in agents:  # the plan is rebuilt exactly (same deadline, same everything)
@@ -762,8 +800,10 @@ class Coordinator(Service):
                 tally.bytes_down += len(self.plan.members(k)) * getattr(self, "model_bytes", self.size * 4)  # type: ignore[union-attr]
             else:
                 tally.notes.append(f"round {r} cluster {k}: model unchanged ({cr.reason})")
-            if cr.straggled:
-                tally.notes.append(f"round {r} cluster {k}: closed without {', '.join(sorted(cr.straggled))} (deadline)")
+            for why, who in (("offline", [a for a in cr.straggled if a in cr.offline]),
+                             ("deadline", [a for a in cr.straggled if a not in cr.offline])):
+                if who:
+                    tally.notes.append(f"round {r} cluster {k}: closed without {', '.join(sorted(who))} ({why})")
         if self.strategy.user_dp_round(r) and self.sampled:
             self.user_accountant.step(noise_multiplier=self.sigma_user or 0.0, sample_rate=o.sample_rate)
         self.records.append({

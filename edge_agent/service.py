@@ -198,6 +198,7 @@ class EdgeAgent(Service):
             Notice: self._on_notice,
         }.items():
             self.on(cls, handler)
+        self.watch("coordinator")  # says so in the log when it is gone, and keeps waiting
 
     # ---- handlers (they only record; the main loop acts) --------------------------------
     def _on_config(self, item: Inbound) -> None:

@@ -34,6 +34,7 @@ def serve(
     username: Username = None,
     password_file: PasswordFile = None,
     log_level: LogLevel = "info",
+    kill_after_apply: Annotated[Optional[int], typer.Option(help="Fault drill: SIGKILL the key server right after it applied round R, before it answers.", hidden=True)] = None,
 ) -> None:
     """Publish the public key, decrypt aggregates, publish cluster models (until SIGTERM)."""
     from keyserver.service import KeyServer
@@ -42,7 +43,7 @@ def serve(
     security = mqtt_security(broker, ca_file=ca_file, username=username, password_file=password_file)
     try:
         server = KeyServer(broker, fleet=fleet, key_dir=key_dir, min_contributors=min_contributors, protocol=check_mqtt(mqtt),
-                           threads=threads)
+                           threads=threads, kill_after_apply=kill_after_apply)
         server.link.secure(**security)
         server.install_signal_handlers()
         server.run()

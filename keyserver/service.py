@@ -9,7 +9,12 @@ cluster model (retained ``clusters/<k>/model``) and a result on ``keyserver/resu
 Fewer contributors: refused, logged, and the reason goes back in the result.
 
 The global models live here because whoever decrypts the mean sees the new model anyway;
-they are checkpointed in the key directory, so a restart resumes the run.
+they are checkpointed in the key directory together with every verdict given, so a restart
+resumes the run and a re-sent request for a round already applied gets the same verdict
+(and the model again), never a second application. ``keyserver/status`` (retained, with an
+offline last will) tells the coordinator when the key server is back, so it re-sends what
+is pending. The key directory and its key files are checked at start: a directory it
+cannot write or a key file group/other can read stops it there.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from senseshield.runtime.protocol.messages import (
     aggregate_from_message,
 )
 from senseshield.rounds import apply_mean
-from senseshield.runtime.service import Inbound, Service
+from senseshield.runtime.service import Inbound, Service, writable_dir
 from senseshield.job import Job, announced_run
 
 log = logging.getLogger("senseshield.keyserver")
@@ -44,14 +49,22 @@ NO_KEY_ID = "none"  # announced when the run's strategy encrypts nothing
 
 
 def secure_dir(path: Path) -> Path:
-    """Create ``path`` (mode 0700) or tighten an existing one to 0700."""
-    path.mkdir(parents=True, exist_ok=True)
-    mode = stat.S_IMODE(path.stat().st_mode)
-    if mode != 0o700:
-        path.chmod(0o700)
-        if mode & 0o077:
-            log.warning("key directory %s was mode %o; tightened to 0700", path, mode)
+    """Create ``path`` (mode 0700) or tighten an existing one to 0700; :class:`ConfigError`
+    if it is a file, cannot be written, or holds a key file others may read."""
+    before = stat.S_IMODE(path.stat().st_mode) if path.is_dir() else None
+    writable_dir(path, "--key-dir", mode=0o700)
+    if before is not None and before & 0o077:
+        log.warning("key directory %s was mode %o; tightened to 0700", path, before)
+    for key_file in sorted(path.glob("*.key")):
+        check_private(key_file)
     return path
+
+
+def check_private(path: Path) -> None:
+    """A secret key file must be readable by its owner only."""
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & 0o077:
+        raise ConfigError(f"Secret key file {path} has mode {mode:o}; it must be 0600 (chmod 600 {path}).")
 
 
 def write_secret(path: Path, data: bytes) -> None:
@@ -69,9 +82,7 @@ def load_or_generate(key_dir: Path, scheme: str, key_bits: int) -> SecretKey:
     has_bits = "key_bits" in factory.info().params
     path = key_dir / (f"{scheme}-{key_bits}.key" if has_bits else f"{scheme}.key")
     if path.exists():
-        mode = stat.S_IMODE(path.stat().st_mode)
-        if mode & 0o077:
-            raise ConfigError(f"Secret key file {path} has mode {mode:o}; it must be 0600 (chmod 600 {path}).")
+        check_private(path)
         secret = factory.secret_key_from_bytes(path.read_bytes())
         log.info("loaded %s key %s from %s", scheme, secret.public_key.key_id, path)
         return secret
@@ -95,13 +106,16 @@ class KeyServer(Service):
         min_contributors: int = 2,
         protocol: str = "5",
         threads: int | None = None,
+        kill_after_apply: int | None = None,
     ) -> None:
         if threads is not None and threads < 1:
             raise ConfigError(f"--threads {threads} is not allowed; use 1 or more.")
         if min_contributors < 1:
             raise ConfigError(f"--min-contributors {min_contributors} is not allowed; it must be at least 1.")
-        super().__init__(broker, fleet=fleet, client_id="keyserver", logger=log, protocol=protocol)
+        super().__init__(broker, fleet=fleet, client_id="keyserver", logger=log, protocol=protocol,
+                         status_topic="keyserver/status")
         self.key_dir = secure_dir(Path(key_dir))
+        self.kill_after_apply = kill_after_apply  # fault drill: SIGKILL itself after applying this round
         self.min_contributors = min_contributors
         self.threads = threads if threads is not None else (os.cpu_count() or 1)
         self.run_id: str | None = None
@@ -113,6 +127,7 @@ class KeyServer(Service):
         self.results: dict[tuple[int, int], AggregateResult] = {}  # (round, cluster) -> result
         self.on(FleetConfig, self._on_config)
         self.on(AggregateRequest, self._on_request)
+        self.watch("coordinator")
 
     # -- handlers -------------------------------------------------------------------------
     def _on_config(self, item: Inbound) -> None:
@@ -142,8 +157,9 @@ class KeyServer(Service):
         if self.config is None or msg.run_id != self.run_id:
             raise ProtocolError(f"Aggregate for run {msg.run_id!r}; the current run is {self.run_id!r}.")
         r, k = item.round, msg.cluster
-        if (r, k) in self.results:  # a re-sent request (e.g. after a reconnect): same answer
-            self.send("keyserver/results", self.results[(r, k)], round=r)
+        if (r, k) in self.results:  # a re-sent request (reconnect, restart): the same verdict
+            self.log.info("round %d cluster %d: re-sent request; answering with the recorded verdict", r, k)
+            self._replay(r, k)
             return
         last = self.models.get(k, (0, None))[0]
         if r <= last:
@@ -165,15 +181,33 @@ class KeyServer(Service):
         current = self.models.get(k, (0, self.initial))[1]
         new = apply_mean(current, mean, server_lr=self.config.options.server_lr)
         self.models[k] = (r, new)
-        self._checkpoint()
-        model = ClusterModel(run_id=self.run_id, cluster=k, model=self.config.model, weights=new.astype(np.float32))
-        self.send(f"clusters/{k}/model", model, round=r, retain=True)
         self.log.info("round %d cluster %d: %d contributors, decrypted in %.3f s", r, k, len(distinct), t_decrypt)
         self._answer(r, k, AggregateResult(run_id=self.run_id, cluster=k, accepted=True, timings={"decrypt": t_decrypt}))
 
     def _answer(self, r: int, k: int, result: AggregateResult) -> None:
+        """Record the verdict with the model it produced (one checkpoint: a restart never
+        finds a model without its verdict), then publish both."""
         self.results[(r, k)] = result
+        self._checkpoint()
+        if self.kill_after_apply == r:
+            import signal
+
+            self.log.warning("fault drill: killing myself (SIGKILL) after applying round %d", r)
+            os.kill(os.getpid(), signal.SIGKILL)
+        self._replay(r, k)
+
+    def _replay(self, r: int, k: int) -> None:
+        """Publish the verdict on round ``r`` of cluster ``k`` and, if it was accepted and is
+        still the cluster's latest, its model (retained)."""
+        result = self.results[(r, k)]
+        if result.accepted and self.models.get(k, (0, None))[0] == r:
+            self._publish_model(k)
         self.send("keyserver/results", result, round=r)
+
+    def _publish_model(self, k: int) -> None:
+        r, w = self.models[k]
+        model = ClusterModel(run_id=self.run_id, cluster=k, model=self.config.model, weights=w.astype(np.float32))
+        self.send(f"clusters/{k}/model", model, round=r, retain=True)
 
     # -- checkpoint -----------------------------------------------------------------------
     def _state_path(self) -> Path:
@@ -181,7 +215,8 @@ class KeyServer(Service):
 
     def _checkpoint(self) -> None:
         arrays = {f"c{k}": w for k, (_, w) in self.models.items()}
-        meta = {"run_id": self.run_id, "rounds": {str(k): r for k, (r, _) in self.models.items()}}
+        meta = {"run_id": self.run_id, "rounds": {str(k): r for k, (r, _) in self.models.items()},
+                "results": [[r, k, v.model_dump(mode="json")] for (r, k), v in self.results.items()]}
         tmp = self.key_dir / f".models-{self.fleet}.tmp.npz"
         np.savez(tmp, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
         os.replace(tmp, self._state_path())
@@ -195,10 +230,11 @@ class KeyServer(Service):
             if meta["run_id"] != self.run_id:
                 return
             self.models = {int(k): (int(r), data[f"c{k}"].copy()) for k, r in meta["rounds"].items()}
-        for k, (r, w) in sorted(self.models.items()):
-            model = ClusterModel(run_id=self.run_id, cluster=k, model=self.config.model, weights=w.astype(np.float32))
-            self.send(f"clusters/{k}/model", model, round=r, retain=True)
-        self.log.info("resumed run %s: cluster rounds %s", self.run_id, {k: r for k, (r, _) in self.models.items()})
+            self.results = {(int(r), int(k)): AggregateResult(**v) for r, k, v in meta.get("results", [])}
+        for k in sorted(self.models):
+            self._publish_model(k)
+        self.log.info("resumed run %s: cluster rounds %s, %d verdicts", self.run_id,
+                      {k: r for k, (r, _) in self.models.items()}, len(self.results))
 
     # -- main -----------------------------------------------------------------------------
     def run(self) -> None:

@@ -231,6 +231,8 @@ def test_the_rendered_fleet_completes_a_round_over_tls(sandbox):
     # the agents joined with their device class's profile (rpi4: 5 MB/s, Jetson Orin Nano: 8 MB/s)
     assert {c["id"]: c["bandwidth"] for c in report["clients"]} == {"agent-a": 5.0, "agent-b": 8.0}
     assert not report["rejected_messages"]
+    # the ACL lets the status topics through: the key server saw the coordinator's offline
+    assert "keyserver: coordinator offline since" in logs["keyserver"]
     # each process logged in with its own user over the TLS listener
     for user in ("keyserver", "coordinator", *AGENTS):
         assert f"u'{user}'" in logs["broker"], user

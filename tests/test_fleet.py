@@ -117,12 +117,13 @@ def assert_no_secrets(files: list[Path], blob: bytes) -> None:
                          prime.to_bytes(width, "big"), prime.to_bytes(width, "little")):
                 assert form not in blob, f"secret prime {name} was sent"
 
-def test_faults_are_rejected_and_a_killed_agent_only_delays_its_round(mosquitto, tmp_path):
+def test_faults_are_rejected_and_a_killed_agent_does_not_delay_its_round(mosquitto, tmp_path):
     """Malformed, oversized, wrong-version, wrong-round and wrong-fleet messages are rejected
-    with a logged reason; an agent killed mid-round makes the round close at its deadline;
-    an agent holding another public key id is refused."""
+    with a logged reason; an agent killed mid-round (its last will says offline) makes the
+    round close without it at once, not at the deadline; an agent holding another public key
+    id is refused."""
     config = Job(strategy="plaintext", model="linear", clients=3, rounds=3)
-    options = FleetOptions(agents=3, out=tmp_path, broker=mosquitto.url, fleet="faults", round_deadline=8,
+    options = FleetOptions(agents=3, out=tmp_path, broker=mosquitto.url, fleet="faults", round_deadline=30,
                            min_contributors=1, extra_agent_args={"c002": ["--kill-at-round", "2"]},
                            extra_coordinator_args=["--max-message-mb", "0.5"])
     notices: list[Notice] = []
@@ -152,13 +153,15 @@ def test_faults_are_rejected_and_a_killed_agent_only_delays_its_round(mosquitto,
     for reason in ("magic", "version 9", "fleet 'elsewhere'", "round 99", "exceeds"):
         assert reason in log, reason
     assert len(report["rounds"]) == 3
-    # c002 was killed when round 2's plan arrived: round 2 closed at its deadline without it
+    # c002 was killed when round 2's plan arrived: round 2 closed without it as soon as its
+    # last will said offline (it used to wait the full 30 s deadline)
     missed = [(s["round"], s["missing"]) for s in report["straggling_events"] if s["agent"] == "c002"]
-    assert (2, "update") in missed and (3, "offline") in missed
+    assert missed == [(2, "offline"), (3, "offline")]
     r2 = report["rounds"][1]
-    assert r2["seconds"] >= 8 - 0.5
-    assert any("closed without c002" in n for n in r2["notes"])
-    assert report["rounds"][2]["seconds"] < 8  # known offline: not waited for again
+    assert r2["seconds"] < 15
+    assert "round 2 cluster 0: closed without c002 (offline)" in r2["notes"]
+    assert "went offline (last will); closing without it" in log
+    assert report["rounds"][2]["seconds"] < 15  # known offline: not waited for again
     assert fleet.exit_codes["c002"] == -9
     assert fleet.exit_codes["c000"] == 0
     # the intruder with the wrong key id was refused, and told so
@@ -191,10 +194,17 @@ def test_a_restarted_coordinator_resumes_from_its_checkpoint(mosquitto, tmp_path
     with Fleet(config, options) as fleet:
         fleet.start()
         wait_for(lambda: fleet.seen["rounds"])  # the first round is done
-        fleet.restart("coordinator")  # SIGKILL, then the same command line again
+        fleet.kill("coordinator")
+        time.sleep(1.0)  # agents and key server see its last will, say so, and keep waiting
+        fleet.restart("coordinator")  # the same command line again
         report = fleet.wait(timeout=300)
     assert [r["round"] for r in report["rounds"]] == [1, 2, 3, 4]
     assert "resuming run" in (tmp_path / "logs" / "coordinator.log").read_text()
+    for name in ("keyserver", "c000", "c001", "c002"):
+        log = (tmp_path / "logs" / f"{name}.log").read_text()
+        offline = log.index("coordinator offline since ")
+        assert "; waiting for it to come back" in log[offline:], name
+        assert log.index("coordinator is back online", offline) > offline, name
     sim = run_simulation(config)
     assert [r["accuracy"] for r in report["rounds"]] == pytest.approx([r.accuracy for r in sim.rounds], abs=1e-9)
 

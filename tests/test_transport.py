@@ -118,8 +118,9 @@ def test_unreachable_broker_and_bad_urls_are_clear_errors():
         Link("mqtt://127.0.0.1:1", client_id="x", fleet="lab", on_frame=lambda t, f: None).start(timeout=1)
     with pytest.raises(ConfigError, match="mqtt://HOST"):
         parse_broker("http://example")
-    with pytest.raises(ConfigError, match="invalid port"):
-        parse_broker("mqtt://h:99999")
+    for url in ("mqtt://h:99999", "mqtt://h:0", "h:0", "mqtts://h:0", "mqtt://h:x"):
+        with pytest.raises(ConfigError, match="invalid port; use a number in 1..65535"):
+            parse_broker(url)  # :0 used to become 1883 silently
     with pytest.raises(ConfigError, match="Fleet name 'a/b'"):
         topic("a/b", "x")
     assert parse_broker("10.0.0.2") == ("10.0.0.2", 1883)

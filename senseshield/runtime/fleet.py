@@ -34,6 +34,7 @@ from senseshield.data import load_dataset
 from senseshield.errors import ConfigError
 from senseshield.data.shards import shards
 from senseshield.job import Job
+from senseshield.runtime.service import writable_dir
 
 Progress = Callable[[str, int, int], None]
 
@@ -51,6 +52,7 @@ class FleetOptions:
     log_level: str = "info"
     extra_agent_args: dict[str, list[str]] = field(default_factory=dict)  # agent id -> more flags
     extra_coordinator_args: list[str] = field(default_factory=list)
+    extra_keyserver_args: list[str] = field(default_factory=list)
     # hooks: (process name, argv) -> argv to run instead ("keyserver", "coordinator", agent ids)
     wrap: Callable[[str, list[str]], list[str]] | None = None
     agent_profiles: dict[str, Path] | None = None  # agent id -> profile file (default: generated)
@@ -94,7 +96,7 @@ class Fleet:
         self.config = config.model_copy(update={"clients": options.agents})
         self.options = options
         self.progress = progress
-        self.out = Path(options.out)
+        self.out = writable_dir(options.out, "--out")
         self.broker = None
         self.url = options.broker
         self.mqtt = "5"
@@ -111,7 +113,6 @@ class Fleet:
         self.stop(grace=15.0 if exc_type is None else 0.0)  # interrupted: do not wait for agents
 
     def start(self) -> None:
-        self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "logs").mkdir(exist_ok=True)
         for stale in (self.out / "report.json", self.out / "state"):
             if stale.is_file():
@@ -127,17 +128,18 @@ class Fleet:
             logging.getLogger("amqtt").setLevel(logging.CRITICAL)
             self.broker = EmbeddedBroker(host=self.options.broker_host).start()
             self.url, self.mqtt = self.broker.url, EmbeddedBroker.protocol
+        self._start_observer()  # first: an unreachable broker stops the launch before any process
         common = ["--broker", self.url, "--fleet", self.options.fleet, "--mqtt", self.mqtt,
                   "--log-level", self.options.log_level]
         self._spawn("keyserver", [*_python("keyserver.cli"), "serve", *common, "--key-dir", str(self.out / "keys"),
-                                  "--min-contributors", str(self.options.min_contributors)])
+                                  "--min-contributors", str(self.options.min_contributors),
+                                  *self.options.extra_keyserver_args])
         self._spawn("coordinator", [
             *_python("coordinator.cli"), "serve", *common, *run_args(self.config),
             "--agents", str(self.options.agents), "--round-deadline", str(self.options.round_deadline),
             "--join-timeout", str(self.options.join_timeout), "--out", str(self.out),
             "--state-dir", str(self.out / "state"), *self.options.extra_coordinator_args,
         ])
-        self._start_observer()
         for i, (agent, profile) in enumerate(zip(agent_ids(self.options.agents), self._profiles())):
             self._spawn(agent, [
                 *_python("edge_agent.cli"), "join", *common, "--agent-id", agent, "--profile", str(profile),
@@ -203,7 +205,12 @@ class Fleet:
                              on_frame=on_frame, protocol=self.mqtt)
         self.observer.subscribe("agents/+/hello")
         self.observer.subscribe("keyserver/results")
-        self.observer.start()
+        try:
+            self.observer.start(timeout=5.0)
+        except ConnectionError:
+            self.observer = None
+            raise ConfigError(f"Broker {self.url} did not accept a connection within 5 s; start it, or leave out "
+                              "--broker to use the embedded broker.") from None
 
     def wait(self, timeout: float | None = None) -> dict:
         """Wait for the coordinator to finish; returns the report (ConfigError if it failed)."""

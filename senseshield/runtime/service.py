@@ -12,6 +12,12 @@ A handler that raises :class:`ProtocolError`, :class:`ConfigError` or
 Any other exception is logged with its traceback and the service carries on too: one
 message never stops a service. The services' own loop steps (closing a round, joining a
 run, training) run under the same :meth:`Service.guard`.
+
+Liveness: every service has a retained status topic (``agents/<id>/status``,
+``coordinator/status``, ``keyserver/status``) with an "offline" last will, and
+:meth:`Service.watch` follows a peer's: the service logs when the peer goes offline, what
+it waits for (again every :data:`WAIT_REMINDER_S` s) and when it is back, and a hook may
+act on it (the coordinator re-sends pending aggregate requests to a key server that is back).
 """
 
 from __future__ import annotations
@@ -19,11 +25,14 @@ from __future__ import annotations
 import logging
 import queue
 import signal
+import stat
+import tempfile
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
 from senseshield.errors import ConfigError, KeyMismatchError, ProtocolError
@@ -33,6 +42,44 @@ from senseshield.runtime.protocol.messages import Message, Status, from_frame, t
 from senseshield.runtime.transport import PREFIX, Link
 
 M = TypeVar("M", bound=Message)
+
+WAIT_REMINDER_S = 60.0
+"""While a watched peer is offline, a service repeats what it waits for this often."""
+
+
+def writable_dir(path: str | Path, flag: str, *, mode: int | None = None) -> Path:
+    """``path`` as a directory this process can write in, created if missing (and set to
+    ``mode`` if given); else :class:`ConfigError` naming ``flag``. Services call it at start,
+    so a bad ``--out`` or ``--key-dir`` stops them before the first round, not after it."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{flag} {str(path)!r} is a file; give a directory (it is created if missing).")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if mode is not None and stat.S_IMODE(path.stat().st_mode) != mode:
+            path.chmod(mode)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise ConfigError(
+            f"{flag} {str(path)!r} is not a writable directory ({exc.strerror or exc}); give one this user can write."
+        ) from None
+    return path
+
+
+@dataclass
+class Peer:
+    """A service another one depends on, followed through its retained status topic."""
+
+    name: str  # its client id; the status topic is ``<name>/status``
+    on_change: Callable[[bool], None] | None = None
+    online: bool | None = None  # None: no status seen yet
+    since: float = 0.0  # when the latest change was seen (this clock)
+    reminded: float = 0.0
+
+    @property
+    def topic(self) -> str:
+        return f"{self.name}/status"
 
 
 @dataclass(frozen=True)
@@ -84,6 +131,7 @@ class Service:
         self._handlers: dict[type[Message], Callable[[Inbound], None]] = {}
         self.stopping = threading.Event()
         self.status_topic = status_topic
+        self.peers: dict[str, Peer] = {}  # status topic -> watched peer
         will = None
         if status_topic is not None:
             will = (status_topic, self.frame(Status(online=False)))
@@ -100,6 +148,17 @@ class Service:
         """Call ``handler`` for every accepted message of class ``cls``."""
         self._handlers[cls] = handler
 
+    def watch(self, name: str, on_change: Callable[[bool], None] | None = None) -> None:
+        """Follow service ``name``'s status (``<name>/status``, retained, its last will when it
+        dies): log when it goes offline and what this service waits for, and call
+        ``on_change(online)`` on every change. Call before :meth:`start`."""
+        peer = Peer(name, on_change)
+        self.peers[peer.topic] = peer
+
+    def peer_online(self, name: str) -> bool | None:
+        """Whether watched peer ``name`` is online (None: no status seen yet)."""
+        return self.peers[f"{name}/status"].online
+
     def frame(self, message: Message, *, round: int = 0) -> bytes:
         return to_frame(message, fleet=self.fleet, sender=self.name, round=round)
 
@@ -110,7 +169,7 @@ class Service:
         return len(frame)
 
     def start(self, subscriptions: list[str], *, timeout: float = 30.0) -> None:
-        for suffix in subscriptions:
+        for suffix in [*subscriptions, *self.peers]:
             self.link.subscribe(suffix)
         self.link.start(timeout=timeout)
         if self.status_topic is not None:
@@ -139,6 +198,7 @@ class Service:
     def pump(self, timeout: float) -> bool:
         """Handle at most one queued message, waiting up to ``timeout`` s; False if none."""
         self.link.expire_partials()
+        self._remind()
         try:
             item = self._queue.get(timeout=max(timeout, 0.0))
         except queue.Empty:
@@ -148,6 +208,10 @@ class Service:
         if item is _RECONNECTED:
             self.log.info("%s: reconnected to the broker; re-sending state", self.name)
             self.guard("reconnect", self.on_reconnect)
+            return True
+        peer = self.peers.get(item.suffix)
+        if peer is not None and isinstance(item.message, Status):
+            self.guard(item.suffix, lambda: self._on_peer_status(peer, item))
             return True
         handler = self._handlers.get(type(item.message))
         if handler is None:
@@ -179,6 +243,30 @@ class Service:
     def reject(self, where: str, reason: str) -> None:
         self.log.warning("%s: rejected message on %s: %s", self.name, where, reason)
         self.link.note_rejection(where, reason)
+
+    # -- peers ----------------------------------------------------------------------------
+    def _on_peer_status(self, peer: Peer, item: Inbound) -> None:
+        if item.sender != peer.name:
+            raise ProtocolError(f"Status of {peer.name} from {item.sender!r}; only {peer.name} may publish it.")
+        online = item.message.online  # type: ignore[attr-defined]
+        if online == peer.online:
+            return
+        was, peer.online, peer.since, peer.reminded = peer.online, online, item.received, item.received
+        if online and was is False:
+            self.log.info("%s: %s is back online", self.name, peer.name)
+        elif not online:
+            self.log.warning("%s: %s offline since %s; waiting for it to come back",
+                             self.name, peer.name, time.strftime("%H:%M:%S", time.localtime(peer.since)))
+        if peer.on_change is not None:
+            peer.on_change(online)
+
+    def _remind(self) -> None:
+        now = time.time()
+        for peer in self.peers.values():
+            if peer.online is False and now - peer.reminded >= WAIT_REMINDER_S:
+                peer.reminded = now
+                self.log.warning("%s: still waiting for %s (offline since %s, %.0f s)", self.name, peer.name,
+                                 time.strftime("%H:%M:%S", time.localtime(peer.since)), now - peer.since)
 
     @property
     def rejected_total(self) -> int:

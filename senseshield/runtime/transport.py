@@ -55,9 +55,13 @@ def parse_broker(url: str) -> tuple[str, int]:
             "e.g. mqtt://127.0.0.1:1883."
         )
     try:
-        port = parsed.port or DEFAULT_PORTS[parsed.scheme]
+        port = parsed.port
     except ValueError:
-        raise ConfigError(f"Broker {url!r} has an invalid port; use a number in 1..65535.") from None
+        port = -1
+    if port is None:
+        return parsed.hostname, DEFAULT_PORTS[parsed.scheme]
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"Broker {url!r} has an invalid port; use a number in 1..65535.")
     return parsed.hostname, port
 
 
