@@ -9,8 +9,7 @@ import typer
 
 from senseshield.cli.common import console, fail
 from senseshield.cli.run import (
-    BatchSize, Broker, CaFile, Dataset, Fleet, KeyBits, LearningRate, LocalEpochs, LogLevel, Model, Mqtt,
-    Partition, PasswordFile, Rounds, Scheme, Seed, Sets, Strategy, TrainThreads, Username, build_run_config, check_mqtt,
+    Broker, CaFile, Fleet, LogLevel, Mqtt, PasswordFile, Scheme, Sets, Username, build_run_config, check_mqtt,
     mqtt_security, setup_logging,
 )
 from senseshield.errors import ConfigError
@@ -28,24 +27,26 @@ def _root() -> None:
 def serve(
     broker: Broker = "mqtt://127.0.0.1:1883",
     fleet: Fleet = "default",
-    strategy: Strategy = "sensecrypt",
-    rounds: Rounds = 5,
-    agents: Annotated[int, typer.Option(help="Agents to wait for before the bootstrap.")] = 2,
-    dataset: Dataset = "digits",
-    model: Model = "mlp",
-    partition: Partition = "iid",
-    seed: Seed = 0,
-    local_epochs: LocalEpochs = 2,
-    batch_size: BatchSize = 16,
-    lr: LearningRate = 0.1,
+    job: Annotated[Optional[list[Path]], typer.Option("--job", help="Queue this job file (YAML/TOML) at start; repeatable. More come from `senseshield job submit`.")] = None,
+    once: Annotated[bool, typer.Option("--once", help="Exit when the queued jobs are done (default: stay up and take jobs).")] = False,
+    strategy: Annotated[Optional[str], typer.Option(help="Queue a job built from these flags (instead of --job): strategy name.")] = None,
+    rounds: Annotated[Optional[int], typer.Option(help="With --strategy: federated rounds (default 5).")] = None,
+    agents: Annotated[Optional[int], typer.Option(help="With --strategy: devices the job waits for (its min_devices, default 2).")] = None,
+    dataset: Annotated[Optional[str], typer.Option(help="With --strategy: built-in dataset giving input shape and classes (default digits).")] = None,
+    model: Annotated[Optional[str], typer.Option(help="With --strategy: model name or import path (default mlp).")] = None,
+    partition: Annotated[Optional[str], typer.Option(help="With --strategy: how --shard agents cut the dataset (default iid).")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="With --strategy: seed (default 0).")] = None,
+    local_epochs: Annotated[Optional[int], typer.Option(help="With --strategy: local epochs (default 2).")] = None,
+    batch_size: Annotated[Optional[int], typer.Option(help="With --strategy: minibatch size (default 16).")] = None,
+    lr: Annotated[Optional[float], typer.Option(help="With --strategy: learning rate (default 0.1).")] = None,
     scheme: Scheme = None,
-    key_bits: KeyBits = 2048,
-    train_threads: TrainThreads = 1,
+    key_bits: Annotated[Optional[int], typer.Option(help="With --strategy: Paillier modulus bits (default 2048).")] = None,
+    train_threads: Annotated[Optional[int], typer.Option(help="With --strategy: torch threads of training (default 1).")] = None,
     set_: Sets = None,
-    round_deadline: Annotated[float, typer.Option(help="Seconds a round waits for updates before closing without the late ones.")] = 120.0,
-    join_timeout: Annotated[float, typer.Option(help="Seconds to wait for --agents to join before starting with who is there.")] = 300.0,
-    state_dir: Annotated[Optional[Path], typer.Option(help="Checkpoint directory; a restart with the same config resumes.")] = None,
-    out: Annotated[Optional[Path], typer.Option(help="Write report.json and models/ here.")] = None,
+    round_deadline: Annotated[Optional[float], typer.Option(help="Seconds a round waits for updates (overrides every job's round_deadline).")] = None,
+    join_timeout: Annotated[Optional[float], typer.Option(help="With --once: seconds a job waits for its devices before failing (default: forever).")] = None,
+    state_dir: Annotated[Optional[Path], typer.Option(help="Checkpoints and the job queue; a restarted coordinator resumes the running job.")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Reports and models: OUT/jobs/<id>/ (with --once: OUT/ itself).")] = None,
     max_message_mb: Annotated[float, typer.Option(help="Refuse messages larger than this (MB).")] = 256.0,
     metrics_port: Annotated[Optional[int], typer.Option(help="Serve Prometheus metrics on this port (default: off, or $SENSESHIELD_METRICS_PORT).")] = None,
     mqtt: Mqtt = "5",
@@ -54,39 +55,56 @@ def serve(
     password_file: PasswordFile = None,
     log_level: LogLevel = "info",
 ) -> None:
-    """Run a federated job on the agents that join the fleet, then exit."""
+    """Run the fleet's coordinator: it stays up and runs jobs one at a time, in the order they
+    are submitted (--job files, `senseshield job submit`), on the devices that are online."""
     from coordinator.service import Coordinator
-    from senseshield.data import load_dataset
+    from senseshield.job import load_job, with_shape
 
     setup_logging(log_level, "coordinator")
-    if agents < 1:
-        fail(f"--agents {agents} is not allowed; a fleet needs at least 1 agent.")
+    if agents is not None and agents < 1:
+        fail(f"--agents {agents} is not allowed; a job needs at least 1 device.")
     if metrics_port is not None and not 0 < metrics_port < 65536:
         fail(f"--metrics-port {metrics_port} is not allowed; use a port in 1..65535.")
-    config = build_run_config(
-        strategy=strategy, rounds=rounds, dataset=dataset, model=model, partition=partition, seed=seed,
-        local_epochs=local_epochs, batch_size=batch_size, lr=lr, scheme=scheme, key_bits=key_bits,
-        clients=agents, sets=set_, train_threads=train_threads,
-    )
+    flags = {"rounds": rounds, "dataset": dataset, "model": model, "partition": partition, "seed": seed,
+             "local_epochs": local_epochs, "batch_size": batch_size, "lr": lr, "key_bits": key_bits,
+             "train_threads": train_threads}
+    given = [k for k, v in flags.items() if v is not None] + (["scheme"] if scheme else []) + (["set"] if set_ else [])
+    jobs = []
+    try:
+        for path in job or []:
+            jobs.append(with_shape(load_job(path)))
+        if strategy is not None:
+            if job:
+                raise ConfigError("--job and --strategy are alternatives; put the job's settings in the job file.")
+            defaults = {"rounds": 5, "dataset": "digits", "model": "mlp", "partition": "iid", "seed": 0,
+                        "local_epochs": 2, "batch_size": 16, "lr": 0.1, "key_bits": 2048, "train_threads": 1}
+            values = {k: (v if v is not None else defaults[k]) for k, v in flags.items()}
+            config = build_run_config(strategy=strategy, scheme=scheme, clients=agents or 2, sets=set_, **values)
+            jobs.append(with_shape(config.model_copy(update={"min_devices": agents or 2})))
+        elif given:
+            raise ConfigError(f"--{given[0].replace('_', '-')} describes a job; give --strategy too, or use --job FILE.")
+    except ConfigError as exc:
+        fail(str(exc))
     security = mqtt_security(broker, ca_file=ca_file, username=username, password_file=password_file)
     try:
-        facts = load_dataset(dataset, seed=seed)  # the model's input shape and classes
         server = Coordinator(
-            broker, fleet=fleet, config=config, agents=agents, input_shape=facts.input_shape,
-            num_classes=facts.num_classes, round_deadline=round_deadline, join_timeout=join_timeout,
+            broker, fleet=fleet, once=once, join_timeout=join_timeout, round_deadline=round_deadline,
             state_dir=state_dir, out_dir=out, protocol=check_mqtt(mqtt),
             max_frame_bytes=int(max_message_mb * 1e6), metrics_port=metrics_port,
         )
+        resuming = server.book.next_open()
+        for spec in jobs:
+            if resuming is not None and resuming.spec == spec:
+                continue  # restarted with the same --job: the checkpointed job resumes
+            server.submit(spec)
         server.link.secure(**security)
         server.install_signal_handlers()
-        server.run()
+        server.serve()
     except (ConfigError, ConnectionError) as exc:
         fail(str(exc))
     except KeyboardInterrupt:
         console.print("coordinator stopped")
         raise typer.Exit(130)
-    if out is not None:
-        console.print(f"wrote {out / 'report.json'}")
 
 
 def main() -> None:

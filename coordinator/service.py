@@ -34,6 +34,11 @@ from senseshield.errors import ConfigError, ProtocolError
 from senseshield.he import SCHEMES, PublicKey
 from senseshield.runtime.protocol.envelope import DEFAULT_MAX_FRAME_BYTES
 from senseshield.runtime.protocol.messages import (
+    Decline,
+    JobBoard,
+    JobCancel,
+    JobReply,
+    JobSubmit,
     AggregateResult,
     Assignment,
     BootstrapVector,
@@ -55,7 +60,8 @@ from senseshield.runtime.protocol.messages import (
 )
 from senseshield.accounting import Accountant
 from senseshield.runtime.service import Inbound, Service, check_sender, writable_dir
-from senseshield.job import Job, effective_scheme, initial_model, noise_multipliers
+from coordinator.jobs import OPEN, JobBook, JobRecord
+from senseshield.job import Job, effective_scheme, initial_model, job_from_dict, job_shape, noise_multipliers
 from senseshield.results import ClientRecord, RoundRecord, RoundTally, RunResult, weighted_accuracy
 from senseshield.strategies import BootstrapReport, FleetPlan, build_strategy
 from senseshield.strategies.base import RoundCosts, measured_intervals
@@ -92,6 +98,7 @@ class FleetReport(RunResult):
     straggling_events: list[dict] = []
     budgets: dict = {}
     refused: dict[str, str] = {}
+    declined: dict[str, str] = {}  # devices that did not take the job, and why
     rejected_messages: list[str] = []
     rejected_total: int = 0
 
@@ -171,6 +178,10 @@ class CoordinatorMetrics:
         self.server_handle.server_close()
 
 
+class JobCancelled(Exception):
+    """The running job was cancelled (``job cancel``)."""
+
+
 @dataclass
 class AgentInfo:
     hello: Hello
@@ -208,53 +219,163 @@ class Coordinator(Service):
         broker: str,
         *,
         fleet: str,
-        config: Job,
-        agents: int,
-        input_shape: tuple[int, ...],
-        num_classes: int,
-        round_deadline: float = 120.0,
-        join_timeout: float = 300.0,
         state_dir: Path | None = None,
         out_dir: Path | None = None,
+        once: bool = False,
+        join_timeout: float | None = None,
+        join_grace: float = 3.0,
+        round_deadline: float | None = None,
         protocol: str = "5",
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         progress: Progress | None = None,
         metrics_port: int | None = None,
     ) -> None:
-        if agents < 1:
-            raise ConfigError(f"--agents {agents} is not allowed; a fleet needs at least 1 agent.")
-        if round_deadline <= 0:
+        """A long-running coordinator: jobs come from ``submit`` (``--job``) or ``jobs/submit``.
+
+        ``once``: run the queued jobs, then return (``fleet up``); their reports go straight
+        into ``out_dir``, else into ``out_dir/jobs/<id>/``. ``join_timeout``: with ``once``,
+        how long a job may wait for its devices (None: forever). ``round_deadline``
+        overrides every job's. ``join_grace``: once a job has its minimum of devices, how
+        long it still waits for devices that said hello but are still bootstrapping.
+        """
+        if round_deadline is not None and round_deadline <= 0:
             raise ConfigError(f"--round-deadline {round_deadline} is not allowed; it must be > 0 seconds.")
         super().__init__(broker, fleet=fleet, client_id="coordinator", logger=log, protocol=protocol,
                          max_frame_bytes=max_frame_bytes, status_topic="coordinator/status")
-        from senseshield.training import layout_of
-
-        self.config = config
-        self.strategy = build_strategy(config.strategy, config.options)
-        self.scheme = effective_scheme(config, self.strategy)
-        self.expected_agents = agents
-        self.round_deadline = round_deadline
-        self.join_timeout = join_timeout
-        # checked now: a bad directory stops the run before round 1, not after the last one
+        # checked now: a bad directory stops the coordinator before any job, not after one
         self.state_dir = writable_dir(state_dir, "--state-dir") if state_dir is not None else None
         self.out_dir = writable_dir(out_dir, "--out") if out_dir is not None else None
+        self.once = once
+        self.join_timeout = join_timeout
+        self.join_grace = join_grace
+        self.deadline_override = round_deadline
         self.progress = progress
+        self.book = JobBook(self.state_dir / f"jobs-{fleet}.json" if self.state_dir is not None else None)
+        self.job: JobRecord | None = None
+        self.cancelled: set[str] = set()
+        self.devices: dict[str, bool] = {}  # every agent seen on the fleet -> online
+        if metrics_port is None and os.environ.get(METRICS_PORT_ENV):
+            metrics_port = int(os.environ[METRICS_PORT_ENV])
+        self.metrics_server = CoordinatorMetrics(metrics_port) if metrics_port is not None else None
+        for cls, handler in {
+            PublicKeyAnnouncement: self._on_key,
+            Hello: self._on_hello,
+            Decline: self._on_decline,
+            Status: self._on_status,
+            BootstrapVector: self._on_bootstrap,
+            Proposal: self._on_proposal,
+            UpdateMessage: self._on_update,
+            Metrics: self._on_metrics,
+            AggregateResult: self._on_result,
+            ClusterModel: self._on_model,
+            FleetConfig: self._on_foreign_config,
+            JobSubmit: self._on_submit,
+            JobCancel: self._on_cancel,
+        }.items():
+            self.on(cls, handler)
+        self.watch("keyserver", self._on_keyserver_status)
+        self.run_id = ""
+        self.plan: FleetPlan | None = None
+        self.agents: dict[str, AgentInfo] = {}
+        self.clusters: dict[int, ClusterRound] = {}
+
+    # ---- jobs ---------------------------------------------------------------------------
+    def submit(self, job: Job, job_id: str | None = None) -> JobRecord:
+        """Queue ``job`` after checking it as the fleet will run it (strategy, scheme, shape,
+        the model builds here); ConfigError naming what is wrong."""
+        from senseshield.strategies import build_strategy
+
+        if job_id is not None and (job_id in self.book.records or not job_id.replace("-", "").isalnum()):
+            raise ConfigError(f"Job id {job_id!r} is not allowed; it is taken or not of letters, digits and '-'.")
+        effective_scheme(job, build_strategy(job.strategy, job.options))
+        initial_model(job, *job_shape(job))
+        record = self.book.add(job, job_id)
+        self.log.info("job %s queued: %s", record.id, job.label)
+        self._publish_board()
+        return record
+
+    def _on_submit(self, item: Inbound) -> None:
+        msg: JobSubmit = item.message  # type: ignore[assignment]
+        try:
+            record = self.submit(job_from_dict(msg.job, where="job"))
+            reply = JobReply(request_id=msg.request_id, accepted=True, job_id=record.id)
+        except ConfigError as exc:
+            self.log.warning("job refused: %s", exc)
+            reply = JobReply(request_id=msg.request_id, accepted=False, reason=str(exc))
+        self.send(f"jobs/replies/{msg.request_id}", reply)
+
+    def _on_cancel(self, item: Inbound) -> None:
+        msg: JobCancel = item.message  # type: ignore[assignment]
+        record = self.book.get(msg.job_id)
+        if record is None or record.state not in OPEN:
+            reason = f"job {msg.job_id!r} is not queued or running" + ("" if record is None else f" (it is {record.state})")
+            self.send(f"jobs/replies/{msg.request_id}", JobReply(request_id=msg.request_id, accepted=False, reason=reason))
+            return
+        if record.state == "queued":
+            self.book.set(record, state="cancelled", finished_at=time.time(), reason="cancelled before it started")
+            self.book.event(record, "cancelled before it started")
+        else:
+            self.cancelled.add(record.id)  # the running job's loop stops at its next step
+        self.send(f"jobs/replies/{msg.request_id}", JobReply(request_id=msg.request_id, accepted=True, job_id=record.id))
+        self._publish_board()
+
+    def _check_cancelled(self) -> None:
+        if self.stopping.is_set():
+            raise KeyboardInterrupt
+        if self.job is not None and self.job.id in self.cancelled:
+            raise JobCancelled(self.job.id)
+
+    def _publish_board(self) -> None:
+        if self.link.connected:
+            self.send("jobs/board", JobBoard(jobs=self.book.board()), retain=True)
+
+    def _event(self, line: str) -> None:
+        """One line for the operator: the coordinator's log and the job's events."""
+        self.log.info("%s", line)
+        if self.job is not None:
+            self.book.event(self.job, line)
+            self._publish_board()
+
+    def _wait(self, predicate: Callable[[], bool], timeout: float | None) -> bool:
+        """Handle messages until ``predicate()`` (True) or ``timeout`` (False); a cancelled
+        job or a stop raises."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while not predicate():
+            self._check_cancelled()
+            if end is not None and time.monotonic() >= end:
+                return False
+            self.pump(0.2)
+        return True
+
+    def _begin(self, record: JobRecord) -> None:
+        """Fresh per-job state for ``record`` (resumed from the checkpoint if it was running)."""
+        from senseshield.strategies import build_strategy
+        from senseshield.training import layout_of
+
+        config = record.spec
+        self.job, self.config = record, config
+        self.strategy = build_strategy(config.strategy, config.options)
+        self.scheme = effective_scheme(config, self.strategy)
+        self.round_deadline = self.deadline_override or config.round_deadline
+        input_shape, num_classes = job_shape(config)
         model, self.initial = initial_model(config, input_shape, num_classes)
         self.size = layout_of(model).size
         self.input_shape, self.num_classes = list(input_shape), num_classes
-        self.run_id = uuid.uuid4().hex[:12]
+        self.run_id = record.id
+        self.job_out = (self.out_dir if self.once else self.out_dir / "jobs" / record.id) if self.out_dir is not None else None
         self.public: PublicKey | None = None
         self.key_id: str | None = None
-        self.agents: dict[str, AgentInfo] = {}
+        self.agents = {}
         self.refused: dict[str, str] = {}
-        self.plan: FleetPlan | None = None
+        self.declined: dict[str, str] = {}
+        self.plan = None
         self.sigma_user: float | None = None
         self.sigma_record: dict[str, float] = {}
         self.model_round: dict[int, int] = {}
         self.models: dict[int, tuple[int, np.ndarray]] = {}  # last published model per cluster
         self.round = 0
         self.completed = 0
-        self.clusters: dict[int, ClusterRound] = {}
+        self.clusters = {}
         self.records: list[dict] = []  # per round, before accuracy is known
         self.metrics: dict[tuple[str, int], Metrics] = {}
         self.agent_rounds: dict[str, dict[int, dict]] = {}  # per agent per round: timings etc.
@@ -264,23 +385,8 @@ class Coordinator(Service):
         self.started = time.time()
         self.bootstrap_seconds = 0.0
         self.uplink_delays: dict[str, list[float]] = {}  # received - sent_at of small agent frames
-        if metrics_port is None and os.environ.get(METRICS_PORT_ENV):
-            metrics_port = int(os.environ[METRICS_PORT_ENV])
-        self.metrics_server = CoordinatorMetrics(metrics_port) if metrics_port is not None else None
-        for cls, handler in {
-            PublicKeyAnnouncement: self._on_key,
-            Hello: self._on_hello,
-            Status: self._on_status,
-            BootstrapVector: self._on_bootstrap,
-            Proposal: self._on_proposal,
-            UpdateMessage: self._on_update,
-            Metrics: self._on_metrics,
-            AggregateResult: self._on_result,
-            ClusterModel: self._on_model,
-            FleetConfig: self._on_foreign_config,
-        }.items():
-            self.on(cls, handler)
-        self.watch("keyserver", self._on_keyserver_status)
+        self.active: set[str] = set()  # agents sampled-able last round (joins and leaves)
+        self.admitted: dict[str, int] = {}  # agent -> round it was admitted after the bootstrap
         self._resume()
 
     # ---- registry -----------------------------------------------------------------------
@@ -288,6 +394,8 @@ class Coordinator(Service):
         msg: PublicKeyAnnouncement = item.message  # type: ignore[assignment]
         if item.sender != "keyserver":
             raise ProtocolError(f"keys/public from {item.sender!r}; only the key server may announce keys.")
+        if self.job is None or (msg.run_id and msg.run_id != self.run_id):
+            return  # a key for another job (e.g. the previous job's, retained)
         want = self.scheme or ""
         if msg.scheme != want:
             raise ProtocolError(f"The key server announces scheme {msg.scheme!r}; this run needs {want!r}.")
@@ -333,15 +441,14 @@ class Coordinator(Service):
     def _on_hello(self, item: Inbound) -> None:
         agent_id = check_sender(item)
         msg: Hello = item.message  # type: ignore[assignment]
-        if msg.run_id != self.run_id:
+        self.devices[agent_id] = True
+        if self.job is None or msg.run_id != self.run_id:
             return  # the agent saw an older run's retained config; it will say hello again
         if msg.agent_id != agent_id:
             raise ProtocolError(f"Hello on {item.suffix!r} names agent {msg.agent_id!r}.")
         if not self._check_key(agent_id, msg):
             return
-        if self.plan is not None and agent_id not in self.plan.cluster_of:
-            self.log.warning("agent %s joined after the bootstrap; it takes part in the next run", agent_id)
-            return
+        self.declined.pop(agent_id, None)
         known = self.agents.get(agent_id)
         if known is not None and self.plan is not None:
             # the fleet was planned with the first hello: a repeat (reconnect, restart) must
@@ -355,18 +462,23 @@ class Coordinator(Service):
         self._uplink(agent_id, item)
         if known is None:
             self.agents[agent_id] = AgentInfo(msg)
-            self.log.info("agent %s joined (%d/%d): %d samples, %.1f MB/s, cpu %.1f",
-                          agent_id, len(self.agents), self.expected_agents, msg.n_samples, msg.bandwidth, msg.cpu_speed)
+            late = " (after the bootstrap: it takes part from the next round)" if self.plan is not None else ""
+            self.log.info("agent %s joined (%d/%d): %d samples, %.1f MB/s, cpu %.1f%s",
+                          agent_id, len(self.agents), self.config.min_devices, msg.n_samples, msg.bandwidth,
+                          msg.cpu_speed, late)
+            if self.plan is not None:
+                self._admit(agent_id)
         elif self.plan is None:
             known.hello, known.online = msg, True
         else:
             known.online = True
-        if self.plan is not None:  # a re-sent hello after a reconnect: repeat the assignment
+        if self.plan is not None and agent_id in self.plan.cluster_of:  # a re-sent hello: repeat the assignment
             self._assign(agent_id)
 
     def _on_status(self, item: Inbound) -> None:
         agent_id = check_sender(item)  # the last will is the agent's own frame, too
         msg: Status = item.message  # type: ignore[assignment]
+        self.devices[agent_id] = msg.online
         info = self.agents.get(agent_id)
         if info is not None and info.online != msg.online:
             info.online = msg.online
@@ -389,7 +501,48 @@ class Coordinator(Service):
         if self.plan is not None and info.vector is not None:
             return  # the fleet is planned: a repeated vector changes nothing
         info.vector = vector
+        if self.plan is not None and agent_id not in self.plan.cluster_of:
+            self._admit(agent_id)
 
+    def _on_decline(self, item: Inbound) -> None:
+        agent_id = check_sender(item)
+        msg: Decline = item.message  # type: ignore[assignment]
+        if self.job is None or msg.run_id != self.run_id or agent_id in self.declined:
+            return
+        self.declined[agent_id] = msg.reason
+        if msg.selected:
+            self._event(f"agent {agent_id} refused the job: {msg.reason}")
+        else:
+            self.log.info("agent %s is not selected: %s", agent_id, msg.reason)
+
+    def _report_of(self, agent_id: str) -> BootstrapReport:
+        info = self.agents[agent_id]
+        return BootstrapReport(agent_id, info.hello.n_samples, info.hello.bandwidth, info.hello.cpu_speed, info.vector,
+                               RoundCosts.from_profile(info.hello.profile), measured_intervals(info.hello.profile))
+
+    def _admit(self, agent_id: str) -> None:
+        """A device that joined after the bootstrap: once ready (bootstrap vector in), the
+        strategy assigns it a cluster (the nearest, for clustering strategies) and the
+        cluster's budgets are recomputed with it; it takes part from the next round."""
+        assert self.plan is not None
+        if not self._ready(agent_id) or agent_id in self.plan.cluster_of:
+            return
+        members = [a for a in sorted(self.plan.cluster_of) if a in self.agents]
+        reports = [self._report_of(a) for a in members]
+        before = dict(self.plan.budget_of)
+        self.plan = self.strategy.admit(reports, self.plan, self._report_of(agent_id), size=self.size,
+                                        block_size=self.block_size)
+        _, record = noise_multipliers(self.config, self.strategy, {agent_id: self.agents[agent_id].hello.n_samples})
+        self.sigma_record.update(record)
+        k = self.plan.cluster_of[agent_id]
+        self.model_round.setdefault(k, 0)
+        self.admitted[agent_id] = self.round + 1
+        for a in sorted(self.plan.cluster_of):
+            if a == agent_id or before.get(a) != self.plan.budget_of[a]:
+                self._assign(a)
+        self._event(f"agent {agent_id} admitted to cluster {k} with budget {self.plan.budget_of[agent_id]:.3f}; "
+                    f"it takes part from round {self.round + 1}")
+        self._checkpoint()
     def _on_foreign_config(self, item: Inbound) -> None:
         msg: FleetConfig = item.message  # type: ignore[assignment]
         if msg.run_id != self.run_id:
@@ -410,33 +563,41 @@ class Coordinator(Service):
 
     # ---- bootstrap ----------------------------------------------------------------------
     def _bootstrap(self) -> None:
+        """Wait for the key and for ``min_devices`` ready devices (hello and, if the strategy
+        needs it, the bootstrap vector), then for a grace period while devices that said
+        hello are still bootstrapping; then plan the fleet (clusters, budgets)."""
         t = time.time()
+        timeout = self.join_timeout
+        end = None if timeout is None else time.monotonic() + timeout
+        left = lambda: None if end is None else max(end - time.monotonic(), 0.0)  # noqa: E731
         ready = lambda: self.public is not None or (self.key_id is not None and self.scheme is None)  # noqa: E731
-        if not self.wait_until(ready, self.join_timeout):
-            raise ConfigError(f"No public key from the key server within {self.join_timeout:g} s; is `keyserver serve` running for fleet {self.fleet!r}?")
-        all_ready = lambda: sum(self._ready(a) for a in self.agents) >= self.expected_agents  # noqa: E731
-        last = -1
-        end = time.monotonic() + self.join_timeout
-        while not all_ready() and time.monotonic() < end and not self.stopping.is_set():
-            self.wait_until(lambda: sum(self._ready(a) for a in self.agents) != last, 1.0)
-            n = sum(self._ready(a) for a in self.agents)
-            if n != last and self.progress:
-                self.progress("join", n, self.expected_agents)
-            last = n
-        if self.stopping.is_set():
-            raise KeyboardInterrupt
+        if not self._wait(ready, left()):
+            raise ConfigError(f"No public key from the key server within {timeout:g} s; is `keyserver serve` running for fleet {self.fleet!r}?")
+        need = self.config.min_devices
+        count = lambda: sum(self._ready(a) for a in self.agents)  # noqa: E731
+        last, enough_at = -1, None
+        self.book.set(self.job, state="waiting")
+        while True:
+            self._check_cancelled()
+            n = count()
+            if n != last:
+                if self.progress:
+                    self.progress("join", n, need)
+                if n < need:
+                    self._event(f"waiting for devices: {n}/{need} ready")
+                last = n
+            if n >= need:
+                enough_at = enough_at or time.monotonic()
+                settled = n == len(self.agents) or time.monotonic() - enough_at >= self.join_grace
+                if settled:
+                    break
+            if end is not None and time.monotonic() >= end:
+                break
+            self.pump(0.2)
         ids = sorted(a for a in self.agents if self._ready(a))
-        if not ids:
-            raise ConfigError(f"No agent joined fleet {self.fleet!r} within {self.join_timeout:g} s.")
-        if len(ids) < self.expected_agents:
-            self.log.warning("%d of %d agents joined within %g s; starting with them", len(ids), self.expected_agents, self.join_timeout)
-        reports = [
-            BootstrapReport(a, self.agents[a].hello.n_samples, self.agents[a].hello.bandwidth,
-                            self.agents[a].hello.cpu_speed, self.agents[a].vector,
-                            RoundCosts.from_profile(self.agents[a].hello.profile),
-                            measured_intervals(self.agents[a].hello.profile))
-            for a in ids
-        ]
+        if len(ids) < need:
+            raise ConfigError(f"{len(ids)} of the {need} devices job {self.job.id} needs joined fleet {self.fleet!r} within {timeout:g} s.")
+        reports = [self._report_of(a) for a in ids]
         block = self.block_size
         self.strategy.fleet_context.round_deadline = self.round_deadline
         self.plan = self.strategy.plan_fleet(reports, size=self.size, block_size=block)
@@ -447,8 +608,8 @@ class Coordinator(Service):
         for a in ids:
             self._assign(a)
         self.bootstrap_seconds = time.time() - t
-        self.log.info("bootstrap: %d agents in %d cluster(s) %s", len(ids), len(self.plan.clusters),
-                      {k: self.plan.members(k) for k in self.plan.clusters})
+        self._event(f"bootstrap: {len(ids)} devices in {len(self.plan.clusters)} cluster(s) "
+                    f"{ {k: self.plan.members(k) for k in self.plan.clusters} }")
         self._checkpoint()
 
     def _assign(self, agent_id: str) -> None:
@@ -458,23 +619,25 @@ class Coordinator(Service):
 
     # ---- rounds -------------------------------------------------------------------------
     def _start_round(self, r: int) -> None:
+        """Plans out for round ``r``. Devices offline now (last will) are not sampled until
+        they are back; the round records who joined (admitted after the bootstrap, or back
+        online) and who left since the last round."""
         assert self.plan is not None
         o = self.config.options
         ids = sorted(self.plan.cluster_of)
+        online = {a for a in ids if self._online(a)}
+        self.joined, self.left = sorted(online - self.active) if r > 1 else [], sorted(self.active - online)
+        self.active = online
         sampled = set(ids) if o.sample_rate >= 1.0 else {a for a in ids if self.sampler.random() < o.sample_rate}
         self.round, self.clusters, self.offline_notes = r, {}, []
         self._recalibrate(r)
         self.round_started = time.time()
-        self.sampled = sampled
+        offline = sorted(sampled - online)
+        if offline:  # known gone (last will): not sampled until they are back
+            self.offline_notes.append(f"round {r}: {', '.join(offline)} offline, not sampled")
+        self.sampled = sampled & online
         for k in self.plan.clusters:
-            members = [a for a in self.plan.members(k) if a in sampled]
-            offline = [a for a in members if not self._online(a)]
-            if offline:  # known gone (last will): not waited for
-                members = [a for a in members if a not in offline]
-                for a in offline:
-                    self.straggling.append({"round": r, "cluster": k, "agent": a, "missing": "offline",
-                                            "deadline": None, "online": False, "arrived_late": False})
-                self.offline_notes.append(f"round {r} cluster {k}: {', '.join(offline)} offline, not waited for")
+            members = [a for a in self.plan.members(k) if a in self.sampled]
             if not members:
                 continue
             deadline = time.time() + self.round_deadline
@@ -809,6 +972,8 @@ class Coordinator(Service):
         self.records.append({
             "tally": tally,
             "round": r,
+            "joined": self.joined,
+            "left": self.left,
             "seconds": time.time() - self.round_started,
             "participants": len(self.sampled),
             "user_epsilon": self.user_accountant.epsilon(o.delta) if self.strategy.dp_level else None,
@@ -821,10 +986,32 @@ class Coordinator(Service):
         })
         self.completed = r
         self._checkpoint()
+        self._round_line(r)
         if self.metrics_server is not None:
             bytes_up = {a: self.agent_rounds[a][r].get("bytes_up") for a in self.agent_rounds if r in self.agent_rounds[a]}
             self.metrics_server.round_done(r, self.records[-1], bytes_up, len(self.straggling), self.rejected_total,
                                            sum(i.online for i in self.agents.values()), len(self.agents))
+
+    def _round_line(self, r: int) -> None:
+        """The operator's line for a closed round: devices in / late / out, the accuracy
+        the devices reported so far (of the newest round they evaluated), seconds."""
+        rec = self.records[-1]
+        delivered = sum(len(c["updates"]) for c in rec["clusters"].values())
+        late = sum(len(c["straggled"]) for c in rec["clusters"].values())
+        out = len(self.plan.cluster_of) - len(self.sampled) if self.plan is not None else 0
+        pairs, latest = [], 0
+        for (a, rr), m in self.metrics.items():
+            latest = max(latest, rr)
+        for (a, rr), m in self.metrics.items():
+            if rr == latest:
+                pairs.append((m.accuracy, m.n_test))
+        accuracy = f"accuracy {weighted_accuracy(pairs):.3f} (round {latest})" if pairs else "accuracy pending"
+        changes = "".join(f", {w} {', '.join(who)}" for w, who in (("joined", rec["joined"]), ("left", rec["left"])) if who)
+        self._event(f"round {r}/{self.config.rounds}: {delivered} in, {late} late, {out} out{changes}; "
+                    f"{accuracy}; {rec['seconds']:.1f} s")
+        if pairs:
+            self.book.set(self.job, accuracy=weighted_accuracy(pairs))
+        self.book.set(self.job, round=r, devices=len(self.active))
 
     # ---- results ------------------------------------------------------------------------
     def round_records(self) -> list[RoundRecord]:
@@ -847,11 +1034,12 @@ class Coordinator(Service):
             if self.strategy.dp_level is not None:
                 agent_eps = [m.epsilon for (aid, rr), m in self.metrics.items() if rr == r and m.epsilon is not None]
                 eps = max([eps or 0.0, *agent_eps])
-            out.append(rec["tally"].record(
+            record = rec["tally"].record(
                 r, self.strategy, accuracy=weighted_accuracy(pairs), seconds=rec["seconds"],
                 participants=rec["participants"], sample_rate=self.config.options.sample_rate,
                 epsilon=eps, delta=self.config.options.delta,
-            ))
+            )
+            out.append(record.model_copy(update={"joined": rec.get("joined", []), "left": rec.get("left", [])}))
         return out
 
     def report(self) -> "FleetReport":
@@ -905,7 +1093,7 @@ class Coordinator(Service):
             fleet=self.fleet, run_id=self.run_id, input_shape=self.input_shape, num_classes=self.num_classes,
             round_deadline=self.round_deadline, bootstrap_seconds=self.bootstrap_seconds,
             agents=agents, server=server, straggling=straggling, straggling_events=self.straggling,
-            budgets=self.plan.budget_notes, refused=self.refused,
+            budgets=self.plan.budget_notes, refused=self.refused, declined=self.declined,
             rejected_messages=list(self.rejected), rejected_total=self.rejected_total,
         )
 
@@ -967,9 +1155,9 @@ class Coordinator(Service):
             self.metrics_server.straggling(summary["rounds"][-1], summary["median_ratio"])
 
     def _save_model(self, r: int, k: int, weights: np.ndarray) -> None:
-        if self.out_dir is None:
+        if self.job_out is None:
             return
-        folder = self.out_dir / "models" / f"round-{r}"
+        folder = self.job_out / "models" / f"round-{r}"
         folder.mkdir(parents=True, exist_ok=True)
         np.save(folder / f"cluster-{k}.npy", weights.astype(np.float64))
 
@@ -1002,6 +1190,9 @@ class Coordinator(Service):
             "agent_rounds": self.agent_rounds,
             "straggling": self.straggling,
             "refused": self.refused,
+            "declined": self.declined,
+            "admitted": self.admitted,
+            "active": sorted(self.active),
             "bootstrap_seconds": self.bootstrap_seconds,
         }
         tmp = path.with_suffix(".tmp")
@@ -1013,10 +1204,11 @@ class Coordinator(Service):
         if path is None or not path.exists():
             return
         state = json.loads(path.read_text())
+        if state["run_id"] != self.run_id:
+            return  # the checkpoint of another job
         if state["config"] != self.config.model_dump(mode="json"):
-            self.log.warning("state in %s is for another configuration; starting a new run", path)
+            self.log.warning("state in %s is for another configuration of job %s; starting it anew", path, self.run_id)
             return
-        self.run_id = state["run_id"]
         self.completed = self.round = int(state["completed"])
         fixed = {}
         for k, idx in state["fixed_masks"].items():
@@ -1034,37 +1226,80 @@ class Coordinator(Service):
         self.metrics = {(a, int(r)): Metrics(**m) for a, r, m in state["metrics"]}
         self.agent_rounds = {a: {int(r): v for r, v in rounds.items()} for a, rounds in state["agent_rounds"].items()}
         self.straggling, self.refused = state["straggling"], state["refused"]
+        self.declined = state.get("declined", {})
+        self.admitted = state.get("admitted", {})
+        self.active = set(state.get("active", []))
         self.bootstrap_seconds = state["bootstrap_seconds"]
         self.log.info("resuming run %s after round %d", self.run_id, self.completed)
 
     # ---- main ---------------------------------------------------------------------------
-    def run(self) -> None:
-        """Run the whole job; returns when every round is done (or on SIGTERM)."""
+    SUBSCRIPTIONS = [
+        "keys/public", "keyserver/results", "clusters/+/model", "fleet/config", "jobs/submit", "jobs/cancel",
+        "agents/+/hello", "agents/+/decline", "agents/+/status", "agents/+/bootstrap", "agents/+/proposal",
+        "agents/+/update", "agents/+/metrics",
+    ]
+
+    def serve(self) -> None:
+        """Take jobs one at a time, in submission order, until SIGTERM (``once``: until the
+        queue is empty). A job that fails or is cancelled does not stop the coordinator."""
+        self.start(self.SUBSCRIPTIONS)
+        try:
+            self._publish_board()
+            idle_logged = False
+            while not self.stopping.is_set():
+                record = self.book.next_open()
+                if record is None:
+                    if self.once:
+                        break
+                    if not idle_logged:
+                        self.log.info("no job queued; waiting for `senseshield job submit` on fleet %r", self.fleet)
+                        idle_logged = True
+                    self.pump(0.5)
+                    continue
+                idle_logged = False
+                self._run_job(record)
+        finally:
+            self.stop()
+            if self.metrics_server is not None:
+                self.metrics_server.close()
+
+    run = serve  # the name before jobs
+
+    def _run_job(self, record: JobRecord) -> None:
+        try:
+            self._begin(record)
+        except ConfigError as exc:  # e.g. the job's model no longer builds here
+            self.book.set(record, state="failed", finished_at=time.time(), reason=str(exc))
+            self.book.event(record, f"failed: {exc}")
+            self._publish_board()
+            return
+        resumed = self.plan is not None
+        self.book.set(record, state="running" if resumed else "waiting", started_at=record.started_at or time.time(),
+                      out=str(self.job_out) if self.job_out is not None else None)
+        self._event(f"job {record.id} {'resumed after round ' + str(self.completed) if resumed else 'started'}: "
+                    f"{self.config.label}")
         config_msg = FleetConfig(
             run_id=self.run_id, config=self.config.model_dump(mode="json"), input_shape=self.input_shape,
             num_classes=self.num_classes, round_deadline=self.round_deadline, initial=self.initial,
         )
         self._config_frame = self.frame(config_msg)
-        self.start([
-            "keys/public", "keyserver/results", "clusters/+/model", "fleet/config",
-            "agents/+/hello", "agents/+/status", "agents/+/bootstrap", "agents/+/proposal",
-            "agents/+/update", "agents/+/metrics",
-        ])
+        state, reason = "done", ""
         try:
             self.link.clear_retained("fleet/control")
             self.link.publish("fleet/config", self._config_frame, retain=True)
             if self.plan is None:
                 self._bootstrap()
             else:
-                self.wait_until(lambda: self.public is not None or self.key_id is not None, self.join_timeout)
+                self._wait(lambda: self.public is not None or self.key_id is not None, self.join_timeout)
                 for a in self.plan.cluster_of:
                     self._assign(a)
                     self.send(f"agents/{a}/inbox", Notice(run_id=self.run_id, kind="resend-metrics"))
+            self.book.set(record, state="running")
+            self._publish_board()
             for r in range(self.completed + 1, self.config.rounds + 1):
                 self._start_round(r)
                 while not all(cr.phase == "done" for cr in self.clusters.values()):
-                    if self.stopping.is_set():
-                        raise KeyboardInterrupt
+                    self._check_cancelled()
                     self.pump(0.2)
                     self.guard("round step", self._advance)
                 self.guard(f"closing round {r}", lambda: self._finish_round(r))
@@ -1072,13 +1307,39 @@ class Coordinator(Service):
                     self.progress("round", r, self.config.rounds)
             self._wait_final_metrics()
             self.send("fleet/control", Notice(run_id=self.run_id, kind="done"), retain=True)
-            if self.out_dir is not None:
-                self.out_dir.mkdir(parents=True, exist_ok=True)
-                (self.out_dir / "report.json").write_text(json.dumps(self.report().model_dump(mode="json"), indent=2))
+        except JobCancelled:
+            state, reason = "cancelled", "cancelled by the operator"
+            self.send("fleet/control", Notice(run_id=self.run_id, kind="cancelled", reason=reason), retain=True)
+        except ConfigError as exc:
+            if self.once:
+                raise
+            state, reason = "failed", str(exc)
+            self.send("fleet/control", Notice(run_id=self.run_id, kind="cancelled", reason=reason), retain=True)
         finally:
-            self.stop()
-            if self.metrics_server is not None:
-                self.metrics_server.close()
+            if self.stopping.is_set() and state == "done" and self.completed < self.config.rounds:
+                state = "running"  # SIGTERM: the job resumes when the coordinator is back
+        self.link.clear_retained("fleet/config")  # devices that join now wait for the next job
+        report = None
+        if self.plan is not None and state != "running":
+            report = self.report()
+            if self.job_out is not None:
+                self.job_out.mkdir(parents=True, exist_ok=True)
+                (self.job_out / "report.json").write_text(json.dumps(report.model_dump(mode="json"), indent=2))
+        final = report.final_accuracy if report is not None else None
+        self.book.set(record, state=state, reason=reason, accuracy=final if final is not None else record.accuracy,
+                      finished_at=time.time() if state != "running" else None)
+        if state != "running":
+            where = f"; report {self.job_out / 'report.json'}" if self.job_out is not None and report is not None else ""
+            self._event(f"job {record.id} {state}" + (f": {reason}" if reason else "")
+                        + (f"; final accuracy {final:.3f}" if final is not None and report.rounds else "") + where)
+            self._clear_checkpoint()
+        self.cancelled.discard(record.id)
+        self.job = None
+
+    def _clear_checkpoint(self) -> None:
+        path = self._state_file()
+        if path is not None and path.exists():
+            path.unlink()
 
     def _wait_final_metrics(self, timeout: float = 30.0) -> None:
         """Give agents a moment to report their accuracy on the final models."""

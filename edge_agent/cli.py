@@ -29,7 +29,9 @@ def join(
     agent_id: Annotated[Optional[str], typer.Option(help="This device's id (default: the host name).")] = None,
     profile: Annotated[str, typer.Option(help="auto (measure now) | auto:NAME or auto:FILE.yaml (measure, bounded by that declared profile) | NAME (profiles/NAME.yaml) | FILE.yaml.")] = "auto",
     probe: Annotated[str, typer.Option(help="Bandwidth probe plan with --profile auto: robust | single (the old best-of-two, for before/after benchmarks).", hidden=True)] = "robust",
-    dataset: Annotated[Optional[str], typer.Option(help="Local data: digits | mnist5k | idx:<dir> | synthetic (default: the run's).")] = None,
+    data: Annotated[Optional[list[str]], typer.Option("--data", help="This device's data, [NAME=]PATH, repeatable: a .npz (x, y[, x_test, y_test]), a .csv with a header (label column 'label' or a sidecar FILE.csv.yaml), a folder of one sub-folder of images per class, or python:module:function (docs/your-model-and-data.md). A job uses the source it names (data: NAME), else the only one.")] = None,
+    index: Annotated[Optional[int], typer.Option(help="Seed index of this device's randomness (default: the shard's, else a hash of the agent id).")] = None,
+    dataset: Annotated[Optional[str], typer.Option(help="Built-in data for simulations and trials: digits | mnist5k | idx:<dir> | synthetic (default: the run's).")] = None,
     shard: Annotated[Optional[str], typer.Option(help="Use shard I/N of the dataset (0 <= I < N), cut by the run's partition.")] = None,
     partition: Annotated[Optional[str], typer.Option(help="How shards are cut (default: the run's partition).")] = None,
     threads: Annotated[Optional[int], typer.Option(help="Torch and onnxruntime threads (default: torch's).")] = None,
@@ -39,9 +41,13 @@ def join(
     username: Username = None,
     password_file: PasswordFile = None,
     log_level: LogLevel = "info",
+    once: Annotated[bool, typer.Option("--once", help="Exit when the first job ends (default: stay connected and take every job).")] = False,
+    device_class: Annotated[Optional[str], typer.Option(help="What a job's select.device_class matches (default: the declared profile's name, else the board).")] = None,
+    label: Annotated[Optional[list[str]], typer.Option("--label", help="KEY=VALUE a job's select.labels matches, repeatable (e.g. --label site=lab).")] = None,
     kill_at_round: Annotated[Optional[int], typer.Option(help="Fault drill: SIGKILL this agent when round R's plan arrives.", hidden=True)] = None,
 ) -> None:
-    """Join a fleet and take part in its run; exits 0 when the run is done, 3 if refused."""
+    """Join a fleet and take its jobs: stays connected between jobs (SIGTERM ends it); with
+    --once it exits 0 when the first job ends, 3 if refused."""
     import logging
     import socket
 
@@ -51,7 +57,12 @@ def join(
     setup_logging(log_level, f"agent:{agent_id or socket.gethostname()}")
     security = mqtt_security(broker, ca_file=ca_file, username=username, password_file=password_file)
     try:
-        spec = DataSpec(dataset=dataset, shard=DataSpec.parse_shard(shard), partition=partition)
+        if index is not None and index < 0:
+            raise ConfigError(f"--index {index} is not allowed; use 0 or more.")
+        spec = DataSpec(dataset=dataset, shard=DataSpec.parse_shard(shard), partition=partition,
+                        sources=DataSpec.parse_sources(data), index=index)
+        if spec.sources and (dataset is not None or shard is not None):
+            raise ConfigError("--data and --dataset/--shard are alternatives; give the device's own data or a built-in shard.")
         if threads is not None and threads < 1:
             raise ConfigError(f"--threads {threads} is not allowed; use 1 or more.")
         if is_measured(profile) and security:
@@ -61,10 +72,21 @@ def join(
         measure = {"broker": None if security else broker, "fleet": fleet, "quick": True, "mqtt": check_mqtt(mqtt),
                    "probe": probe}
         device = load_profile(profile, **measure)  # the measuring keywords apply to auto[:SPEC] only
+        labels = {}
+        for item in label or []:
+            key, sep, value = item.partition("=")
+            if not sep or not key.strip():
+                raise ConfigError(f"--label {item!r} is not allowed; use KEY=VALUE, e.g. --label site=lab.")
+            labels[key.strip()] = value.strip()
+        declared = profile.removeprefix("auto:") if profile != "auto" else None
+        if declared is not None and declared.endswith((".yaml", ".yml", ".json")):
+            declared = None  # a file: its board says what it is
+        device_class = device_class or declared
         agent = EdgeAgent(
             broker, fleet=fleet, agent_id=agent_id or socket.gethostname(), bandwidth=device.bandwidth,
             cpu_speed=device.cpu_speed, profile=device.model_dump(mode="json"), data=spec, threads=threads,
-            protocol=check_mqtt(mqtt), kill_at_round=kill_at_round, model_dir=model_dir,
+            protocol=check_mqtt(mqtt), kill_at_round=kill_at_round, model_dir=model_dir, once=once,
+            device_class=device_class, labels=labels,
         )
         agent.link.secure(**security)
         agent.install_signal_handlers()

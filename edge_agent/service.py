@@ -26,8 +26,8 @@ import torch
 from senseshield.data import load_dataset
 from senseshield.errors import ConfigError, ProtocolError
 from senseshield.he import SCHEMES, PublicKey
-from senseshield.models import build_model
 from senseshield.runtime.protocol.messages import (
+    Decline,
     Assignment,
     BootstrapVector,
     ClusterModel,
@@ -59,7 +59,8 @@ from senseshield.rounds import (
 from senseshield.accounting import Accountant
 from senseshield.runtime.service import Inbound, Service
 from senseshield.data.shards import shards
-from senseshield.job import Job, announced_run, train_config
+from senseshield.data.local import describe_data, load_local_data
+from senseshield.job import Job, announced_run, build_job_model, device_index, train_config
 from senseshield.strategies import ClientContext
 from senseshield.inference import export_onnx, latency, load_session
 from senseshield.training import layout_of
@@ -85,11 +86,34 @@ class AgentExit(Exception):
 
 @dataclass(frozen=True)
 class DataSpec:
-    """Where the agent's data comes from: a dataset, optionally one shard of a partition."""
+    """Where the agent's data comes from: its own files (``sources``: name -> path or
+    ``python:`` loader, see :mod:`senseshield.data.local`), else a built-in dataset,
+    optionally one shard of a partition (simulations and controlled trials)."""
 
     dataset: str | None = None  # None: the run's dataset
     shard: tuple[int, int] | None = None  # (index, count)
     partition: str | None = None  # None: the run's partition
+    sources: dict[str, str] = field(default_factory=dict)  # --data [NAME=]PATH
+    index: int | None = None  # seed index; default: the shard's, else a hash of the agent id
+
+    @staticmethod
+    def parse_sources(items: list[str] | None) -> dict[str, str]:
+        """``--data [NAME=]PATH`` values -> {name: path}; an unnamed source is ``default``.
+        A path that does not exist is refused here, with its name."""
+        sources: dict[str, str] = {}
+        for item in items or []:
+            name, sep, path = item.partition("=")
+            if not sep or item.startswith(("python:", "/", ".")) or "/" in name:
+                name, path = "default", item
+            name = name.strip()
+            if not name.replace("-", "_").isidentifier():
+                raise ConfigError(f"--data {item!r} is not allowed; use PATH or NAME=PATH with a name of letters, digits, '-' or '_'.")
+            if name in sources:
+                raise ConfigError(f"--data names source {name!r} twice; give each source once (NAME=PATH).")
+            if not path.startswith("python:") and not Path(path).exists():
+                raise ConfigError(f"--data {item!r}: {path!r} does not exist; give a .npz, .csv, image folder or python:module:function.")
+            sources[name] = path
+        return sources
 
     @staticmethod
     def parse_shard(text: str | None) -> tuple[int, int] | None:
@@ -160,7 +184,13 @@ class EdgeAgent(Service):
         kill_at_round: int | None = None,
         model_dir: Path | None = None,
         latency_repeats: int = 20,
+        once: bool = False,
+        device_class: str | None = None,
+        labels: dict[str, str] | None = None,
     ) -> None:
+        """``once``: exit when the first job ends (``fleet up``); otherwise the agent stays
+        connected and takes every job the coordinator runs. ``device_class`` and ``labels``
+        are what a job's ``select`` matches."""
         if not agent_id or any(c in agent_id for c in "/+#"):
             raise ConfigError(f"Agent id {agent_id!r} is not allowed; use letters, digits, '-' or '_'.")
         super().__init__(
@@ -170,6 +200,12 @@ class EdgeAgent(Service):
         self.agent_id = agent_id
         self.model_dir = Path(model_dir) if model_dir is not None else Path.home() / ".senseshield" / fleet / agent_id
         self.model_dir.mkdir(parents=True, exist_ok=True)
+        if model_dir is None:
+            log.info("keeping this device's models in %s (--model-dir to change)", self.model_dir)
+        self.once = once
+        self.device_class = device_class or (profile or {}).get("board")
+        self.labels = dict(labels or {})
+        self.declined: set[str] = set()  # jobs this device said no to
         self.latency_repeats = latency_repeats
         self.kill_at_round = kill_at_round  # fault drills: SIGKILL itself when this round's plan arrives
         self.bandwidth, self.cpu_speed = bandwidth, cpu_speed
@@ -205,16 +241,32 @@ class EdgeAgent(Service):
         if item.sender != "coordinator":
             raise ProtocolError(f"fleet/config from {item.sender!r}; only the coordinator may set it.")
         msg: FleetConfig = item.message
-        if self.run is None or msg.run_id != self.run.run_id:
-            if self.pending_config is None or self.pending_config.msg.run_id != msg.run_id:
-                self.pending_config = self._prepare(msg)  # a bad config is rejected here
+        if self.run is not None and msg.run_id == self.run.run_id:
+            return
+        if msg.run_id in self.declined or (self.pending_config is not None and self.pending_config.msg.run_id == msg.run_id):
+            return
+        config, _, _ = announced_run(msg.config)  # a forged or broken config is rejected here
+        if self.run is not None:
+            self.log.info("job %s replaces job %s", msg.run_id, self.run.run_id)
+            self._leave_run()
+        unselected = config.select.refusal(self.device_class, self.labels)
+        try:
+            if unselected is not None:
+                raise ConfigError(unselected)
+            self.pending_config = self._prepare(msg)
+        except ConfigError as exc:  # this device cannot take the job: say so, wait for the next
+            self.declined.add(msg.run_id)
+            self.log.warning("not taking job %s: %s", msg.run_id, exc)
+            self.send(f"agents/{self.agent_id}/decline",
+                      Decline(run_id=msg.run_id, reason=str(exc)[:2000], selected=unselected is None))
 
     def _on_key(self, item: Inbound) -> None:
         if item.sender != "keyserver":
             raise ProtocolError(f"keys/public from {item.sender!r}; only the key server may announce keys.")
         msg: PublicKeyAnnouncement = item.message  # type: ignore[assignment]
         if self.key is not None and msg.key_id == self.key.key_id:
-            return  # the same key again (keeps the key object and its randomness pool)
+            self.key = msg  # the same key (perhaps for the next job): keep the key object and its pool
+            return
         public = SCHEMES.get(msg.scheme).public_key_from_bytes(msg.key) if msg.scheme else None
         if public is not None and public.key_id != msg.key_id:
             raise ProtocolError(f"The announced key id {msg.key_id!r} is not the key's id {public.key_id!r}.")
@@ -278,10 +330,15 @@ class EdgeAgent(Service):
         msg: Notice = item.message
         if item.sender != "coordinator" or self.run is None or msg.run_id != self.run.run_id:
             return
-        if msg.kind == "refused":
-            self.exit = AgentExit(3, f"the coordinator refused this agent: {msg.reason}")
-        elif msg.kind == "done":
-            self.exit = AgentExit(0, "the run is done")
+        if msg.kind in ("refused", "done", "cancelled"):
+            said = {"refused": f"the coordinator refused this agent: {msg.reason}", "done": "the job is done",
+                    "cancelled": f"the job was cancelled{': ' + msg.reason if msg.reason else ''}"}[msg.kind]
+            if self.once:
+                self.exit = AgentExit(3 if msg.kind == "refused" else 0, said)
+            else:
+                (self.log.error if msg.kind == "refused" else self.log.info)(
+                    "job %s: %s; waiting for the next job", msg.run_id, said)
+                self._leave_run()
         elif msg.kind == "resend-metrics":
             for r, metrics in sorted(self.run.sent_metrics.items()):
                 self.send(f"agents/{self.agent_id}/metrics", metrics, round=r)
@@ -293,11 +350,47 @@ class EdgeAgent(Service):
                 r, frame = self.run.last_update
                 self.link.publish(f"agents/{self.agent_id}/update", frame)
 
+    def _leave_run(self) -> None:
+        """Forget the current job (the key, its randomness pool and the data stay)."""
+        if self.run is not None and self.run.cluster is not None:
+            self.link.unsubscribe(f"clusters/{self.run.cluster}/model")
+        self.run, self.plans, self.decisions, self.newest_plan = None, [], {}, 0
+
     # ---- joining ------------------------------------------------------------------------
     def _prepare(self, msg: FleetConfig) -> PreparedRun:
         """Check a new run's config against this device (config fields, strategy, the local
         dataset's shapes, the model's size) and load its data; ProtocolError/ConfigError."""
         config, strategy, _ = announced_run(msg.config)
+        spec = self.data_spec
+        if config.data is not None or spec.sources:
+            data = self._own_data(config, msg)
+            index, count = spec.index if spec.index is not None else device_index(self.agent_id), 1
+        else:
+            data, index, count = self._shard_data(config, msg)
+        model = build_job_model(config, tuple(msg.input_shape), msg.num_classes)
+        if layout_of(model).size != msg.initial.size:
+            raise ConfigError(f"The run's model {config.model!r} has {msg.initial.size} parameters; here it has {layout_of(model).size}; versions differ.")
+        return PreparedRun(msg, config, strategy, data, model, index, count)
+
+    def _own_data(self, config: Job, msg: FleetConfig) -> LocalData:
+        """The device's own data source the job uses, loaded and checked against the job."""
+        sources = self.data_spec.sources
+        name = config.data
+        if name is None:
+            if len(sources) != 1:
+                raise ConfigError(f"The job names no data source and this device has {len(sources)} "
+                                  f"({', '.join(sorted(sources))}); the job must set data: NAME.")
+            name = next(iter(sources))
+        if name not in sources:
+            have = ", ".join(sorted(sources)) or "none"
+            raise ConfigError(f"The job uses data source {name!r}; this device has {have} (edge-agent join --data {name}=PATH).")
+        data = load_local_data(sources[name], input_shape=msg.input_shape, num_classes=msg.num_classes,
+                               test_fraction=config.test_fraction, seed=config.seed)
+        self.log.info("data %s (%s): %s", name, sources[name], describe_data(data).line())
+        return data
+
+    def _shard_data(self, config: Job, msg: FleetConfig) -> tuple[LocalData, int, int]:
+        """Shard I/N of a built-in dataset (simulations and controlled trials)."""
         spec = self.data_spec
         index, count = spec.shard if spec.shard is not None else (0, 1)
         local_config = config.model_copy(update={
@@ -311,11 +404,7 @@ class EdgeAgent(Service):
                 f"Dataset {local_config.dataset!r} has inputs {tuple(dataset.input_shape)} and "
                 f"{dataset.num_classes} classes; the run's model needs {tuple(msg.input_shape)} and {msg.num_classes}."
             )
-        data = shards(local_config, dataset)[index].data
-        model = build_model(config.model, tuple(msg.input_shape), msg.num_classes)
-        if layout_of(model).size != msg.initial.size:
-            raise ConfigError(f"The run's model {config.model!r} has {msg.initial.size} parameters here it has {layout_of(model).size}; versions differ.")
-        return PreparedRun(msg, config, strategy, data, model, index, count)
+        return shards(local_config, dataset)[index].data, (spec.index if spec.index is not None else index), count
 
     def _join(self, prepared: PreparedRun) -> None:
         """Set up for a new run: data, model, hello, bootstrap vector, synthetic data."""
@@ -542,17 +631,24 @@ class EdgeAgent(Service):
         self.send(f"agents/{self.agent_id}/metrics", metrics, round=r)
 
     # ---- main ---------------------------------------------------------------------------
+    def _key_for(self, run_id: str) -> bool:
+        """Whether the key server has announced its key for job ``run_id`` (a new job may
+        bring a new scheme or key size: the agent joins with that job's key, never an old one)."""
+        return self.key is not None and (not self.key.run_id or self.key.run_id == run_id)
+
     def serve(self) -> int:
-        """Run until the coordinator says done, refuses us, or SIGTERM; returns the exit code."""
+        """Take jobs until SIGTERM (``once``: until the first job ends or refuses this
+        agent); returns the exit code (0, or 3 if refused)."""
         self.start([
             "fleet/config", "keys/public", "fleet/control", f"agents/{self.agent_id}/inbox",
         ])
+        self.log.info("%s: connected to fleet %r; waiting for a job", self.agent_id, self.fleet)
         try:
             while not self.stopping.is_set() and self.exit is None:
                 self.pump(0.5)
                 # every step under the guard: a bad message or a failing step is logged and
                 # rejected, the agent keeps serving
-                if self.pending_config is not None and self.key is not None:
+                if self.pending_config is not None and self._key_for(self.pending_config.msg.run_id):
                     prepared, self.pending_config = self.pending_config, None
                     self.guard("fleet/config", lambda: self._join(prepared))
                 while self.plans and self.exit is None and not self.stopping.is_set():

@@ -141,11 +141,12 @@ class KeyServer(Service):
         self.models, self.results = {}, {}
         if scheme is None:
             self.secret = self.public = None
-            announcement = PublicKeyAnnouncement(scheme="", key_id=NO_KEY_ID, key=b"")
+            announcement = PublicKeyAnnouncement(scheme="", key_id=NO_KEY_ID, key=b"", run_id=msg.run_id)
         else:
             self.secret = load_or_generate(self.key_dir, scheme, config.key_bits)
             self.public = self.secret.public_key
-            announcement = PublicKeyAnnouncement(scheme=scheme, key_id=self.public.key_id, key=self.public.to_bytes())
+            announcement = PublicKeyAnnouncement(scheme=scheme, key_id=self.public.key_id, key=self.public.to_bytes(),
+                                                 run_id=msg.run_id)
         self._restore()
         self.send("keys/public", announcement, retain=True)
         self.log.info("run %s: %s, scheme %s, key %s", self.run_id, config.strategy, scheme or "none", announcement.key_id)

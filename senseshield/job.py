@@ -10,28 +10,69 @@ configuration (:func:`train_config`) and the DP noise multipliers
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
+from typing import Any
+
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from senseshield.accounting import calibrate_sigma
 from senseshield.errors import ConfigError, ProtocolError
 from senseshield.he import SCHEMES, PublicKey, SecretKey
 from senseshield.models import build_model
+from senseshield.shapes import check_input_shape, check_num_classes
 from senseshield.strategies import STRATEGIES, Strategy, StrategyOptions
 from senseshield.training import TrainConfig, dpsgd_sample_rate, get_vector
+
+
+class Selection(BaseModel):
+    """Which devices a job takes: device classes (the declared profile's name, e.g. ``rpi4``,
+    or the measured board) and labels (``edge-agent join --label site=lab``). Empty: all."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    device_class: list[str] = []
+    labels: dict[str, str] = {}
+
+    def refusal(self, device_class: str | None, labels: dict[str, str]) -> str | None:
+        """Why a device with ``device_class`` and ``labels`` is not selected, or None."""
+        if self.device_class and device_class not in self.device_class:
+            return f"the job selects device classes {self.device_class}; this device is {device_class!r}"
+        for key, value in sorted(self.labels.items()):
+            if labels.get(key) != value:
+                return f"the job selects label {key}={value}; this device has {key}={labels.get(key)!r}"
+        return None
 
 
 class Job(BaseModel):
     """Everything that defines a run, in the simulator or on a fleet: the same job and seed
     give the same result (bit for bit on one machine, except that CKKS's encryption noise
-    moves results by about 1e-8; see :mod:`senseshield.determinism`)."""
+    moves results by about 1e-8; see :mod:`senseshield.determinism`).
+
+    The model is any registered name or import path (:mod:`senseshield.models`) with
+    ``model_args``; ``input_shape`` (without the batch axis) and ``num_classes`` say what
+    it takes and gives. On a fleet each device brings its data (``data`` names the
+    device's source, ``edge-agent join --data NAME=PATH``); ``dataset``, ``partition``,
+    ``clients``, ``bandwidth`` and ``cpu`` describe simulated clients and ``--shard``
+    agents of controlled trials, and give ``input_shape``/``num_classes`` when those are
+    not set (:func:`with_shape`).
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    name: str | None = None  # a label for people (job list, reports)
     strategy: str = "sensecrypt"
     dataset: str = "digits"
     model: str = "mlp"
+    model_args: dict[str, Any] = {}
+    input_shape: list[int] | None = None  # the model's input without the batch axis
+    num_classes: int | None = None
+    data: str | None = None  # the device data source a fleet job uses (None: the device's only one)
+    min_devices: int = Field(2, ge=1)  # a fleet job starts when this many devices are ready
+    round_deadline: float = Field(120.0, gt=0)  # seconds a round waits for updates
+    select: Selection = Selection()
     clients: int = Field(20, ge=1)
     rounds: int = Field(5, ge=1)
     local_epochs: int = Field(2, ge=1)
@@ -63,6 +104,29 @@ class Job(BaseModel):
             SCHEMES.get(value)  # raises ConfigError naming the allowed schemes
         return value
 
+    @field_validator("input_shape")
+    @classmethod
+    def _shape(cls, value: list[int] | None) -> list[int] | None:
+        return None if value is None else list(check_input_shape(value))
+
+    @field_validator("num_classes")
+    @classmethod
+    def _classes(cls, value: int | None) -> int | None:
+        return None if value is None else check_num_classes(value)
+
+    @field_validator("model_args")
+    @classmethod
+    def _args(cls, value: dict[str, Any]) -> dict[str, Any]:
+        bad = [k for k in value if not k.isidentifier()]
+        if bad:
+            raise ValueError(f"model_args keys {bad} are not allowed; they must be Python identifiers")
+        return value
+
+    @property
+    def label(self) -> str:
+        """The job's name, else its strategy and model."""
+        return self.name or f"{self.strategy}/{self.model}"
+
     @field_validator("bandwidth", "cpu")
     @classmethod
     def _positive(cls, value: list[float] | None) -> list[float] | None:
@@ -75,11 +139,96 @@ class Job(BaseModel):
         return value
 
 
+def with_shape(job: Job) -> Job:
+    """``job`` with ``input_shape`` and ``num_classes`` set: its own, else its built-in
+    dataset's (loaded here; the launchers call this, never a service)."""
+    if job.input_shape is not None and job.num_classes is not None:
+        return job
+    from senseshield.data import load_dataset
+
+    facts = load_dataset(job.dataset, seed=job.seed)
+    return job.model_copy(update={
+        "input_shape": job.input_shape or list(facts.input_shape),
+        "num_classes": job.num_classes or facts.num_classes,
+    })
+
+
+def job_shape(job: Job) -> tuple[tuple[int, ...], int]:
+    """(input_shape, num_classes) of a job that has them; ConfigError naming what is missing."""
+    if job.input_shape is None or job.num_classes is None:
+        raise ConfigError(
+            f"Job {job.label!r} has no {'input_shape' if job.input_shape is None else 'num_classes'}; "
+            "give input_shape (the model's input without the batch axis, e.g. [3, 64]) and "
+            "num_classes, or a built-in dataset."
+        )
+    return tuple(job.input_shape), job.num_classes
+
+
+def build_job_model(job: Job, input_shape: tuple[int, ...], num_classes: int) -> torch.nn.Module:
+    """A fresh instance of the job's model (its architecture; the weights are torch's)."""
+    return build_model(job.model, tuple(input_shape), num_classes, model_args=job.model_args)
+
+
 def initial_model(config: Job, input_shape: tuple[int, ...], num_classes: int) -> tuple[torch.nn.Module, np.ndarray]:
     """The run's model and its round-0 weights: seeded by ``config.seed`` only."""
     torch.manual_seed(config.seed)
-    model = build_model(config.model, tuple(input_shape), num_classes)
+    model = build_job_model(config, input_shape, num_classes)
     return model, get_vector(model).astype(np.float64)
+
+
+def device_index(agent_id: str) -> int:
+    """The seed index of a device that holds its own data (no ``--shard``): a stable hash
+    of its id, so its randomness never depends on who else is in the fleet."""
+    return int.from_bytes(hashlib.sha256(agent_id.encode()).digest()[:4], "big") % (2**31)
+
+
+def load_job(path: Path | str) -> Job:
+    """A job file (YAML ``.yaml``/``.yml``, or TOML ``.toml``); ConfigError naming the file
+    and the first unknown key or bad value."""
+    import yaml
+
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"Job file {str(path)!r} cannot be read ({exc.strerror or exc}); give a YAML or TOML job file.") from None
+    try:
+        if path.suffix == ".toml":
+            import tomllib
+
+            data = tomllib.loads(text)
+        else:
+            data = yaml.safe_load(text)
+    except Exception as exc:  # noqa: BLE001 - any parse error is the user's file
+        raise ConfigError(f"Job file {str(path)!r} is not valid {'TOML' if path.suffix == '.toml' else 'YAML'}: {str(exc).splitlines()[0]}.") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"Job file {str(path)!r} must hold a mapping of keys (strategy, model, rounds, ...).")
+    return job_from_dict(data, where=f"job file {str(path)!r}")
+
+
+def job_from_dict(data: dict[str, Any], *, where: str = "job") -> Job:
+    """A :class:`Job` from plain data; ConfigError naming the key and what is allowed."""
+    try:
+        return Job(**data)
+    except ValidationError as exc:
+        raise ConfigError(f"{where[0].upper()}{where[1:]}: {validation_reason(exc, Job)}") from None
+    except TypeError as exc:
+        raise ConfigError(f"{where[0].upper()}{where[1:]}: {exc}.") from None
+
+
+def validation_reason(exc: ValidationError, model: type[BaseModel]) -> str:
+    """The first pydantic error as "key ... is not allowed: rule" (unknown keys list the known ones)."""
+    first = exc.errors()[0]
+    cause = (first.get("ctx") or {}).get("error")
+    loc = [str(p) for p in first.get("loc", ())]
+    key = ".".join(loc) or "value"
+    if first.get("type") == "extra_forbidden":
+        known = model.model_fields if len(loc) == 1 else (StrategyOptions.model_fields if loc[0] == "options" else {})
+        return f"unknown key {key!r}; allowed: {', '.join(sorted(known))}."
+    if isinstance(cause, ConfigError):
+        return str(cause)
+    msg = first.get("msg", "is not allowed").removeprefix("Value error, ").rstrip(".")
+    return f"{key}={first.get('input')!r} is not allowed: {msg}."
 
 
 def train_config(config: Job) -> TrainConfig:
@@ -159,4 +308,5 @@ def announced_run(config: dict) -> tuple[Job, Strategy, str | None]:
         raise ProtocolError(f"fleet/config does not describe a run: {exc}") from None
 
 
-__all__ = ["Job", "announced_run", "effective_scheme", "initial_model", "key_pair", "noise_multipliers", "train_config"]
+__all__ = ["Job", "Selection", "announced_run", "build_job_model", "device_index", "job_from_dict", "job_shape",
+           "load_job", "with_shape", "effective_scheme", "initial_model", "key_pair", "noise_multipliers", "train_config"]

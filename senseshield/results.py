@@ -35,6 +35,8 @@ class RoundRecord(BaseModel):
     zone_ratios: dict[str, float] | None = None  # mean M_enc / M_pers / M_noise (SelectiveShield)
     round_type: str | None = None  # Alt-FL round type
     notes: list[str] = []  # e.g. an empty zone, a round nobody was sampled in
+    joined: list[str] = []  # fleet: devices that joined (admitted or back online) before this round
+    left: list[str] = []  # fleet: devices that went offline since the last round (not sampled)
 
 
 class ClientRecord(BaseModel):

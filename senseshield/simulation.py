@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,11 +19,11 @@ from sklearn.metrics import adjusted_rand_score
 
 from senseshield.accounting import Accountant
 from senseshield.data import Dataset, load_dataset
-from senseshield.data.shards import Shard, shards
+from senseshield.data.shards import LocalData, Shard, device_shards, shards
 from senseshield.determinism import Trace, mask_digest
 from senseshield.engine.aggregation import ProtectedUpdate, aggregate_updates, decrypt_aggregate
 from senseshield.errors import ConfigError
-from senseshield.job import Job, effective_scheme, initial_model, key_pair, noise_multipliers, train_config
+from senseshield.job import Job, effective_scheme, initial_model, job_shape, key_pair, noise_multipliers, train_config
 from senseshield.results import ClientRecord, RoundRecord, RoundTally, RunResult, SimulationResult, weighted_accuracy
 from senseshield.rounds import (
     ClientState,
@@ -80,17 +80,33 @@ def bootstrap_reports(
     return reports
 
 
-def run_simulation(config: Job, progress: Progress | None = None, *, trace: bool = False) -> RunResult:
+def run_simulation(
+    config: Job, progress: Progress | None = None, *, trace: bool = False, devices: Sequence[LocalData] | None = None,
+) -> RunResult:
     """Run ``config.rounds`` rounds of ``config.strategy`` and return the results.
 
+    ``devices``: one client per given data set (each device's own data, e.g. from
+    :func:`senseshield.data.local.load_local_data`) instead of shards of ``config.dataset``;
+    the job must then give ``input_shape`` and ``num_classes``.
     ``trace``: also record what decided the run (``result.trace``, a
     :class:`senseshield.determinism.Trace`: budgets, every mask, every round's models)."""
     started = time.perf_counter()
     np.random.seed(config.seed % 2**32)
     strategy = build_strategy(config.strategy, config.options)
-    dataset = load_dataset(config.dataset, seed=config.seed)
-    clients = build_clients(config, dataset)
-    model, initial = initial_model(config, dataset.input_shape, dataset.num_classes)
+    if devices is not None:
+        if not devices:
+            raise ConfigError("devices=[] is not allowed; give at least one device's data.")
+        input_shape, num_classes = job_shape(config)
+        clients = [_Client(**vars(s)) for s in device_shards(config, devices)]
+    else:
+        dataset = load_dataset(config.dataset, seed=config.seed)
+        input_shape, num_classes = dataset.input_shape, dataset.num_classes
+        if config.input_shape is not None and tuple(config.input_shape) != tuple(input_shape):
+            raise ConfigError(f"input_shape={config.input_shape} does not match dataset {config.dataset!r}, whose inputs are {list(input_shape)}.")
+        if config.num_classes is not None and config.num_classes != num_classes:
+            raise ConfigError(f"num_classes={config.num_classes} does not match dataset {config.dataset!r}, which has {num_classes} classes.")
+        clients = build_clients(config, dataset)
+    model, initial = initial_model(config, input_shape, num_classes)
     layout = layout_of(model)
     scheme = effective_scheme(config, strategy)
     public_key, secret_key = key_pair(scheme, config.key_bits)
@@ -101,7 +117,7 @@ def run_simulation(config: Job, progress: Progress | None = None, *, trace: bool
     if strategy.needs_synthetic:
         for c in clients:
             fit_synthetic(
-                c.state, c.data, num_classes=dataset.num_classes, epsilon=o.synthetic_epsilon,
+                c.state, c.data, num_classes=num_classes, epsilon=o.synthetic_epsilon,
                 delta=o.delta, seed=client_seed(config.seed, 0, c.index),
             )
     user_accountant = Accountant()
@@ -209,9 +225,9 @@ def run_simulation(config: Job, progress: Progress | None = None, *, trace: bool
     result = RunResult(
         strategy=config.strategy,
         scheme=scheme,
-        dataset=config.dataset,
+        dataset=config.dataset if devices is None else "devices",
         model=config.model,
-        partition=config.partition,
+        partition=config.partition if devices is None else "devices",
         seed=config.seed,
         num_params=layout.size,
         num_clusters=len(plan.clusters),

@@ -75,3 +75,13 @@ def shards(config, dataset: Dataset) -> list[Shard]:  # config: senseshield.job.
             )
         )
     return clients
+
+
+def device_shards(config, devices) -> list[Shard]:  # config: Job; devices: Sequence[LocalData]
+    """One client per device data set (bring-your-own data in the simulator): client ``i``
+    holds ``devices[i]`` and the ``i``-th bandwidth/CPU value of the job (cycled)."""
+    ranks = list(range(len(devices)))
+    bandwidth = _profile_values(config.bandwidth, ranks)
+    cpu = _profile_values(config.cpu, ranks)
+    return [Shard(id=f"c{i:03d}", index=i, category=None, data=data, bandwidth=bandwidth[i], cpu_speed=cpu[i])
+            for i, data in enumerate(devices)]

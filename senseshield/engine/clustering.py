@@ -192,3 +192,20 @@ def _relabel(labels: np.ndarray) -> np.ndarray:
     for i, label in enumerate(labels.tolist()):
         out[i] = mapping.setdefault(label, len(mapping))
     return out
+
+
+def nearest_cluster(vector: np.ndarray, vectors: np.ndarray, labels: np.ndarray) -> int:
+    """The label whose centroid (mean of its unit-normalised rows) is nearest, in squared
+    Euclidean distance, to the unit-normalised ``vector``: where a device that joins after
+    the bootstrap goes. Ties go to the smallest label."""
+    labels = np.asarray(labels)
+    if labels.size == 0:
+        raise ValueError("nearest_cluster needs at least one clustered vector.")
+    rows = normalise_rows(np.asarray(vectors, dtype=np.float64))
+    point = normalise_rows(np.asarray(vector, dtype=np.float64)[None, :])[0]
+    best, best_d = None, np.inf
+    for k in np.unique(labels):
+        d = float(np.sum((rows[labels == k].mean(axis=0) - point) ** 2))
+        if d < best_d:
+            best, best_d = int(k), d
+    return int(best)

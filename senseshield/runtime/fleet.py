@@ -32,8 +32,8 @@ import yaml
 
 from senseshield.data import load_dataset
 from senseshield.errors import ConfigError
-from senseshield.data.shards import shards
-from senseshield.job import Job
+from senseshield.data.shards import device_shards, shards
+from senseshield.job import Job, with_shape
 from senseshield.runtime.service import writable_dir
 
 Progress = Callable[[str, int, int], None]
@@ -57,6 +57,7 @@ class FleetOptions:
     wrap: Callable[[str, list[str]], list[str]] | None = None
     agent_profiles: dict[str, Path] | None = None  # agent id -> profile file (default: generated)
     broker_host: str = "127.0.0.1"  # where the embedded broker listens (and clients connect)
+    data: list[Path] | None = None  # each agent's own data file (agent i: data[i]) instead of a shard
 
 
 def _python(module: str) -> list[str]:
@@ -68,23 +69,15 @@ def agent_ids(n: int) -> list[str]:
     return [f"c{i:03d}" for i in range(n)]
 
 
-def run_args(config: Job) -> list[str]:
-    """The ``coordinator serve`` flags that reproduce ``config``."""
-    args = [
-        "--strategy", config.strategy, "--rounds", str(config.rounds), "--dataset", config.dataset,
-        "--model", config.model, "--partition", config.partition, "--seed", str(config.seed),
-        "--local-epochs", str(config.local_epochs), "--batch-size", str(config.batch_size),
-        "--lr", repr(config.lr), "--key-bits", str(config.key_bits), "--train-threads", str(config.train_threads),
-    ]
-    if config.scheme:
-        args += ["--scheme", config.scheme]
-    defaults = type(config.options)().model_dump()
-    for name, value in config.options.model_dump().items():
-        if value != defaults[name]:
-            args += ["--set", f"{name}={'none' if value is None else json.dumps(value)}"]
-    if config.bootstrap_epochs != Job().bootstrap_epochs:
-        raise ConfigError("fleet up runs with the default bootstrap epochs (1).")
-    return args
+def job_file(config: Job, options: "FleetOptions", path: Path) -> Path:
+    """Write the job ``coordinator serve --job`` runs: ``config`` for ``options.agents``
+    devices (its ``min_devices``), the fleet's round deadline, and the model's input shape
+    and classes (from the built-in dataset unless the job gives them)."""
+    job = with_shape(config.model_copy(update={
+        "clients": options.agents, "min_devices": options.agents, "round_deadline": options.round_deadline,
+    }))
+    path.write_text(yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False))
+    return path
 
 
 class Fleet:
@@ -93,6 +86,8 @@ class Fleet:
     def __init__(self, config: Job, options: FleetOptions, progress: Progress | None = None) -> None:
         if options.agents < 1:
             raise ConfigError(f"--agents {options.agents} is not allowed; a fleet needs at least 1 agent.")
+        if options.data is not None and len(options.data) != options.agents:
+            raise ConfigError(f"--data gives {len(options.data)} file(s) for {options.agents} agents; give one per agent.")
         self.config = config.model_copy(update={"clients": options.agents})
         self.options = options
         self.progress = progress
@@ -134,16 +129,18 @@ class Fleet:
         self._spawn("keyserver", [*_python("keyserver.cli"), "serve", *common, "--key-dir", str(self.out / "keys"),
                                   "--min-contributors", str(self.options.min_contributors),
                                   *self.options.extra_keyserver_args])
+        job = job_file(self.config, self.options, self.out / "job.yaml")
         self._spawn("coordinator", [
-            *_python("coordinator.cli"), "serve", *common, *run_args(self.config),
-            "--agents", str(self.options.agents), "--round-deadline", str(self.options.round_deadline),
+            *_python("coordinator.cli"), "serve", *common, "--job", str(job), "--once",
             "--join-timeout", str(self.options.join_timeout), "--out", str(self.out),
             "--state-dir", str(self.out / "state"), *self.options.extra_coordinator_args,
         ])
+        data = self.options.data
         for i, (agent, profile) in enumerate(zip(agent_ids(self.options.agents), self._profiles())):
+            source = ["--data", str(data[i]), "--index", str(i)] if data else ["--shard", f"{i}/{self.options.agents}"]
             self._spawn(agent, [
                 *_python("edge_agent.cli"), "join", *common, "--agent-id", agent, "--profile", str(profile),
-                "--shard", f"{i}/{self.options.agents}", "--threads", str(self.options.threads),
+                *source, "--threads", str(self.options.threads), "--once",
                 "--model-dir", str(self.out / "agents" / agent),
                 *self.options.extra_agent_args.get(agent, []),
             ])
@@ -151,8 +148,10 @@ class Fleet:
     def _profiles(self) -> list[Path]:
         """One profile file per agent with the simulator's bandwidth and CPU speed for it
         (or the files of ``options.agent_profiles``)."""
-        dataset = load_dataset(self.config.dataset, seed=self.config.seed)
-        clients = shards(self.config, dataset)
+        if self.options.data:
+            clients = device_shards(self.config, [None] * self.options.agents)
+        else:
+            clients = shards(self.config, load_dataset(self.config.dataset, seed=self.config.seed))
         self.categories = {c.id: c.category for c in clients}
         given = self.options.agent_profiles
         if given is not None:
@@ -219,6 +218,12 @@ class Fleet:
         while coordinator.poll() is None:
             if end is not None and time.monotonic() > end:
                 raise ConfigError(f"The fleet did not finish within {timeout:g} s; see {self.out / 'logs'}.")
+            agents = {n: p for n, p in self.processes.items() if n.startswith("c")}
+            if agents and all(p.poll() not in (None, 0) for p in agents.values()):
+                name = sorted(agents)[0]
+                tail = (self.out / "logs" / f"{name}.log").read_text(errors="replace").strip().splitlines()[-2:]
+                raise ConfigError(f"Every agent exited before the job ended ({name}: exit {agents[name].returncode}: "
+                                  f"{' / '.join(tail)}); see {self.out / 'logs'}.")
             if self.progress:
                 self.progress("join", len(self.seen["agents"]), self.options.agents)
                 self.progress("round", max(self.seen["rounds"], default=0), self.config.rounds)

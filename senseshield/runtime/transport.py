@@ -269,6 +269,14 @@ class Link:
         if self.connected:
             self._client.subscribe(full, qos=1)
 
+    def unsubscribe(self, suffix: str) -> None:
+        """Stop receiving ``ss/v1/<fleet>/<suffix>`` (and stop re-subscribing after reconnects)."""
+        full = topic(self.fleet, suffix)
+        with self._lock:
+            self._subscriptions.discard(full)
+        if self.connected:
+            self._client.unsubscribe(full)
+
     def publish(self, suffix: str, frame: bytes, *, retain: bool = False, timeout: float = 30.0) -> bool:
         """Publish a frame at QoS 1, chunked if larger than ``chunk_bytes``; wait for PUBACKs.
 

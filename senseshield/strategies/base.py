@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from senseshield.engine.clustering import nearest_cluster
 from senseshield.engine.budgets import encryption_budgets
 from senseshield.engine.dp import check_clip, check_sigma
 from senseshield.engine.measurements import pool_agreeing
@@ -331,6 +332,36 @@ class Strategy(ABC):
         """Default: one cluster; budgets from the profiles over the whole fleet (sec. 3.2)."""
         cluster_of = {r.client_id: 0 for r in reports}
         return FleetPlan(cluster_of, budgets_per_cluster(reports, cluster_of, tolerance=self.options.budget_tolerance))
+
+    def budgets_for(
+        self, reports: Sequence[BootstrapReport], cluster_of: dict[str, int], *, size: int, block_size: int = 1
+    ) -> tuple[dict[str, float], dict[str, Any]]:
+        """Budgets of ``reports`` with their clusters fixed (re-planning after a join); the
+        strategy's own budget rule ("paper" max-abs scaling by default) and its notes."""
+        return budgets_per_cluster(reports, cluster_of, tolerance=self.options.budget_tolerance), {}
+
+    def admit(
+        self, reports: Sequence[BootstrapReport], plan: FleetPlan, newcomer: BootstrapReport, *, size: int,
+        block_size: int = 1,
+    ) -> FleetPlan:
+        """A device that joins after the bootstrap: its cluster (the nearest by its bootstrap
+        vector for clustering strategies, else the first) and every budget recomputed with
+        it (budgets are relative to the most capable device of a cluster). Clusters and
+        fixed masks of the others do not change."""
+        clusters = plan.clusters
+        k = clusters[0] if clusters else 0
+        if self.clusters_clients and newcomer.sensitivity is not None:
+            known = [r for r in reports if r.sensitivity is not None and r.client_id in plan.cluster_of]
+            if known:
+                k = nearest_cluster(newcomer.sensitivity, np.stack([r.sensitivity for r in known]),
+                                    np.array([plan.cluster_of[r.client_id] for r in known]))
+        cluster_of = {**plan.cluster_of, newcomer.client_id: k}
+        everyone = [r for r in reports if r.client_id in plan.cluster_of] + [newcomer]
+        budgets, notes = self.budgets_for(everyone, cluster_of, size=size, block_size=block_size)
+        budget_notes = dict(plan.budget_notes)
+        if notes:
+            budget_notes.setdefault("admissions", {})[newcomer.client_id] = notes
+        return FleetPlan(cluster_of, budgets, plan.fixed_masks, budget_notes)
 
     def rebudget(
         self,

@@ -49,6 +49,14 @@ class SenseCrypt(Strategy):
         )
         labels = cluster_clients(vectors)
         cluster_of = {r.client_id: int(k) for r, k in zip(reports, labels)}
+        budgets, notes = self.budgets_for(reports, cluster_of, size=size, block_size=block_size)
+        return FleetPlan(cluster_of, budgets, budget_notes={"mode": self.options.budget_mode, "clusters": notes})
+
+    def budgets_for(
+        self, reports: Sequence[BootstrapReport], cluster_of: dict[str, int], *, size: int, block_size: int = 1
+    ) -> tuple[dict[str, float], dict]:
+        """Paper or calibrated budgets per cluster (calibrated: from each device's predicted
+        solver fractions, kept for :meth:`rebudget`)."""
         mode = self.options.budget_mode
         notes: dict = {}
         fractions = self._solver_fractions(reports, size, block_size) if mode == "calibrated" else None
@@ -58,7 +66,7 @@ class SenseCrypt(Strategy):
             deadline=self.fleet_context.round_deadline, fractions=fractions, notes=notes,
             tolerance=self.options.budget_tolerance,
         )
-        return FleetPlan(cluster_of, budgets, budget_notes={"mode": mode, "clusters": notes})
+        return budgets, notes
 
     def rebudget(
         self,

@@ -128,6 +128,7 @@ class PublicKeyAnnouncement(Message):
     scheme: str
     key_id: str
     key: bytes
+    run_id: str = ""  # the job (FleetConfig.run_id) this key serves; agents join with it
 
 
 @message
@@ -271,13 +272,66 @@ class Metrics(Message):
 
 @message
 class Notice(Message):
-    """``agents/<id>/inbox`` or ``fleet/control``: ``refused`` (with the reason), ``done``, or
-    ``resend-metrics`` (a resumed coordinator asks for the metrics it may have missed)."""
+    """``agents/<id>/inbox`` or ``fleet/control``: ``refused`` (with the reason), ``done``,
+    ``cancelled`` (the job was cancelled), or ``resend-metrics`` (a resumed coordinator asks
+    for the metrics it may have missed)."""
 
     schema_name: ClassVar[str] = "notice"
     run_id: str = ""
-    kind: str = Field(pattern="^(refused|done|resend-metrics)$")
+    kind: str = Field(pattern="^(refused|done|cancelled|resend-metrics)$")
     reason: str = ""
+
+
+@message
+class Decline(Message):
+    """``agents/<id>/decline``: the agent does not take part in job ``run_id`` (its data does
+    not fit the job, it is not selected, ...) and says why in one sentence. It stays
+    available for the next job."""
+
+    schema_name: ClassVar[str] = "decline"
+    run_id: str
+    reason: str = Field(max_length=2000)
+    selected: bool = True  # False: the job's selection leaves this device out (not an error)
+
+
+@message
+class JobSubmit(Message):
+    """``jobs/submit`` (operator -> coordinator): a job to queue (a :class:`senseshield.job.Job`
+    as JSON); the answer goes to ``jobs/replies/<request_id>``."""
+
+    schema_name: ClassVar[str] = "job-submit"
+    request_id: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    job: dict[str, Any]
+
+
+@message
+class JobCancel(Message):
+    """``jobs/cancel`` (operator -> coordinator): cancel a queued or running job."""
+
+    schema_name: ClassVar[str] = "job-cancel"
+    request_id: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    job_id: str = Field(max_length=64)
+
+
+@message
+class JobReply(Message):
+    """``jobs/replies/<request_id>`` (coordinator -> operator): accepted (with the job id) or
+    refused with the reason (one sentence naming the key and what is allowed)."""
+
+    schema_name: ClassVar[str] = "job-reply"
+    request_id: str
+    accepted: bool
+    job_id: str = ""
+    reason: str = ""
+
+
+@message
+class JobBoard(Message):
+    """``jobs/board`` (retained, coordinator): every job it knows, newest last, with its
+    state (queued, waiting, running, done, failed, cancelled), progress and event lines."""
+
+    schema_name: ClassVar[str] = "job-board"
+    jobs: list[dict[str, Any]]
 
 
 @message

@@ -1,0 +1,107 @@
+"""The coordinator's job book: the queue, each job's state and events, kept on disk.
+
+A job is queued when submitted (``senseshield job submit``, or ``coordinator serve --job``),
+``waiting`` while too few devices are ready, ``running``, then ``done``, ``failed`` or
+``cancelled``. One job runs at a time, in submission order. The book is written to
+``--state-dir`` after every change (so a restarted coordinator resumes the running job and
+keeps the queue) and published as the retained ``jobs/board`` message (what ``job list``,
+``job status`` and ``job logs`` read).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from senseshield.job import Job
+
+STATES = ("queued", "waiting", "running", "done", "failed", "cancelled")
+OPEN = ("queued", "waiting", "running")
+MAX_EVENTS = 500  # event lines kept per job
+MAX_BOARD = 50  # jobs on the board (the newest; every open one)
+
+
+@dataclass
+class JobRecord:
+    """One job's entry in the book (JSON as is on ``jobs/board`` and on disk)."""
+
+    id: str
+    job: dict[str, Any]
+    name: str
+    state: str = "queued"
+    submitted_at: float = field(default_factory=time.time)
+    started_at: float | None = None
+    finished_at: float | None = None
+    round: int = 0
+    rounds: int = 0
+    accuracy: float | None = None
+    devices: int = 0
+    out: str | None = None  # where its report.json is (on the coordinator's host)
+    reason: str = ""
+    events: list[str] = field(default_factory=list)
+
+    @property
+    def spec(self) -> Job:
+        return Job(**self.job)
+
+
+class JobBook:
+    """The queue and the finished jobs, persisted in ``path`` (None: memory only)."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.records: dict[str, JobRecord] = {}
+        if path is not None and path.exists():
+            for entry in json.loads(path.read_text()):
+                record = JobRecord(**entry)
+                self.records[record.id] = record
+
+    def add(self, job: Job, job_id: str | None = None) -> JobRecord:
+        """Queue ``job`` (a fresh id unless given) and return its record."""
+        job_id = job_id or f"j-{uuid.uuid4().hex[:8]}"
+        record = JobRecord(job_id, job.model_dump(mode="json"), job.label, rounds=job.rounds)
+        self.records[job_id] = record
+        self.event(record, f"queued: {job.label} ({job.strategy}, model {job.model}, {job.rounds} rounds, "
+                           f"at least {job.min_devices} devices)")
+        return record
+
+    def get(self, job_id: str) -> JobRecord | None:
+        return self.records.get(job_id)
+
+    def next_open(self) -> JobRecord | None:
+        """The running (or waiting) job, else the oldest queued one."""
+        for state in ("running", "waiting", "queued"):
+            found = [r for r in self.records.values() if r.state == state]
+            if found:
+                return min(found, key=lambda r: r.submitted_at)
+        return None
+
+    def event(self, record: JobRecord, line: str) -> None:
+        stamp = time.strftime("%H:%M:%S")
+        record.events.append(f"{stamp} {line}")
+        del record.events[:-MAX_EVENTS]
+        self.save()
+
+    def set(self, record: JobRecord, **fields: Any) -> None:
+        for name, value in fields.items():
+            setattr(record, name, value)
+        self.save()
+
+    def board(self) -> list[dict[str, Any]]:
+        """The jobs for ``jobs/board``: every open one and the newest others, oldest first."""
+        ordered = sorted(self.records.values(), key=lambda r: r.submitted_at)
+        keep = [r for r in ordered if r.state in OPEN]
+        rest = [r for r in ordered if r.state not in OPEN][-max(MAX_BOARD - len(keep), 0):]
+        return [asdict(r) for r in sorted(keep + rest, key=lambda r: r.submitted_at)]
+
+    def save(self) -> None:
+        if self.path is None:
+            return
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps([asdict(r) for r in self.records.values()]))
+        os.replace(tmp, self.path)
