@@ -1,8 +1,10 @@
 """On-device inference: ONNX export of a cluster's model and onnxruntime on the edge agent.
 
-* :func:`export_onnx` turns a model name, its input shape and class count and a flat
-  parameter vector (the layout of :func:`senseshield.training.get_vector`) into an ONNX file
-  plus a JSON *sidecar* describing it (:class:`Sidecar`).
+* :func:`export_onnx` turns a model name (built-in, entry point or import path, see
+  :mod:`senseshield.models`), its ``model_args``, its input shape (any rank: ``(C, L)``,
+  ``(F,)``, ``(C, H, W)``) and class count and a flat parameter vector (the layout of
+  :func:`senseshield.training.get_vector`) into an ONNX file plus a JSON *sidecar*
+  describing it (:class:`Sidecar`).
 * :func:`load_session` opens such a file with onnxruntime after checking it against its
   sidecar; :meth:`InferenceModel.predict` classifies samples.
 * :func:`latency` measures p50/p95 forward latency of a torch module or an onnxruntime
@@ -12,20 +14,25 @@
 
 The exported graph
 ------------------
-One float32 input named ``"input"`` of shape ``(batch, C, H, W)`` and one float32 output
+One float32 input named ``"input"`` of shape ``(batch, *input_shape)`` (``(batch, C, L)``
+for 1-D signals, ``(batch, F)`` for tabular rows, ``(batch, C, H, W)`` for images) and one
+float32 output
 named ``"logits"`` of shape ``(batch, num_classes)``; the batch axis is dynamic (named
 ``"batch"``). The graph uses the default ONNX domain at opset :data:`OPSET` (18).
 BatchNorm is exported in inference mode (running statistics, folded into the convolution).
 
-Inputs are scaled like the datasets of :mod:`senseshield.data`: float32 in ``[0, 1]`` with
-0 as background and 1 as full ink (``digits``: counts 0..16 divided by 16; ``mnist5k``:
-bytes 0..255 divided by 255).
+Inputs are what the model was trained on: the built-in image datasets of
+:mod:`senseshield.data` are float32 in ``[0, 1]`` with 0 as background and 1 as full ink
+(``digits``: counts 0..16 divided by 16; ``mnist5k``: bytes 0..255 divided by 255); images
+given to ``edge-agent predict`` are scaled that way.
 
 The sidecar
 -----------
 ``<onnx file>.json`` next to the ONNX file (``model.onnx`` -> ``model.onnx.json``), a JSON
 object with: ``format`` (:data:`SIDECAR_FORMAT`), ``fleet``, ``cluster``, ``round``,
-``model``, ``model_options``, ``input_shape`` ``[C, H, W]``, ``num_classes``,
+``model``, ``model_args`` (the keywords the model was built with; sidecars written before
+it was renamed call it ``model_options``, which is still read), ``input_shape`` (a list of
+any rank, e.g. ``[3, 64]``, ``[20]``, ``[1, 8, 8]``), ``num_classes``,
 ``class_labels`` (one string per class), ``opset``, ``input_name``, ``output_name``,
 ``input_scaling``, ``exporter``, ``torch_version`` and ``sha256`` (hex SHA-256 of the ONNX
 file's bytes). Export is deterministic: the same model, weights and metadata give
@@ -44,7 +51,7 @@ import re
 import tempfile
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -53,6 +60,7 @@ import numpy as np
 import typer
 
 from senseshield.errors import ConfigError
+from senseshield.shapes import check_input_shape
 
 __all__ = [
     "EXPORTERS",
@@ -80,13 +88,14 @@ __all__ = [
 #: which runs opsets up to 20) executes it with its full set of CPU kernels.
 OPSET = 18
 
-#: Name of the graph input, ``(batch, C, H, W)`` float32.
+#: Name of the graph input, ``(batch, *input_shape)`` float32.
 INPUT_NAME = "input"
 #: Name of the graph output, ``(batch, num_classes)`` float32 logits.
 OUTPUT_NAME = "logits"
 #: Version tag of the sidecar layout.
 SIDECAR_FORMAT = "senseshield-onnx/1"
-#: How inputs are scaled (recorded in the sidecar; images are converted this way).
+#: How inputs are scaled (recorded in the sidecar; images given to ``edge-agent predict``
+#: are converted this way; other inputs are as the model was trained on).
 INPUT_SCALING = "float32 in [0, 1]: 0 = background, 1 = full ink (image bytes / 255)"
 #: The torch exporters :func:`export_onnx` can use; the first is the default.
 EXPORTERS = ("torchscript", "dynamo")
@@ -111,12 +120,12 @@ class Sidecar:
     cluster: int
     round: int
     model: str
-    input_shape: tuple[int, int, int]
+    input_shape: tuple[int, ...]
     num_classes: int
     class_labels: tuple[str, ...]
     opset: int
     sha256: str
-    model_options: dict[str, Any] = field(default_factory=dict)
+    model_args: dict[str, Any] = field(default_factory=dict)
     input_name: str = INPUT_NAME
     output_name: str = OUTPUT_NAME
     input_scaling: str = INPUT_SCALING
@@ -161,9 +170,10 @@ class Sidecar:
             return value
 
         shape = data["input_shape"]
-        if not (isinstance(shape, list) and len(shape) == 3 and all(
+        if not (isinstance(shape, list) and len(shape) >= 1 and all(
                 isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in shape)):
-            raise bad("input_shape", "a list of three positive integers [C, H, W]")
+            raise bad("input_shape", "a non-empty list of positive integers such as [3, 64], "
+                      "[20] or [1, 8, 8]")
         num_classes = integer("num_classes", 2)
         labels = data["class_labels"]
         if not (isinstance(labels, list) and len(labels) == num_classes
@@ -174,20 +184,26 @@ class Sidecar:
         for key in ("fleet", "model"):
             if not isinstance(data[key], str) or not data[key]:
                 raise bad(key, "a non-empty string")
-        options = data.get("model_options", {})
-        if not isinstance(options, dict):
-            raise bad("model_options", "a JSON object")
+        if "model_args" in data and "model_options" in data:
+            raise ConfigError(
+                f"Sidecar {where!r} has both model_args and model_options (its older name); "
+                f"keep only model_args."
+            )
+        args_key = "model_options" if "model_options" in data else "model_args"
+        model_args = data.get(args_key, {})
+        if not isinstance(model_args, dict):
+            raise bad(args_key, "a JSON object")
         return cls(
             fleet=data["fleet"],
             cluster=integer("cluster", 0),
             round=integer("round", 0),
             model=data["model"],
-            input_shape=(shape[0], shape[1], shape[2]),
+            input_shape=tuple(shape),
             num_classes=num_classes,
             class_labels=tuple(labels),
             opset=integer("opset", 1),
             sha256=data["sha256"],
-            model_options=dict(options),
+            model_args=dict(model_args),
             input_name=str(data.get("input_name", INPUT_NAME)),
             output_name=str(data.get("output_name", OUTPUT_NAME)),
             input_scaling=str(data.get("input_scaling", INPUT_SCALING)),
@@ -263,6 +279,25 @@ def _check_weights(weights: Any, expected: int, what: str) -> np.ndarray:
     return vector
 
 
+def _json_model_args(model_args: Any) -> dict[str, Any]:
+    """``model_args`` as the JSON object the sidecar records (tuples become lists), so the
+    architecture exported is the one a reader of the sidecar rebuilds."""
+    if model_args is None:
+        return {}
+    if not isinstance(model_args, Mapping):
+        raise ConfigError(
+            f"model_args={model_args!r} is not allowed; it must be a mapping of keyword "
+            f"arguments."
+        )
+    try:
+        return json.loads(json.dumps(dict(model_args), allow_nan=False))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"model_args={dict(model_args)!r} is not allowed; the sidecar records them, so "
+            f"they must be JSON values (numbers, strings, booleans, lists, objects) ({exc})."
+        ) from None
+
+
 def export_onnx(
     model_name: str,
     input_shape: Sequence[int],
@@ -275,16 +310,21 @@ def export_onnx(
     round: int,
     class_labels: Optional[Sequence[str]] = None,
     opset: int = OPSET,
-    model_options: Optional[dict[str, Any]] = None,
+    model_args: Optional[Mapping[str, Any]] = None,
     exporter: str = "torchscript",
 ) -> Sidecar:
     """Export model ``model_name`` with flat parameter vector ``weights`` to ``out_path``.
 
     Writes the ONNX file and its sidecar :func:`sidecar_path` (``<out_path>.json``), both
-    atomically, and returns the sidecar. ``class_labels`` defaults to ``"0"``, ``"1"``, ...
-    ``model_options`` are the model's ``model_args`` for :func:`senseshield.models.build_model`
-    (e.g. lenet5's ``activation``). Bad names, shapes, labels or a vector of the wrong size
-    raise :class:`ConfigError`. The caller's torch RNG state is left untouched.
+    atomically, and returns the sidecar. ``model_name`` is anything
+    :func:`senseshield.models.build_model` resolves (a built-in name, an entry point, or an
+    import path ``pkg.mod:fn`` / ``file.py:fn``), ``input_shape`` has any rank (``(C, L)``,
+    ``(F,)``, ``(C, H, W)``), and ``model_args`` are the keywords the model was trained with
+    (e.g. lenet5's ``activation``, har_cnn's ``channels``): the same architecture is rebuilt
+    from them, and they are recorded in the sidecar, so they must be JSON values.
+    ``class_labels`` defaults to ``"0"``, ``"1"``, ... Bad names, shapes, labels, model_args
+    or a vector of the wrong size raise :class:`ConfigError`. The caller's torch RNG state
+    is left untouched.
 
     ``exporter="torchscript"`` (the default) uses torch's TorchScript-based exporter
     (``dynamo=False``): on these small ``nn.Sequential`` models it is about ten times
@@ -310,11 +350,11 @@ def export_onnx(
             raise ConfigError(f"{name}={value!r} is not allowed; it must be an integer >= 0.")
     if not isinstance(fleet, str) or not fleet:
         raise ConfigError(f"fleet={fleet!r} is not allowed; it must be a non-empty string.")
-    options = dict(model_options or {})
+    args = _json_model_args(model_args)
+    shape = check_input_shape(input_shape)
     with torch.random.fork_rng(devices=[]):  # build_model draws from the global RNG
         torch.manual_seed(0)
-        model = build_model(model_name, tuple(input_shape), num_classes, model_args=options)
-    shape = tuple(int(d) for d in input_shape)
+        model = build_model(model_name, shape, num_classes, model_args=args)
     num_classes = int(num_classes)
     if class_labels is None:
         labels = tuple(str(i) for i in range(num_classes))
@@ -362,7 +402,7 @@ def export_onnx(
         class_labels=labels,
         opset=opset,
         sha256=_sha256(data),
-        model_options=options,
+        model_args=args,
         exporter=used,
         torch_version=torch.__version__,
     )
@@ -440,32 +480,40 @@ class InferenceModel:
     threads: Optional[int]
 
     @property
-    def input_shape(self) -> tuple[int, int, int]:
-        """``(C, H, W)`` of one sample."""
+    def input_shape(self) -> tuple[int, ...]:
+        """The shape of one sample, any rank: ``(C, L)``, ``(F,)``, ``(C, H, W)``, ..."""
         return self.sidecar.input_shape
+
+    @property
+    def expected(self) -> str:
+        """What :meth:`check_input` accepts, for messages: "one sample of shape (3, 64) or a
+        batch of shape (N, 3, 64)"."""
+        shape = self.input_shape
+        return (f"one sample of shape {shape} or a batch of shape "
+                f"(N, {', '.join(map(str, shape))})")
 
     @property
     def class_labels(self) -> tuple[str, ...]:
         return self.sidecar.class_labels
 
     def check_input(self, x: Any) -> np.ndarray:
-        """``x`` as a float32 batch ``(N, C, H, W)``; a single ``(C, H, W)`` sample gets a
-        batch axis. Anything else raises :class:`ConfigError` naming the expected shape."""
+        """``x`` as a float32 batch ``(N, *input_shape)``; a single sample of shape
+        ``input_shape`` gets a batch axis. Anything else raises :class:`ConfigError` naming
+        the expected shape."""
         try:
             array = np.asarray(x, dtype=np.float32)
         except (TypeError, ValueError):
             raise ConfigError(
                 f"Input is not an array of numbers; model {self.sidecar.model!r} expects "
-                f"float32 of shape {self.input_shape} or (N, {', '.join(map(str, self.input_shape))})."
+                f"float32 numbers, {self.expected}."
             ) from None
         shape = self.input_shape
         if array.shape == shape:
             array = array[None]
-        if array.ndim != 4 or array.shape[1:] != shape or array.shape[0] < 1:
+        if array.ndim != len(shape) + 1 or array.shape[1:] != shape or array.shape[0] < 1:
             raise ConfigError(
                 f"Input of shape {tuple(array.shape)} does not fit model {self.sidecar.model!r}; "
-                f"it expects one sample of shape {shape} or a batch of shape "
-                f"(N, {', '.join(map(str, shape))})."
+                f"it expects {self.expected}."
             )
         if not np.all(np.isfinite(array)):
             raise ConfigError("Input contains NaN or infinite values; every value must be finite.")
@@ -477,7 +525,7 @@ class InferenceModel:
         return self.session.run([self.sidecar.output_name], {self.sidecar.input_name: batch})[0]
 
     def predict(self, x: Any) -> tuple[np.ndarray, np.ndarray]:
-        """Classify a sample ``(C, H, W)`` or a batch ``(N, C, H, W)``.
+        """Classify a sample ``input_shape`` or a batch ``(N, *input_shape)``.
 
         Returns ``(classes, scores)``: int64 ``(N,)`` predicted class indices (``N`` = 1 for
         a single sample) and float32 ``(N, num_classes)`` softmax probabilities. A wrongly
@@ -589,7 +637,9 @@ def latency(
     ``torch.inference_mode``, with torch's current thread count), an :class:`InferenceModel`
     or a bare ``onnxruntime.InferenceSession`` (run with ``session.run``; threads as the
     session was built). Only the forward pass is timed, not input checks or softmax. Inputs
-    are uniform random ``[0, 1)`` float32 of shape ``(batch, *input_shape)``.
+    are uniform random ``[0, 1)`` float32 of shape ``(batch, *input_shape)``, for an
+    ``input_shape`` of any rank (``(C, L)``, ``(F,)``, ``(C, H, W)``); an
+    :class:`InferenceModel` must be given its own recorded shape.
 
     Returns ``{"backend", "threads", "input_shape", "repeats", "warmup", "batches": {"1":
     {"p50_ms", "p95_ms", "p50_per_sample_ms"}, "32": {...}}}``.
@@ -599,7 +649,7 @@ def latency(
 
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ConfigError(f"repeats={repeats!r} is not allowed; it must be an integer >= 1.")
-    shape = tuple(int(d) for d in input_shape)
+    shape = check_input_shape(input_shape)
     rng = np.random.default_rng(seed)
 
     if isinstance(session_or_model, nn.Module):
@@ -684,6 +734,17 @@ def _load_report(run: Path) -> dict[str, Any]:
     return report
 
 
+def _run_model_args(report: dict[str, Any], run: Path) -> Any:
+    """The job's ``model_args`` from a report's ``config`` ({} for a job without them, as
+    before jobs had them); :func:`export_onnx` checks them."""
+    config = report.get("config", {})
+    if not isinstance(config, dict):
+        raise ConfigError(
+            f"{str(run / 'report.json')!r} has config={config!r}; it must be a JSON object (the job)."
+        )
+    return config.get("model_args", {})
+
+
 def _numbered(directory: Path, pattern: str) -> dict[int, Path]:
     regex = re.compile(pattern)
     found: dict[int, Path] = {}
@@ -705,8 +766,9 @@ def export_run(
     """Export cluster ``cluster``'s model of ``round`` (default: the highest round) of a run.
 
     The run directory holds ``report.json`` (at least ``model``, ``fleet``, ``input_shape``
-    and ``num_classes``; optionally ``class_labels`` and ``model_options``) and the flat
-    parameter vectors ``models/round-<R>/cluster-<K>.npy``. Without ``round`` the highest
+    of any rank and ``num_classes``; optionally ``class_labels``, and ``config``, the job,
+    whose ``model_args`` rebuild the run's architecture) and the flat parameter vectors
+    ``models/round-<R>/cluster-<K>.npy``. Without ``round`` the highest
     round directory present is used, and the cluster must exist there. A missing run,
     round or cluster raises :class:`ConfigError` naming what exists. Returns the sidecar
     and the round directory used.
@@ -745,7 +807,7 @@ def export_run(
         cluster=cluster,
         round=round,
         class_labels=report.get("class_labels"),
-        model_options=report.get("model_options") or None,
+        model_args=_run_model_args(report, run),
     )
     return sidecar, rounds[round]
 
@@ -755,6 +817,11 @@ def export_run(
 
 def load_input(path: Path | str, input_shape: Sequence[int], *, invert: bool = False) -> np.ndarray:
     """Read a prediction input: a ``.npy`` array (returned as stored, float32) or an image.
+
+    A ``.npy`` array works for an ``input_shape`` of any rank; its shape is checked by
+    :meth:`InferenceModel.check_input` (``input_shape`` or ``(N, *input_shape)``). Images
+    are accepted only for image models (``input_shape`` ``(C, H, W)`` with C = 1 or 3); for
+    any other shape a non-``.npy`` input raises :class:`ConfigError` saying so.
 
     Images (png, jpg, anything Pillow reads) are converted to grayscale (``L``; ``RGB`` for a
     3-channel model), resized to the model's ``H x W`` (box filter when shrinking, which
@@ -774,7 +841,15 @@ def load_input(path: Path | str, input_shape: Sequence[int], *, invert: bool = F
             raise ConfigError(f"Array {str(path)!r} has dtype {array.dtype}; it must be numeric.")
         array = array.astype(np.float32)
         return 1.0 - array if invert else array
-    c, h, w = (int(d) for d in input_shape)
+    shape = tuple(int(d) for d in input_shape)
+    if len(shape) != 3:
+        batch = ", ".join(map(str, shape))
+        raise ConfigError(
+            f"Input {str(path)!r} is not a .npy file, and only models with image inputs "
+            f"(C, H, W) also accept images; this model takes input_shape {shape}, so pass a "
+            f".npy array of shape {shape} or (N, {batch})."
+        )
+    c, h, w = shape
     if c not in (1, 3):
         raise ConfigError(
             f"Image input needs a 1- or 3-channel model, this one has {c} channels; "
@@ -802,9 +877,11 @@ def load_input(path: Path | str, input_shape: Sequence[int], *, invert: bool = F
 def predict_command(
     input: Path = typer.Argument(
         ...,
-        help="A .npy array of one sample (C, H, W) or a batch (N, C, H, W), scaled to [0, 1]; "
-        "or an image (png, jpg) that is converted to grayscale, resized to the model's "
-        "input size and scaled to [0, 1] (bytes / 255), like the datasets.",
+        help="A .npy array of one sample of the model's input shape (e.g. (3, 64), (20,) or "
+        "(1, 8, 8)) or a batch (N, ...) of them, scaled as in training; or, for image models "
+        "(C, H, W) only, an image (png, jpg) that is converted to grayscale (RGB for 3 "
+        "channels), resized to the model's input size and scaled to [0, 1] (bytes / 255), "
+        "like the datasets.",
         show_default=False,
     ),
     model: Path = typer.Option(
@@ -874,7 +951,7 @@ def predict_command(
 def export_command(
     run: Path = typer.Option(
         ..., "--run",
-        help="Fleet run directory (`fleet up --out` / `coordinator serve --out`): report.json and models/round-<R>/cluster-<K>.npy.",
+        help="Fleet run directory (`fleet up --out` / `coordinator serve --out`): report.json (model, input shape, and the job's model_args under config) and models/round-<R>/cluster-<K>.npy.",
         show_default=False,
     ),
     cluster: int = typer.Option(
