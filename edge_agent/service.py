@@ -607,7 +607,7 @@ class EdgeAgent(Service):
         onnx_path = self.model_dir / "model.onnx"
         export_onnx(run.config.model, run.input_shape, run.num_classes, merged, onnx_path,
                     fleet=self.fleet, cluster=run.cluster, round=r,
-                    model_args=getattr(run.config, "model_args", None))  # Job.model_args (issue 13)
+                    model_args=run.config.model_args)
         session = load_session(onnx_path, threads=torch.get_num_threads())
         t_apply = time.perf_counter() - t
         t = time.perf_counter()
