@@ -462,8 +462,11 @@ def test_an_agent_rejects_a_bad_config_keeps_running_and_joins_a_valid_one(mosqu
     from senseshield.runtime.transport import Link
 
     hellos: list[Hello] = []
-    peer = Link(mosquitto.url, client_id="coordinator", fleet="cfg", on_frame=lambda t, f: hellos.append(from_frame(f)))
+    declines: list = []
+    peer = Link(mosquitto.url, client_id="coordinator", fleet="cfg",
+                on_frame=lambda t, f: (hellos if t.endswith("/hello") else declines).append(from_frame(f)))
     peer.subscribe("agents/+/hello")
+    peer.subscribe("agents/+/decline")
     peer.start()
     agent = EdgeAgent(mosquitto.url, fleet="cfg", agent_id="a1", bandwidth=1, cpu_speed=1, model_dir=tmp_path / "m")
     thread = threading.Thread(target=agent.serve, daemon=True)
@@ -487,9 +490,13 @@ def test_an_agent_rejects_a_bad_config_keeps_running_and_joins_a_valid_one(mosqu
         wait_for(lambda: hellos, timeout=60)
         assert [h.run_id for h in hellos] == ["good"]
         assert thread.is_alive()
+        # a broken or forged config is rejected; a valid job this device cannot take is declined
         reasons = " | ".join(agent.rejected)
-        for needle in ("'rounds'", "'no_such_field'", "inputs (1, 8, 8)", "649 parameters"):
+        for needle in ("'rounds'", "'no_such_field'"):
             assert needle in reasons, needle
+        declined = {d.run_id: d.reason for d in declines}
+        assert sorted(declined) == ["bad3", "bad4"]
+        assert "inputs (1, 8, 8)" in declined["bad3"] and "649 parameters" in declined["bad4"]
     finally:
         agent.stopping.set()
         thread.join(15)

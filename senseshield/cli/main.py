@@ -28,8 +28,11 @@ from senseshield.cli.attack import attack_app  # noqa: E402
 
 app.add_typer(attack_app, name="attack")
 from senseshield.cli.check import check_app  # noqa: E402
+from senseshield.cli.job import job_app  # noqa: E402
 
 app.add_typer(check_app, name="check")
+app.add_typer(job_app, name="job")
+from senseshield.cli import run as _run  # noqa: E402
 from senseshield.cli.common import console, out  # noqa: E402
 from senseshield.cli.common import fail as _fail  # noqa: E402
 from senseshield.cli.common import progress_bar  # noqa: E402
@@ -120,9 +123,12 @@ def simulate(
     rho_tot: Annotated[int, typer.Option(help="Alt-FL: period of the interleaving schedule.")] = 2,
     synthetic_epsilon: Annotated[float, typer.Option(help="Alt-FL: epsilon of the DP synthetic-data provider.")] = 1.0,
     out_file: Annotated[Optional[Path], typer.Option("--out", help="Write the result JSON here.")] = None,
+    job_file: _run.JobFile = None,
+    data: _run.DataFiles = None,
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
 ) -> None:
-    """Run a strategy in one process with real training and real encryption."""
+    """Run a strategy in one process with real training and real encryption (a job file
+    and each device's own data with --job/--data)."""
     from senseshield.job import Job
     from senseshield.simulation import run_simulation
     from senseshield.strategies import StrategyOptions
@@ -172,16 +178,30 @@ def simulate(
     except ConfigError as exc:
         _fail(str(exc))
 
+    if job_file is not None:
+        config = _run.load_job_option(job_file)
+    devices = None
+    files = _run.data_files(data)
+    if files:
+        from senseshield.data.local import load_local_data
+        from senseshield.job import job_shape
+
+        try:
+            shape, classes = job_shape(config)
+            devices = [load_local_data(f, input_shape=shape, num_classes=classes, test_fraction=config.test_fraction,
+                                       seed=config.seed) for f in files]
+        except ConfigError as exc:
+            _fail(str(exc))
     with progress_bar(quiet) as bar:
         tasks: dict[str, int] = {}
 
         def progress(phase: str, done: int, total: int) -> None:
             if phase not in tasks:
-                tasks[phase] = bar.add_task(f"{strategy} {phase}", total=total)
+                tasks[phase] = bar.add_task(f"{config.strategy} {phase}", total=total)
             bar.update(tasks[phase], completed=done)
 
         try:
-            result = run_simulation(config, progress=progress)
+            result = run_simulation(config, progress=progress, devices=devices)
         except ConfigError as exc:
             bar.stop()
             _fail(str(exc))
@@ -274,12 +294,13 @@ app.command(name="export")(_export)
 fleet_app = typer.Typer(help="Run a fleet of real processes on this machine.", no_args_is_help=True)
 app.add_typer(fleet_app, name="fleet")
 
-from senseshield.cli import run as _run  # noqa: E402
 
 
 @fleet_app.command("up")
 def fleet_up(
-    agents: Annotated[int, typer.Option(help="Edge agents to start (each one OS process with shard i/N).")] = 6,
+    agents: Annotated[Optional[int], typer.Option(help="Edge agents to start, each one OS process with shard i/N (default 6, or one per --data file).")] = None,
+    job_file: _run.JobFile = None,
+    data: _run.DataFiles = None,
     strategy: _run.Strategy = "sensecrypt",
     rounds: _run.Rounds = 3,
     dataset: _run.Dataset = "digits",
@@ -296,7 +317,7 @@ def fleet_up(
     profile_file: Annotated[Optional[Path], typer.Option(help="YAML with `bandwidth:` and `cpu:` lists, cycled within each category (as in simulate).")] = None,
     broker: Annotated[Optional[str], typer.Option(help="Use this MQTT broker (mqtt://HOST[:PORT], MQTT 5) instead of the embedded one.")] = None,
     fleet: _run.Fleet = "local",
-    round_deadline: Annotated[float, typer.Option(help="Seconds a round waits for updates.")] = 120.0,
+    round_deadline: Annotated[Optional[float], typer.Option(help="Seconds a round waits for updates (default: the job's, 120).")] = None,
     min_contributors: Annotated[int, typer.Option(help="Key server refuses aggregates with fewer distinct contributors.")] = 2,
     threads: Annotated[int, typer.Option(help="Threads per agent for everything but training (inference, encryption); training uses --train-threads.")] = 1,
     out_dir: Annotated[Path, typer.Option("--out", help="Directory for report.json, models/, logs/, keys/.")] = Path("fleet-run"),
@@ -308,15 +329,22 @@ def fleet_up(
     from senseshield.runtime.fleet import FleetOptions
     from senseshield.runtime.fleet import fleet_up as _fleet_up
 
+    files = _run.data_files(data)
+    agents = agents if agents is not None else (len(files) if files else 6)
     if agents < 1:
         _fail(f"--agents {agents} is not allowed; a fleet needs at least 1 agent.")
+    if files and len(files) != agents:
+        _fail(f"--data gives {len(files)} file(s) for --agents {agents}; give one file per agent.")
     profiles = _profile_file(profile_file) if profile_file else {}
-    config = _run.build_run_config(
-        strategy=strategy, rounds=rounds, dataset=dataset, model=model, partition=partition, seed=seed,
-        local_epochs=local_epochs, batch_size=batch_size, lr=lr, scheme=scheme, key_bits=key_bits,
-        clients=agents, sets=set_, bandwidth=profiles.get("bandwidth"), cpu=profiles.get("cpu"),
-        train_threads=train_threads,
-    )
+    if job_file is not None:
+        config = _run.load_job_option(job_file).model_copy(update={"clients": agents})
+    else:
+        config = _run.build_run_config(
+            strategy=strategy, rounds=rounds, dataset=dataset, model=model, partition=partition, seed=seed,
+            local_epochs=local_epochs, batch_size=batch_size, lr=lr, scheme=scheme, key_bits=key_bits,
+            clients=agents, sets=set_, bandwidth=profiles.get("bandwidth"), cpu=profiles.get("cpu"),
+            train_threads=train_threads,
+        )
     if broker is not None:
         from senseshield.runtime.transport import parse_broker
 
@@ -333,7 +361,7 @@ def fleet_up(
         return argv
 
     options = FleetOptions(agents=agents, out=out_dir, broker=broker, fleet=fleet, round_deadline=round_deadline,
-                           min_contributors=min_contributors, threads=threads, wrap=wrap)
+                           min_contributors=min_contributors, threads=threads, wrap=wrap, data=files)
     with progress_bar(quiet) as bar:
         tasks: dict[str, int] = {}
 

@@ -81,6 +81,35 @@ def build_run_config(
         fail(str(exc))
 
 
+JobFile = Annotated[Optional[Path], typer.Option("--job", help="A job file (YAML/TOML; docs/your-model-and-data.md): it defines the run, and the run flags are ignored.")]
+DataFiles = Annotated[Optional[list[str]], typer.Option("--data", help="Each device's own data: files or glob patterns (e.g. 'har-data/device-*.npz'), one device per file, sorted; repeatable.")]
+
+
+def data_files(items: list[str] | None) -> list[Path] | None:
+    """``--data`` values (paths or glob patterns) -> the sorted files, one per device."""
+    import glob
+
+    if not items:
+        return None
+    files: list[Path] = []
+    for item in items:
+        found = sorted(glob.glob(item)) if any(c in item for c in "*?[") else ([item] if Path(item).exists() else [])
+        if not found:
+            fail(f"--data {item!r} matches no file; give paths or glob patterns of the devices' data files.")
+        files += [Path(f) for f in found]
+    return files
+
+
+def load_job_option(path: Path):  # -> senseshield.job.Job
+    """The ``--job`` file; a mistake ends in one sentence naming the key (exit 2)."""
+    from senseshield.job import load_job
+
+    try:
+        return load_job(path)
+    except ConfigError as exc:
+        fail(str(exc))
+
+
 def check_mqtt(version: str) -> str:
     if version not in ("5", "3.1.1"):
         fail(f"--mqtt {version!r} is not allowed; use 5 or 3.1.1.")

@@ -45,7 +45,7 @@ class FleetOptions:
     out: Path
     broker: str | None = None  # None: embedded broker
     fleet: str = "local"
-    round_deadline: float = 120.0
+    round_deadline: float | None = None  # None: the job's
     join_timeout: float = 300.0
     min_contributors: int = 2
     threads: int = 1  # torch threads per agent (the agents share the machine's cores)
@@ -58,6 +58,7 @@ class FleetOptions:
     agent_profiles: dict[str, Path] | None = None  # agent id -> profile file (default: generated)
     broker_host: str = "127.0.0.1"  # where the embedded broker listens (and clients connect)
     data: list[Path] | None = None  # each agent's own data file (agent i: data[i]) instead of a shard
+    serve: bool = False  # long-running: no job at start (submit with JobClient); agents stay between jobs
 
 
 def _python(module: str) -> list[str]:
@@ -74,7 +75,7 @@ def job_file(config: Job, options: "FleetOptions", path: Path) -> Path:
     devices (its ``min_devices``), the fleet's round deadline, and the model's input shape
     and classes (from the built-in dataset unless the job gives them)."""
     job = with_shape(config.model_copy(update={
-        "clients": options.agents, "min_devices": options.agents, "round_deadline": options.round_deadline,
+        "clients": options.agents, "min_devices": options.agents, "round_deadline": options.round_deadline or config.round_deadline,
     }))
     path.write_text(yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False))
     return path
@@ -129,21 +130,29 @@ class Fleet:
         self._spawn("keyserver", [*_python("keyserver.cli"), "serve", *common, "--key-dir", str(self.out / "keys"),
                                   "--min-contributors", str(self.options.min_contributors),
                                   *self.options.extra_keyserver_args])
-        job = job_file(self.config, self.options, self.out / "job.yaml")
+        once = [] if self.options.serve else [
+            "--job", str(job_file(self.config, self.options, self.out / "job.yaml")), "--once",
+            "--join-timeout", str(self.options.join_timeout)]
         self._spawn("coordinator", [
-            *_python("coordinator.cli"), "serve", *common, "--job", str(job), "--once",
-            "--join-timeout", str(self.options.join_timeout), "--out", str(self.out),
+            *_python("coordinator.cli"), "serve", *common, *once, "--out", str(self.out),
             "--state-dir", str(self.out / "state"), *self.options.extra_coordinator_args,
         ])
-        data = self.options.data
-        for i, (agent, profile) in enumerate(zip(agent_ids(self.options.agents), self._profiles())):
-            source = ["--data", str(data[i]), "--index", str(i)] if data else ["--shard", f"{i}/{self.options.agents}"]
-            self._spawn(agent, [
-                *_python("edge_agent.cli"), "join", *common, "--agent-id", agent, "--profile", str(profile),
-                *source, "--threads", str(self.options.threads), "--once",
-                "--model-dir", str(self.out / "agents" / agent),
-                *self.options.extra_agent_args.get(agent, []),
-            ])
+        self.common = common
+        self.profiles = self._profiles()
+        for i in range(self.options.agents):
+            self.spawn_agent(i)
+
+    def spawn_agent(self, i: int) -> str:
+        """Start agent ``i`` (again): shard i/N or data file i, its profile, its model folder."""
+        agent, data = agent_ids(self.options.agents)[i], self.options.data
+        source = ["--data", str(data[i]), "--index", str(i)] if data else ["--shard", f"{i}/{self.options.agents}"]
+        self._spawn(agent, [
+            *_python("edge_agent.cli"), "join", *self.common, "--agent-id", agent, "--profile", str(self.profiles[i]),
+            *source, "--threads", str(self.options.threads), *([] if self.options.serve else ["--once"]),
+            "--model-dir", str(self.out / "agents" / agent),
+            *self.options.extra_agent_args.get(agent, []),
+        ])
+        return agent
 
     def _profiles(self) -> list[Path]:
         """One profile file per agent with the simulator's bandwidth and CPU speed for it
@@ -254,7 +263,7 @@ class Fleet:
         """Agents exit by themselves when the run is done; anything left gets SIGTERM, then SIGKILL."""
         end = time.monotonic() + grace
         for name, proc in self.processes.items():
-            if name.startswith("c"):
+            if name.startswith("c") and not self.options.serve:  # long-running agents never exit by themselves
                 try:
                     proc.wait(max(end - time.monotonic(), 0.1))
                 except subprocess.TimeoutExpired:

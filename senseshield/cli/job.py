@@ -1,0 +1,160 @@
+"""``senseshield job``: submit, list, follow and cancel jobs on a running coordinator."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from senseshield.cli.common import console, fail, out
+from senseshield.cli.run import Broker, CaFile, Fleet, Mqtt, PasswordFile, Username, check_mqtt, mqtt_security
+from senseshield.errors import ConfigError
+
+job_app = typer.Typer(help="Jobs on a running coordinator (`coordinator serve`): submit, list, status, logs, cancel.",
+                      no_args_is_help=True)
+
+JobId = Annotated[str, typer.Argument(help="The job's id (see `senseshield job list`).", metavar="ID")]
+
+
+def _client(broker: str, fleet: str, mqtt: str, ca_file, username, password_file):  # noqa: ANN001, ANN202
+    from senseshield.runtime.jobs import JobClient
+
+    security = mqtt_security(broker, ca_file=ca_file, username=username, password_file=password_file)
+    return JobClient(broker, fleet=fleet, protocol=check_mqtt(mqtt), **security)
+
+
+def _when(stamp: float | None) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(stamp)) if stamp else "-"
+
+
+def _follow(client, job_id: str) -> int:  # noqa: ANN001
+    record = client.follow(job_id, lambda line: out.print(line, highlight=False))
+    if record.get("out"):
+        console.print(f"report: {record['out']}/report.json (on the coordinator's host)")
+    return 0 if record["state"] == "done" else 1
+
+
+@job_app.command("submit")
+def submit(
+    job_file: Annotated[Path, typer.Argument(help="The job (YAML or TOML): strategy, options, model, model_args, input_shape, num_classes, rounds, ...", metavar="FILE")],
+    broker: Broker = "mqtt://127.0.0.1:1883",
+    fleet: Fleet = "default",
+    follow: Annotated[bool, typer.Option("--follow", help="Print the job's events until it ends (exit 0 if done, 1 if it failed or was cancelled).")] = False,
+    mqtt: Mqtt = "5",
+    ca_file: CaFile = None,
+    username: Username = None,
+    password_file: PasswordFile = None,
+) -> None:
+    """Queue a job on the fleet's coordinator; it starts when the jobs before it are done and
+    its minimum number of devices is ready."""
+    from senseshield.job import load_job
+
+    try:
+        job = load_job(job_file)  # a bad key or value is refused here, before anything is sent
+        with _client(broker, fleet, mqtt, ca_file, username, password_file) as client:
+            job_id = client.submit(job)
+            ahead = [j for j in client.board() if j["state"] in ("queued", "waiting", "running") and j["id"] != job_id]
+            console.print(f"job {job_id} queued: {job.label}" + (f" ({len(ahead)} ahead of it)" if ahead else ""))
+            out.print(job_id)
+            if follow:
+                raise typer.Exit(_follow(client, job_id))
+    except (ConfigError, ConnectionError) as exc:
+        fail(str(exc))
+
+
+@job_app.command("list")
+def list_jobs(
+    broker: Broker = "mqtt://127.0.0.1:1883",
+    fleet: Fleet = "default",
+    mqtt: Mqtt = "5",
+    ca_file: CaFile = None,
+    username: Username = None,
+    password_file: PasswordFile = None,
+) -> None:
+    """The coordinator's jobs, oldest first: state, progress, accuracy, devices."""
+    try:
+        with _client(broker, fleet, mqtt, ca_file, username, password_file) as client:
+            jobs = client.board()
+    except (ConfigError, ConnectionError) as exc:
+        fail(str(exc))
+    table = Table("id", "name", "state", "round", "accuracy", "devices", "submitted", "finished")
+    for j in jobs:
+        acc = f"{j['accuracy']:.3f}" if j.get("accuracy") is not None else "-"
+        table.add_row(j["id"], j["name"], j["state"], f"{j['round']}/{j['rounds']}", acc, str(j["devices"]),
+                      _when(j["submitted_at"]), _when(j["finished_at"]))
+    out.print(table)
+    if not jobs:
+        console.print("no jobs yet; submit one with `senseshield job submit FILE`")
+
+
+@job_app.command("status")
+def status(
+    job_id: JobId,
+    broker: Broker = "mqtt://127.0.0.1:1883",
+    fleet: Fleet = "default",
+    mqtt: Mqtt = "5",
+    ca_file: CaFile = None,
+    username: Username = None,
+    password_file: PasswordFile = None,
+) -> None:
+    """One job: state, progress, accuracy, where its report is, and its latest events."""
+    try:
+        with _client(broker, fleet, mqtt, ca_file, username, password_file) as client:
+            j = client.record(job_id)
+    except (ConfigError, ConnectionError) as exc:
+        fail(str(exc))
+    spec = j["job"]
+    out.print(f"job {j['id']}: {j['name']} ({spec['strategy']}, model {spec['model']})", highlight=False)
+    out.print(f"state {j['state']}" + (f" ({j['reason']})" if j.get("reason") else "")
+              + f"; round {j['round']}/{j['rounds']}; devices {j['devices']}"
+              + (f"; accuracy {j['accuracy']:.3f}" if j.get("accuracy") is not None else ""), highlight=False)
+    out.print(f"submitted {_when(j['submitted_at'])}, started {_when(j['started_at'])}, "
+              f"finished {_when(j['finished_at'])}", highlight=False)
+    if j.get("out"):
+        out.print(f"report: {j['out']}/report.json (on the coordinator's host)", highlight=False)
+    for line in j["events"][-8:]:
+        out.print(f"  {line}", highlight=False)
+
+
+@job_app.command("logs")
+def logs(
+    job_id: JobId,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new events until the job ends.")] = False,
+    broker: Broker = "mqtt://127.0.0.1:1883",
+    fleet: Fleet = "default",
+    mqtt: Mqtt = "5",
+    ca_file: CaFile = None,
+    username: Username = None,
+    password_file: PasswordFile = None,
+) -> None:
+    """The job's event lines (queued, waiting for devices, one line per round, joins, refusals, end)."""
+    try:
+        with _client(broker, fleet, mqtt, ca_file, username, password_file) as client:
+            if follow:
+                raise typer.Exit(_follow(client, job_id))
+            for line in client.record(job_id)["events"]:
+                out.print(line, highlight=False)
+    except (ConfigError, ConnectionError) as exc:
+        fail(str(exc))
+
+
+@job_app.command("cancel")
+def cancel(
+    job_id: JobId,
+    broker: Broker = "mqtt://127.0.0.1:1883",
+    fleet: Fleet = "default",
+    mqtt: Mqtt = "5",
+    ca_file: CaFile = None,
+    username: Username = None,
+    password_file: PasswordFile = None,
+) -> None:
+    """Cancel a queued job, or stop a running one (its devices stay for the next job)."""
+    try:
+        with _client(broker, fleet, mqtt, ca_file, username, password_file) as client:
+            client.cancel(job_id)
+    except (ConfigError, ConnectionError) as exc:
+        fail(str(exc))
+    console.print(f"job {job_id} cancelled")
