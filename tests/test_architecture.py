@@ -29,3 +29,16 @@ def test_the_privacy_engine_imports_no_torch_and_no_network():
 def test_the_library_never_imports_a_role():
     loaded = _modules_after_import("senseshield.cli")
     assert not {"coordinator", "edge_agent", "keyserver"} & loaded
+
+
+def test_the_front_door_exports_the_public_names_lazily():
+    loaded = _modules_after_import("senseshield")
+    assert "torch" not in loaded  # importing the package is cheap
+    import senseshield as ss
+
+    job = ss.Job(strategy="plaintext", model="linear", clients=2, rounds=1)
+    result = ss.simulate(job)
+    assert isinstance(result, ss.RunResult) and len(result.rounds) == 1
+    assert "sensecrypt" in ss.STRATEGIES and "packed-paillier" in ss.SCHEMES and "mlp" in ss.MODELS
+    for name in ss.__all__:
+        assert getattr(ss, name) is not None, name

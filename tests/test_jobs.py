@@ -40,15 +40,11 @@ def test_two_jobs_in_a_row_without_restarting_an_agent_and_a_device_that_refuses
     np.savez(bad, x=np.zeros((30, 5), np.float32), y=np.zeros(30, np.int64))
     base = Job(model="linear", partition="iid", clients=3, rounds=2, min_devices=3)
     options = FleetOptions(agents=4, out=tmp_path / "run", broker=mosquitto.url, fleet="jobs", serve=True,
-                           min_contributors=1, extra_agent_args={"c003": ["--data", str(bad)]})
+                           min_contributors=1, data=[None, None, None, bad])
     first = with_shape(base.model_copy(update={"strategy": "plaintext", "name": "first"}))
     second = with_shape(base.model_copy(update={"strategy": "paillier-full", "key_bits": 1024, "name": "second"}))
     with Fleet(base, options) as fleet:
-        fleet.processes.pop("c003").kill()  # restart c003 with its own (bad) data instead of a shard
-        argv = [a for a in fleet.argv["c003"]]
-        i = argv.index("--shard")
-        del argv[i:i + 2]
-        fleet._spawn("c003", argv)
+        fleet.start()
         with JobClient(mosquitto.url, fleet="jobs") as client:
             records = []
             for job in (first, second):
@@ -82,6 +78,7 @@ def test_a_device_that_joins_mid_job_takes_part_from_the_next_round(mosquitto, t
     options = FleetOptions(agents=4, out=tmp_path / "run", broker=mosquitto.url, fleet="late", serve=True,
                            min_contributors=1)
     with Fleet(job, options) as fleet:
+        fleet.start()
         late = fleet.processes["c003"]
         wait_for(lambda: "waiting for a job" in (tmp_path / "run" / "logs" / "c003.log").read_text(), 60, "c003 up")
         os.kill(late.pid, signal.SIGSTOP)
@@ -111,6 +108,7 @@ def test_a_device_that_leaves_and_returns(mosquitto, tmp_path):
     options = FleetOptions(agents=3, out=tmp_path / "run", broker=mosquitto.url, fleet="away", serve=True,
                            min_contributors=1)
     with Fleet(job, options) as fleet:
+        fleet.start()
         with JobClient(mosquitto.url, fleet="away") as client:
             job_id = client.submit(job)
             wait_for(lambda: client.record(job_id)["round"] >= 2, 180, "round 2")
@@ -146,7 +144,8 @@ def test_job_cli_submit_list_status_cancel_and_bad_files(mosquitto, tmp_path):
                            min_contributors=1)
     runner = CliRunner()
     common = ["--broker", mosquitto.url, "--fleet", "cli"]
-    with Fleet(job, options):
+    with Fleet(job, options) as fleet:
+        fleet.start()
         result = runner.invoke(app, ["job", "submit", str(path), *common])
         assert result.exit_code == 0, result.output
         job_id = result.stdout.strip().splitlines()[-1]

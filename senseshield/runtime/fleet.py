@@ -57,7 +57,7 @@ class FleetOptions:
     wrap: Callable[[str, list[str]], list[str]] | None = None
     agent_profiles: dict[str, Path] | None = None  # agent id -> profile file (default: generated)
     broker_host: str = "127.0.0.1"  # where the embedded broker listens (and clients connect)
-    data: list[Path] | None = None  # each agent's own data file (agent i: data[i]) instead of a shard
+    data: list[Path | None] | None = None  # agent i's own data file data[i] (None: shard i/N)
     serve: bool = False  # long-running: no job at start (submit with JobClient); agents stay between jobs
 
 
@@ -145,7 +145,8 @@ class Fleet:
     def spawn_agent(self, i: int) -> str:
         """Start agent ``i`` (again): shard i/N or data file i, its profile, its model folder."""
         agent, data = agent_ids(self.options.agents)[i], self.options.data
-        source = ["--data", str(data[i]), "--index", str(i)] if data else ["--shard", f"{i}/{self.options.agents}"]
+        own = data[i] if data else None
+        source = ["--data", str(own), "--index", str(i)] if own is not None else ["--shard", f"{i}/{self.options.agents}"]
         self._spawn(agent, [
             *_python("edge_agent.cli"), "join", *self.common, "--agent-id", agent, "--profile", str(self.profiles[i]),
             *source, "--threads", str(self.options.threads), *([] if self.options.serve else ["--once"]),
@@ -157,7 +158,7 @@ class Fleet:
     def _profiles(self) -> list[Path]:
         """One profile file per agent with the simulator's bandwidth and CPU speed for it
         (or the files of ``options.agent_profiles``)."""
-        if self.options.data:
+        if self.options.data and all(d is not None for d in self.options.data):
             clients = device_shards(self.config, [None] * self.options.agents)
         else:
             clients = shards(self.config, load_dataset(self.config.dataset, seed=self.config.seed))
