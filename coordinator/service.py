@@ -254,6 +254,7 @@ class Coordinator(Service):
         self.job: JobRecord | None = None
         self.cancelled: set[str] = set()
         self.devices: dict[str, bool] = {}  # every agent seen on the fleet -> online
+        self.replies: dict[str, JobReply] = {}  # request id -> answer (a repeated request gets the same)
         if metrics_port is None and os.environ.get(METRICS_PORT_ENV):
             metrics_port = int(os.environ[METRICS_PORT_ENV])
         self.metrics_server = CoordinatorMetrics(metrics_port) if metrics_port is not None else None
@@ -294,29 +295,41 @@ class Coordinator(Service):
         self._publish_board()
         return record
 
+    def _reply(self, reply: JobReply) -> None:
+        self.replies[reply.request_id] = reply
+        while len(self.replies) > 1000:
+            self.replies.pop(next(iter(self.replies)))
+        self.send(f"jobs/replies/{reply.request_id}", reply)
+
     def _on_submit(self, item: Inbound) -> None:
         msg: JobSubmit = item.message  # type: ignore[assignment]
+        if msg.request_id in self.replies:  # a repeat (the operator did not hear the answer)
+            self._reply(self.replies[msg.request_id])
+            return
         try:
             record = self.submit(job_from_dict(msg.job, where="job"))
             reply = JobReply(request_id=msg.request_id, accepted=True, job_id=record.id)
         except ConfigError as exc:
             self.log.warning("job refused: %s", exc)
             reply = JobReply(request_id=msg.request_id, accepted=False, reason=str(exc))
-        self.send(f"jobs/replies/{msg.request_id}", reply)
+        self._reply(reply)
 
     def _on_cancel(self, item: Inbound) -> None:
         msg: JobCancel = item.message  # type: ignore[assignment]
+        if msg.request_id in self.replies:
+            self._reply(self.replies[msg.request_id])
+            return
         record = self.book.get(msg.job_id)
         if record is None or record.state not in OPEN:
             reason = f"job {msg.job_id!r} is not queued or running" + ("" if record is None else f" (it is {record.state})")
-            self.send(f"jobs/replies/{msg.request_id}", JobReply(request_id=msg.request_id, accepted=False, reason=reason))
+            self._reply(JobReply(request_id=msg.request_id, accepted=False, reason=reason))
             return
         if record.state == "queued":
             self.book.set(record, state="cancelled", finished_at=time.time(), reason="cancelled before it started")
             self.book.event(record, "cancelled before it started")
         else:
             self.cancelled.add(record.id)  # the running job's loop stops at its next step
-        self.send(f"jobs/replies/{msg.request_id}", JobReply(request_id=msg.request_id, accepted=True, job_id=record.id))
+        self._reply(JobReply(request_id=msg.request_id, accepted=True, job_id=record.id))
         self._publish_board()
 
     def _check_cancelled(self) -> None:

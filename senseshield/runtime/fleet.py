@@ -144,9 +144,11 @@ class Fleet:
 
     def spawn_agent(self, i: int) -> str:
         """Start agent ``i`` (again): shard i/N or data file i, its profile, its model folder."""
-        agent, data = agent_ids(self.options.agents)[i], self.options.data
-        own = data[i] if data else None
-        source = ["--data", str(own), "--index", str(i)] if own is not None else ["--shard", f"{i}/{self.options.agents}"]
+        agent, data = agent_ids(self.options.agents)[i], self.options.data or [None] * self.options.agents
+        sharded = [j for j, d in enumerate(data) if d is None]  # the agents that share the built-in dataset
+        own = data[i]
+        source = (["--data", str(own), "--index", str(i)] if own is not None
+                  else ["--shard", f"{sharded.index(i)}/{len(sharded)}"])
         self._spawn(agent, [
             *_python("edge_agent.cli"), "join", *self.common, "--agent-id", agent, "--profile", str(self.profiles[i]),
             *source, "--threads", str(self.options.threads), *([] if self.options.serve else ["--once"]),

@@ -17,7 +17,16 @@ from typing import Any
 
 from senseshield.errors import ConfigError
 from senseshield.job import Job
-from senseshield.runtime.protocol.messages import JobBoard, JobCancel, JobReply, JobSubmit, Message, from_frame, to_frame
+from senseshield.runtime.protocol.messages import (
+    JobBoard,
+    JobCancel,
+    JobReply,
+    JobSubmit,
+    Message,
+    Status,
+    from_frame,
+    to_frame,
+)
 from senseshield.runtime.transport import Link
 
 OPEN_STATES = ("queued", "waiting", "running")
@@ -28,6 +37,7 @@ class JobClient:
 
     def __init__(self, broker: str, *, fleet: str, protocol: str = "5", **security: Any) -> None:
         self.fleet = fleet
+        self._online: bool | None = None  # the coordinator's retained status
         self._board: list[dict[str, Any]] | None = None
         self._replies: dict[str, JobReply] = {}
         self._changed = threading.Condition()
@@ -36,6 +46,7 @@ class JobClient:
         if any(v is not None for v in security.values()):
             self.link.secure(**security)
         self.link.subscribe("jobs/board")
+        self.link.subscribe("coordinator/status")
 
     def __enter__(self) -> "JobClient":
         self.link.start()
@@ -47,7 +58,9 @@ class JobClient:
     def _on_frame(self, topic: str, frame: Any) -> None:
         message = from_frame(frame)
         with self._changed:
-            if isinstance(message, JobBoard) and frame.sender == "coordinator":
+            if isinstance(message, Status) and frame.sender == "coordinator":
+                self._online = message.online
+            elif isinstance(message, JobBoard) and frame.sender == "coordinator":
                 self._board = list(message.jobs)
             elif isinstance(message, JobReply) and frame.sender == "coordinator":
                 self._replies[message.request_id] = message
@@ -67,11 +80,20 @@ class JobClient:
                 self._changed.wait(min(left, 0.5))
 
     def _ask(self, suffix: str, message: JobSubmit | JobCancel, timeout: float) -> JobReply:
+        """Send ``message`` once the coordinator is online, again every few seconds until it
+        answers (it answers a repeated request id with its first answer)."""
         self.link.subscribe(f"jobs/replies/{message.request_id}")
-        time.sleep(0.1)  # let the subscription land before the answer can come
-        self._send(suffix, message)
-        self._wait(lambda: message.request_id in self._replies, timeout, "answer")
-        return self._replies[message.request_id]
+        end = time.monotonic() + timeout
+        self._wait(lambda: self._online is True, timeout, "online status")
+        while True:
+            self._send(suffix, message)
+            try:
+                self._wait(lambda: message.request_id in self._replies, min(5.0, max(end - time.monotonic(), 0.1)),
+                           "answer")
+                return self._replies[message.request_id]
+            except ConfigError:
+                if time.monotonic() >= end:
+                    raise
 
     def submit(self, job: Job, *, timeout: float = 60.0) -> str:
         """Queue ``job``; returns its id. ConfigError with the coordinator's reason if refused."""
