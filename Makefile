@@ -8,6 +8,9 @@ PY     := $(VENV)/bin/python
 # is on disk (or a CPU index the user configured) and never resolves a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# two workers, whole files per worker (module fixtures such as the Ansible sandbox are built
+# once; trials, which own cgroups and namespaces, never run beside each other)
+XDIST ?= -n 2 --dist loadfile
 
 STAMP := $(VENV)/.installed
 
@@ -36,7 +39,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP) broker
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow" $(XDIST) --durations=15 $(PYTEST_ARGS)
 
 test-slow: $(STAMP) broker
 	$(PY) -m pytest -m slow $(PYTEST_ARGS)
