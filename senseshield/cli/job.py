@@ -80,7 +80,9 @@ def list_jobs(
             jobs = client.board()
     except (ConfigError, ConnectionError) as exc:
         fail(str(exc))
-    table = Table("id", "name", "state", "round", "accuracy", "devices", "submitted", "finished")
+    table = Table()
+    for name in ("id", "name", "state", "round", "accuracy", "devices", "submitted", "finished"):
+        table.add_column(name, no_wrap=name in ("id", "state"), overflow="fold")
     for j in jobs:
         acc = f"{j['accuracy']:.3f}" if j.get("accuracy") is not None else "-"
         table.add_row(j["id"], j["name"], j["state"], f"{j['round']}/{j['rounds']}", acc, str(j["devices"]),
