@@ -988,7 +988,9 @@ class Coordinator(Service):
             "joined": self.joined,
             "left": self.left,
             "seconds": time.time() - self.round_started,
-            "participants": len(self.sampled),
+            # contributors: agents whose update entered an aggregate the key server accepted
+            "participants": sum(len(cr.updates) for cr in self.clusters.values() if cr.accepted),
+            "sampled": len(self.sampled),
             "user_epsilon": self.user_accountant.epsilon(o.delta) if self.strategy.dp_level else None,
             "started_at": self.round_started,
             "finished_at": time.time(),
@@ -1050,6 +1052,7 @@ class Coordinator(Service):
             record = rec["tally"].record(
                 r, self.strategy, accuracy=weighted_accuracy(pairs), seconds=rec["seconds"],
                 participants=rec["participants"], sample_rate=self.config.options.sample_rate,
+                sampled=rec.get("sampled"),
                 epsilon=eps, delta=self.config.options.delta,
             )
             out.append(record.model_copy(update={"joined": rec.get("joined", []), "left": rec.get("left", [])}))

@@ -29,7 +29,7 @@ class RoundRecord(BaseModel):
     phase_seconds: dict[str, float]
     infeasible_masks: int
     violations: list[str] = []  # first violation sentence of each infeasible mask (max 3)
-    participants: int | None = None  # clients sampled this round (Poisson rate q)
+    participants: int | None = None  # clients whose update was aggregated (simulator: the sampled ones)
     epsilon: float | None = None  # DP epsilon spent up to and including this round
     delta: float | None = None
     zone_ratios: dict[str, float] | None = None  # mean M_enc / M_pers / M_noise (SelectiveShield)
@@ -136,10 +136,10 @@ class RoundTally:
 
     def record(
         self, r: int, strategy: Strategy, *, accuracy: float, seconds: float, participants: int,
-        sample_rate: float, epsilon: float | None, delta: float,
+        sample_rate: float, epsilon: float | None, delta: float, sampled: int | None = None,
     ) -> RoundRecord:
         notes = list(self.notes)
-        if not participants:
+        if not (participants if sampled is None else sampled):
             notes.append(f"round {r}: no client was sampled (q={sample_rate}); the model is unchanged")
         for name, count in sorted(self.empty_zones.items()):
             notes.append(f"round {r}: the {name} zone is empty for {count} client(s)")

@@ -158,6 +158,8 @@ def test_faults_are_rejected_and_a_killed_agent_does_not_delay_its_round(mosquit
     missed = [(s["round"], s["missing"]) for s in report["straggling_events"] if s["agent"] == "c002"]
     assert missed == [(2, "offline")]  # from round 3 on it is known gone: not sampled, not waited for
     assert report["rounds"][2]["left"] == ["c002"]
+    # the report counts contributors (updates aggregated), not the agents sampled
+    assert [r["participants"] for r in report["rounds"]] == [3, 2, 2]
     r2 = report["rounds"][1]
     assert r2["seconds"] < 15
     assert "round 2 cluster 0: closed without c002 (offline)" in r2["notes"]
