@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from senseshield import defaults
 from senseshield.data import load_dataset
 from senseshield.errors import ConfigError, ProtocolError
 from senseshield.he import SCHEMES, PublicKey
@@ -211,8 +212,7 @@ class EdgeAgent(Service):
         self.bandwidth, self.cpu_speed = bandwidth, cpu_speed
         self.profile = profile or {}
         self.data_spec = data
-        if threads is not None:
-            torch.set_num_threads(threads)
+        torch.set_num_threads(threads if threads is not None else defaults.shared_threads())
         self.run: RunState | None = None
         self.pending_config: PreparedRun | None = None
         self.newest_plan = 0  # highest round a plan arrived for
