@@ -45,11 +45,13 @@ test-slow: $(STAMP) broker
 	$(PY) -m pytest -m slow $(PYTEST_ARGS)
 
 # The main job: a local fleet (embedded MQTT broker, key server, coordinator and 6 agents as
-# OS processes) running SenseCrypt on mixed device profiles; report in demo-fleet/report.json.
+# OS processes) running SenseCrypt on mixed device profiles; report in demo-fleet/report.json
+# and demo-fleet/report.html (fleet up renders it at the end and says where it is).
 demo: $(STAMP)
 	$(VENV)/bin/senseshield fleet up --agents 6 --strategy sensecrypt --dataset digits --model mlp \
 	    --partition categories:3 --rounds 4 \
 	    --profile-file profiles/sensecrypt-system-heterogeneity.yaml --out demo-fleet
+	@echo "open demo-fleet/report.html in a browser for the plots"
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_foundation.py

@@ -35,7 +35,7 @@ except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import senseshield.inference as inference
 
-import onnxruntime  # noqa: E402
+onnxruntime = inference.onnxruntime()  # telemetry off: nothing written in the home directory
 import torch  # noqa: E402
 
 from senseshield.models import build_model  # noqa: E402

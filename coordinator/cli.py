@@ -7,7 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from senseshield.cli.common import console, fail
+from senseshield import defaults
+from senseshield.cli.common import console, fail, version_option
 from senseshield.cli.run import (
     Broker, CaFile, Fleet, LogLevel, Mqtt, PasswordFile, Scheme, Sets, Username, build_run_config, check_mqtt,
     mqtt_security, setup_logging,
@@ -19,29 +20,29 @@ app = typer.Typer(help="SenseShield coordinator: clusters agents and aggregates 
 
 
 @app.callback()
-def _root() -> None:
+def _root(version: Annotated[bool, version_option("coordinator")] = False) -> None:
     """SenseShield coordinator."""
 
 
 @app.command()
 def serve(
-    broker: Broker = "mqtt://127.0.0.1:1883",
-    fleet: Fleet = "default",
+    broker: Broker = defaults.BROKER,
+    fleet: Fleet = defaults.FLEET,
     job: Annotated[Optional[list[Path]], typer.Option("--job", help="Queue this job file (YAML/TOML) at start; repeatable. More come from `senseshield job submit`.")] = None,
     once: Annotated[bool, typer.Option("--once", help="Exit when the queued jobs are done (default: stay up and take jobs).")] = False,
     strategy: Annotated[Optional[str], typer.Option(help="Queue a job built from these flags (instead of --job): strategy name.")] = None,
-    rounds: Annotated[Optional[int], typer.Option(help="With --strategy: federated rounds (default 5).")] = None,
-    agents: Annotated[Optional[int], typer.Option(help="With --strategy: devices the job waits for (its min_devices, default 2).")] = None,
-    dataset: Annotated[Optional[str], typer.Option(help="With --strategy: built-in dataset giving input shape and classes (default digits).")] = None,
-    model: Annotated[Optional[str], typer.Option(help="With --strategy: model name or import path (default mlp).")] = None,
-    partition: Annotated[Optional[str], typer.Option(help="With --strategy: how --shard agents cut the dataset (default iid).")] = None,
-    seed: Annotated[Optional[int], typer.Option(help="With --strategy: seed (default 0).")] = None,
-    local_epochs: Annotated[Optional[int], typer.Option(help="With --strategy: local epochs (default 2).")] = None,
-    batch_size: Annotated[Optional[int], typer.Option(help="With --strategy: minibatch size (default 16).")] = None,
-    lr: Annotated[Optional[float], typer.Option(help="With --strategy: learning rate (default 0.1).")] = None,
+    rounds: Annotated[Optional[int], typer.Option(help=f"With --strategy: federated rounds (default {defaults.ROUNDS}).")] = None,
+    agents: Annotated[Optional[int], typer.Option(help=f"With --strategy: devices the job waits for (its min_devices, default {defaults.MIN_DEVICES}).")] = None,
+    dataset: Annotated[Optional[str], typer.Option(help=f"With --strategy: built-in dataset giving input shape and classes (default {defaults.DATASET}).")] = None,
+    model: Annotated[Optional[str], typer.Option(help=f"With --strategy: model name or import path (default {defaults.MODEL}).")] = None,
+    partition: Annotated[Optional[str], typer.Option(help=f"With --strategy: how --shard agents cut the dataset (default {defaults.PARTITION}).")] = None,
+    seed: Annotated[Optional[int], typer.Option(help=f"With --strategy: seed (default {defaults.SEED}).")] = None,
+    local_epochs: Annotated[Optional[int], typer.Option(help=f"With --strategy: local epochs (default {defaults.LOCAL_EPOCHS}).")] = None,
+    batch_size: Annotated[Optional[int], typer.Option(help=f"With --strategy: minibatch size (default {defaults.BATCH_SIZE}).")] = None,
+    lr: Annotated[Optional[float], typer.Option(help=f"With --strategy: learning rate (default {defaults.LR}).")] = None,
     scheme: Scheme = None,
-    key_bits: Annotated[Optional[int], typer.Option(help="With --strategy: Paillier modulus bits (default 2048).")] = None,
-    train_threads: Annotated[Optional[int], typer.Option(help="With --strategy: torch threads of training (default 1).")] = None,
+    key_bits: Annotated[Optional[int], typer.Option(help=f"With --strategy: Paillier modulus bits (default {defaults.KEY_BITS}).")] = None,
+    train_threads: Annotated[Optional[int], typer.Option(help=f"With --strategy: torch threads of training (default {defaults.TRAIN_THREADS}).")] = None,
     set_: Sets = None,
     round_deadline: Annotated[Optional[float], typer.Option(help="Seconds a round waits for updates (overrides every job's round_deadline).")] = None,
     join_timeout: Annotated[Optional[float], typer.Option(help="With --once: seconds a job waits for its devices before failing (default: forever).")] = None,
@@ -49,11 +50,11 @@ def serve(
     out: Annotated[Optional[Path], typer.Option(help="Reports and models: OUT/jobs/<id>/ (with --once: OUT/ itself).")] = None,
     max_message_mb: Annotated[float, typer.Option(help="Refuse messages larger than this (MB).")] = 256.0,
     metrics_port: Annotated[Optional[int], typer.Option(help="Serve Prometheus metrics on this port (default: off, or $SENSESHIELD_METRICS_PORT).")] = None,
-    mqtt: Mqtt = "5",
+    mqtt: Mqtt = defaults.MQTT,
     ca_file: CaFile = None,
     username: Username = None,
     password_file: PasswordFile = None,
-    log_level: LogLevel = "info",
+    log_level: LogLevel = defaults.LOG_LEVEL,
 ) -> None:
     """Run the fleet's coordinator: it stays up and runs jobs one at a time, in the order they
     are submitted (--job files, `senseshield job submit`), on the devices that are online."""
@@ -76,11 +77,10 @@ def serve(
         if strategy is not None:
             if job:
                 raise ConfigError("--job and --strategy are alternatives; put the job's settings in the job file.")
-            defaults = {"rounds": 5, "dataset": "digits", "model": "mlp", "partition": "iid", "seed": 0,
-                        "local_epochs": 2, "batch_size": 16, "lr": 0.1, "key_bits": 2048, "train_threads": 1}
-            values = {k: (v if v is not None else defaults[k]) for k, v in flags.items()}
-            config = build_run_config(strategy=strategy, scheme=scheme, clients=agents or 2, sets=set_, **values)
-            jobs.append(with_shape(config.model_copy(update={"min_devices": agents or 2})))
+            values = {k: (v if v is not None else defaults.JOB_FLAGS[k]) for k, v in flags.items()}
+            devices = agents or defaults.MIN_DEVICES
+            config = build_run_config(strategy=strategy, scheme=scheme, clients=devices, sets=set_, **values)
+            jobs.append(with_shape(config.model_copy(update={"min_devices": devices})))
         elif given:
             raise ConfigError(f"--{given[0].replace('_', '-')} describes a job; give --strategy too, or use --job FILE.")
     except ConfigError as exc:

@@ -7,9 +7,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from senseshield.cli.common import fail
+from senseshield import defaults
+from senseshield.cli.common import fail, version_option
 from senseshield.cli.run import (
-    Broker, CaFile, Fleet, LogLevel, Mqtt, PasswordFile, Username, check_mqtt, mqtt_security, setup_logging,
+    Broker, CaFile, Fleet, LogLevel, Mqtt, PasswordFile, Threads, Username, check_mqtt, mqtt_security, setup_logging,
 )
 from senseshield.errors import ConfigError
 
@@ -18,14 +19,14 @@ app = typer.Typer(help="SenseShield edge agent: trains locally and sends protect
 
 
 @app.callback()
-def _root() -> None:
+def _root(version: Annotated[bool, version_option("edge-agent")] = False) -> None:
     """SenseShield edge agent."""
 
 
 @app.command()
 def join(
-    broker: Broker = "mqtt://127.0.0.1:1883",
-    fleet: Fleet = "default",
+    broker: Broker = defaults.BROKER,
+    fleet: Fleet = defaults.FLEET,
     agent_id: Annotated[Optional[str], typer.Option(help="This device's id (default: the host name).")] = None,
     profile: Annotated[str, typer.Option(help="auto (measure now) | auto:NAME or auto:FILE.yaml (measure, bounded by that declared profile) | NAME (profiles/NAME.yaml) | FILE.yaml.")] = "auto",
     probe: Annotated[str, typer.Option(help="Bandwidth probe plan with --profile auto: robust | single (the old best-of-two, for before/after benchmarks).", hidden=True)] = "robust",
@@ -34,13 +35,13 @@ def join(
     dataset: Annotated[Optional[str], typer.Option(help="Built-in data for simulations and trials: digits | mnist5k | idx:<dir> | synthetic (default: the run's).")] = None,
     shard: Annotated[Optional[str], typer.Option(help="Use shard I/N of the dataset (0 <= I < N), cut by the run's partition.")] = None,
     partition: Annotated[Optional[str], typer.Option(help="How shards are cut (default: the run's partition).")] = None,
-    threads: Annotated[Optional[int], typer.Option(help="Torch and onnxruntime threads (default: torch's).")] = None,
+    threads: Threads = None,
     model_dir: Annotated[Optional[Path], typer.Option(help="Where the agent keeps its cluster's latest ONNX model, merged with its personalised zone (default: ~/.senseshield/FLEET/ID).")] = None,
-    mqtt: Mqtt = "5",
+    mqtt: Mqtt = defaults.MQTT,
     ca_file: CaFile = None,
     username: Username = None,
     password_file: PasswordFile = None,
-    log_level: LogLevel = "info",
+    log_level: LogLevel = defaults.LOG_LEVEL,
     once: Annotated[bool, typer.Option("--once", help="Exit when the first job ends (default: stay connected and take every job).")] = False,
     device_class: Annotated[Optional[str], typer.Option(help="What a job's select.device_class matches (default: the declared profile's name, else the board).")] = None,
     label: Annotated[Optional[list[str]], typer.Option("--label", help="KEY=VALUE a job's select.labels matches, repeatable (e.g. --label site=lab).")] = None,

@@ -58,11 +58,11 @@ import numpy as np
 import typer
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from senseshield import defaults
 from senseshield.engine.measurements import Spread, summarise
 from senseshield.errors import ConfigError
 
 DEFAULT_SCHEME = "packed-paillier"
-DEFAULT_FLEET = "default"
 DEFAULT_BANDWIDTH_MBPS = 10.0
 """Declared r_i (MB/s) when the bandwidth is not measured (~80 Mbit/s, a decent Wi-Fi link)."""
 DEFAULT_CLOCK_GHZ = 1.5
@@ -480,7 +480,7 @@ def probe_plan(name: str, *, quick: bool) -> ProbePlan:
 
 def measure_bandwidth(
     broker: str,
-    fleet: str = DEFAULT_FLEET,
+    fleet: str = defaults.FLEET,
     *,
     nbytes: int = 1_000_000,
     probes: int = 5,
@@ -571,7 +571,7 @@ def measure_profile(
     scheme: str = DEFAULT_SCHEME,
     key_bits: int | None = None,
     broker: str | None = None,
-    fleet: str = DEFAULT_FLEET,
+    fleet: str = defaults.FLEET,
     quick: bool = False,
     mqtt: str = "5",
     public_key: Any = None,
@@ -803,7 +803,7 @@ def profile_command(
         Optional[str],
         typer.Option(help="mqtt://HOST[:PORT] to measure bandwidth through (default: not measured)."),
     ] = None,
-    fleet: Annotated[str, typer.Option(help="Fleet whose topic tree carries the bandwidth probe.")] = DEFAULT_FLEET,
+    fleet: Annotated[str, typer.Option(help="Fleet whose topic tree carries the bandwidth probe.")] = defaults.FLEET,
     quick: Annotated[bool, typer.Option("--quick", help="Shorter benchmarks (smaller matmul, fewer encryptions, smaller probe).")] = False,
     model: Annotated[
         Optional[Path],

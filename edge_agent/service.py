@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from senseshield import defaults
 from senseshield.data import load_dataset
 from senseshield.errors import ConfigError, ProtocolError
 from senseshield.he import SCHEMES, PublicKey
@@ -57,7 +58,7 @@ from senseshield.rounds import (
     protect_rng,
 )
 from senseshield.accounting import Accountant
-from senseshield.runtime.service import Inbound, Service
+from senseshield.runtime.service import Inbound, Service, WaitNote
 from senseshield.data.shards import shards
 from senseshield.data.local import describe_data, load_local_data
 from senseshield.job import Job, announced_run, build_job_model, device_index, train_config
@@ -211,8 +212,7 @@ class EdgeAgent(Service):
         self.bandwidth, self.cpu_speed = bandwidth, cpu_speed
         self.profile = profile or {}
         self.data_spec = data
-        if threads is not None:
-            torch.set_num_threads(threads)
+        torch.set_num_threads(threads if threads is not None else defaults.shared_threads())
         self.run: RunState | None = None
         self.pending_config: PreparedRun | None = None
         self.newest_plan = 0  # highest round a plan arrived for
@@ -546,7 +546,10 @@ class EdgeAgent(Service):
             self.link.subscribe(f"clusters/{plan.cluster}/model")
             run.cluster = plan.cluster
         left = max(plan.deadline - time.time(), 1.0)
-        if not self.wait_until(lambda: self._global(plan.cluster, plan.model_round) is not None, left):
+        waiting = (f"round {r}: the model of round {plan.model_round} of cluster {plan.cluster}, which this round "
+                   "starts from (the key server publishes it once it has decrypted that round's aggregate)")
+        if not self.wait_until(lambda: self._global(plan.cluster, plan.model_round) is not None, left,
+                               waiting=waiting):
             self.log.warning("round %d: model %d of cluster %d never arrived; skipping the round", r, plan.model_round, plan.cluster)
             return
         tm["wait_model"] = time.time() - t_plan
@@ -566,7 +569,10 @@ class EdgeAgent(Service):
             proposal = strategy.propose(local.sensitivity, block_size=plan.block_size)
             self.send(f"agents/{self.agent_id}/proposal",
                       Proposal(cluster=plan.cluster, size=plan.size, proposal=pack_mask(proposal)), round=r)
-            if not self.wait_until(lambda: r in self.decisions, max(plan.deadline - time.time(), 1.0)):
+            waiting = (f"round {r}: the consensus mask of cluster {plan.cluster} (the coordinator sends it when "
+                       "every device of the cluster has proposed, or at half the round's deadline)")
+            if not self.wait_until(lambda: r in self.decisions, max(plan.deadline - time.time(), 1.0),
+                                   waiting=waiting):
                 self.log.warning("round %d: no consensus mask before the deadline; skipping the round", r)
                 return
             decision = self.decisions.pop(r)
@@ -637,6 +643,23 @@ class EdgeAgent(Service):
         bring a new scheme or key size: the agent joins with that job's key, never an old one)."""
         return self.key is not None and (not self.key.run_id or self.key.run_id == run_id)
 
+    def _plan_wait(self, waits: dict[object, WaitNote]) -> WaitNote:
+        """The note of the wait for the current job's next round plan."""
+        run = self.run
+        assert run is not None
+        r = self.newest_plan + 1
+        if (run.run_id, r) not in waits:
+            if r > run.config.rounds:
+                what = f"job {run.run_id}: its end (round {r - 1} of {run.config.rounds} was the last)"
+            elif r == 1:
+                what = (f"job {run.run_id}: the plan of round 1 (the coordinator starts when the job's "
+                        f"{run.config.min_devices} device(s) have joined and sent their bootstrap)")
+            else:
+                what = (f"job {run.run_id}: the plan of round {r} (sent when the coordinator closes round "
+                        f"{r - 1}; a device not sampled in a round waits for the next)")
+            waits[(run.run_id, r)] = WaitNote(self.log, what)
+        return waits[(run.run_id, r)]
+
     def serve(self) -> int:
         """Take jobs until SIGTERM (``once``: until the first job ends or refuses this
         agent); returns the exit code (0, or 3 if refused)."""
@@ -644,14 +667,25 @@ class EdgeAgent(Service):
             "fleet/config", "keys/public", "fleet/control", f"agents/{self.agent_id}/inbox",
         ])
         self.log.info("%s: connected to fleet %r; waiting for a job", self.agent_id, self.fleet)
+        waits: dict[object, WaitNote] = {}  # what this agent waits for, each said once
         try:
             while not self.stopping.is_set() and self.exit is None:
                 self.pump(0.5)
                 # every step under the guard: a bad message or a failing step is logged and
                 # rejected, the agent keeps serving
-                if self.pending_config is not None and self._key_for(self.pending_config.msg.run_id):
-                    prepared, self.pending_config = self.pending_config, None
-                    self.guard("fleet/config", lambda: self._join(prepared))
+                if self.pending_config is not None:
+                    run_id = self.pending_config.msg.run_id
+                    if self._key_for(run_id):
+                        prepared, self.pending_config = self.pending_config, None
+                        self.guard("fleet/config", lambda: self._join(prepared))
+                    else:
+                        if ("key", run_id) not in waits:
+                            waits[("key", run_id)] = WaitNote(
+                                self.log, f"job {run_id}: the key server's public key for this job (updates are "
+                                "encrypted with it; it announces one per job)")
+                        waits[("key", run_id)].check()
+                if self.run is not None and not self.plans:
+                    self._plan_wait(waits).check()
                 while self.plans and self.exit is None and not self.stopping.is_set():
                     r, plan = self.plans.pop(0)
                     self.guard(f"round {r}", lambda: self._do_round(r, plan))

@@ -7,9 +7,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from senseshield.cli.common import fail
+from senseshield import defaults
+from senseshield.cli.common import fail, version_option
 from senseshield.cli.run import (
-    Broker, CaFile, Fleet, LogLevel, Mqtt, PasswordFile, Username, check_mqtt, mqtt_security, setup_logging,
+    Broker, CaFile, Fleet, LogLevel, MinContributors, Mqtt, PasswordFile, Threads, Username, check_mqtt, mqtt_security, setup_logging,
 )
 from senseshield.errors import ConfigError
 
@@ -18,22 +19,22 @@ app = typer.Typer(help="SenseShield key server: holds the secret key, decrypts a
 
 
 @app.callback()
-def _root() -> None:
+def _root(version: Annotated[bool, version_option("keyserver")] = False) -> None:
     """SenseShield key server."""
 
 
 @app.command()
 def serve(
-    broker: Broker = "mqtt://127.0.0.1:1883",
-    fleet: Fleet = "default",
+    broker: Broker = defaults.BROKER,
+    fleet: Fleet = defaults.FLEET,
     key_dir: Annotated[Path, typer.Option(help="Directory of the key pair (created 0700; secret file 0600).")] = Path("keys"),
-    min_contributors: Annotated[int, typer.Option(help="Refuse aggregates with fewer distinct contributors.")] = 2,
-    threads: Annotated[Optional[int], typer.Option(help="Decryption threads (packed Paillier; default: every core).")] = None,
-    mqtt: Mqtt = "5",
+    min_contributors: MinContributors = defaults.MIN_CONTRIBUTORS,
+    threads: Threads = None,
+    mqtt: Mqtt = defaults.MQTT,
     ca_file: CaFile = None,
     username: Username = None,
     password_file: PasswordFile = None,
-    log_level: LogLevel = "info",
+    log_level: LogLevel = defaults.LOG_LEVEL,
     kill_after_apply: Annotated[Optional[int], typer.Option(help="Fault drill: SIGKILL the key server right after it applied round R, before it answers.", hidden=True)] = None,
 ) -> None:
     """Publish the public key, decrypt aggregates, publish cluster models (until SIGTERM)."""

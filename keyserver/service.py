@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from senseshield import defaults
 from senseshield.engine.aggregation import decrypt_aggregate
 from senseshield.errors import ConfigError, ProtocolError
 from senseshield.he import SCHEMES, PublicKey, SecretKey
@@ -117,7 +118,7 @@ class KeyServer(Service):
         self.key_dir = secure_dir(Path(key_dir))
         self.kill_after_apply = kill_after_apply  # fault drill: SIGKILL itself after applying this round
         self.min_contributors = min_contributors
-        self.threads = threads if threads is not None else (os.cpu_count() or 1)
+        self.threads = threads if threads is not None else defaults.shared_threads()
         self.run_id: str | None = None
         self.config: Job | None = None
         self.secret: SecretKey | None = None

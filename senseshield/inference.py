@@ -537,6 +537,20 @@ class InferenceModel:
         return logits.argmax(axis=1).astype(np.int64), scores
 
 
+TELEMETRY_ENV = "ORT_DISABLE_TELEMETRY"
+
+
+def onnxruntime() -> Any:
+    """The ``onnxruntime`` module, imported with its telemetry off unless ``$ORT_DISABLE_TELEMETRY``
+    is set: onnxruntime (>= 1.2x on Linux) otherwise writes a device id and an event store into
+    ``~/.cache/Microsoft/DeveloperTools/.onnxruntime`` on import, and SenseShield writes nothing
+    into the home directory without saying so."""
+    os.environ.setdefault(TELEMETRY_ENV, "1")
+    import onnxruntime as ort
+
+    return ort
+
+
 def load_session(onnx_path: Path | str, *, threads: Optional[int] = None) -> InferenceModel:
     """Open the exported model at ``onnx_path`` with onnxruntime (CPUExecutionProvider).
 
@@ -548,8 +562,8 @@ def load_session(onnx_path: Path | str, *, threads: Optional[int] = None) -> Inf
     intra-op threads (``None``: onnxruntime's default, one per physical core).
     """
     import onnx
-    import onnxruntime as ort
 
+    ort = onnxruntime()
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
                                 or threads < 1):
         raise ConfigError(f"threads={threads!r} is not allowed; it must be an integer >= 1.")

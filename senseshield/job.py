@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from senseshield import defaults
 from senseshield.accounting import calibrate_sigma
 from senseshield.errors import ConfigError, ProtocolError
 from senseshield.he import SCHEMES, PublicKey, SecretKey
@@ -63,31 +64,31 @@ class Job(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     name: str | None = None  # a label for people (job list, reports)
-    strategy: str = "sensecrypt"
-    dataset: str = "digits"
-    model: str = "mlp"
+    strategy: str = defaults.STRATEGY
+    dataset: str = defaults.DATASET
+    model: str = defaults.MODEL
     model_args: dict[str, Any] = {}
     input_shape: list[int] | None = None  # the model's input without the batch axis
     num_classes: int | None = None
     data: str | None = None  # the device data source a fleet job uses (None: the device's only one)
-    min_devices: int = Field(2, ge=1)  # a fleet job starts when this many devices are ready
-    round_deadline: float = Field(120.0, gt=0)  # seconds a round waits for updates
+    min_devices: int = Field(defaults.MIN_DEVICES, ge=1)  # a fleet job starts when this many devices are ready
+    round_deadline: float = Field(defaults.ROUND_DEADLINE, gt=0)  # seconds a round waits for updates
     select: Selection = Selection()
-    clients: int = Field(20, ge=1)
-    rounds: int = Field(5, ge=1)
-    local_epochs: int = Field(2, ge=1)
+    clients: int = Field(defaults.CLIENTS, ge=1)
+    rounds: int = Field(defaults.ROUNDS, ge=1)
+    local_epochs: int = Field(defaults.LOCAL_EPOCHS, ge=1)
     bootstrap_epochs: int = Field(1, ge=1)
-    batch_size: int = Field(16, ge=1)
-    lr: float = Field(0.1, gt=0.0)
-    partition: str = "iid"
-    seed: int = 0
+    batch_size: int = Field(defaults.BATCH_SIZE, ge=1)
+    lr: float = Field(defaults.LR, gt=0.0)
+    partition: str = defaults.PARTITION
+    seed: int = defaults.SEED
     test_fraction: float = Field(0.2, gt=0.0, lt=1.0)
     bandwidth: list[float] | None = None  # r_i per client (MB/s), cycled within a category
     cpu: list[float] | None = None  # v_i per client (GHz x cores), cycled within a category
-    key_bits: int = Field(2048, ge=512)
+    key_bits: int = Field(defaults.KEY_BITS, ge=512)
     # torch threads of a client's training and scoring: part of the determinism contract
     # (the same seed and train_threads on the same CPU give the same model bit for bit)
-    train_threads: int = Field(1, ge=1, le=256)
+    train_threads: int = Field(defaults.TRAIN_THREADS, ge=1, le=256)
     scheme: str | None = None  # HE scheme override; None = the strategy's default
     options: StrategyOptions = StrategyOptions()
 

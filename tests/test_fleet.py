@@ -227,6 +227,10 @@ def test_fleet_up_on_the_embedded_broker(tmp_path):
     assert len(report["rounds"]) == 2 and report["final_accuracy"] > 0.3
     assert "phase" in result.output and "aggregate" in result.output
     assert (tmp_path / "models" / "round-2" / "cluster-0.npy").exists()
+    # fleet up ends with the HTML report and says where it is (--report, the default)
+    assert f"wrote {tmp_path / 'report.html'}" in result.output.replace("\n", "")
+    assert "plots/timeline.png" in (tmp_path / "report.html").read_text()
+    assert (tmp_path / "plots" / "timeline.png").stat().st_size > 0
     # every agent evaluated with onnxruntime and measured its inference latency
     for agent in report["agents"]:
         assert (tmp_path / "agents" / agent["id"] / "model.onnx").exists()

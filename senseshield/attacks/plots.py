@@ -6,11 +6,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+from senseshield.plotting import pyplot
+
+plt = pyplot()
 
 __all__ = ["heterogeneity_figure", "image_grid", "label_bars", "sweep_figure"]
 

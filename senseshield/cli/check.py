@@ -12,6 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from senseshield import defaults
 from senseshield.cli import run as _run
 from senseshield.cli.common import console, fail, out, progress_bar
 from senseshield.errors import ConfigError
@@ -21,15 +22,15 @@ check_app = typer.Typer(help="Checks of the project's promises on this machine."
 
 @check_app.command("determinism")
 def determinism(
-    strategy: _run.Strategy = "sensecrypt",
+    strategy: _run.Strategy = defaults.STRATEGY,
     agents: Annotated[int, typer.Option(help="Clients in the simulator, agent processes in the fleet.")] = 4,
-    rounds: _run.Rounds = 2,
-    dataset: _run.Dataset = "digits",
-    model: _run.Model = "mlp",
-    partition: _run.Partition = "categories:2",
-    seed: _run.Seed = 0,
-    key_bits: _run.KeyBits = 1024,
-    train_threads: _run.TrainThreads = 1,
+    rounds: Annotated[int, typer.Option(help="Federated rounds (2 here, not 5: a quick check).")] = 2,
+    dataset: _run.Dataset = defaults.DATASET,
+    model: _run.Model = defaults.MODEL,
+    partition: Annotated[str, typer.Option(help="iid | dirichlet:ALPHA | categories:K (categories:2 here: two clusters to check).")] = "categories:2",
+    seed: _run.Seed = defaults.SEED,
+    key_bits: Annotated[int, typer.Option(help="Paillier modulus bits (1024 here, not 2048: a quick check).")] = 1024,
+    train_threads: _run.TrainThreads = defaults.TRAIN_THREADS,
     set_: _run.Sets = None,
     broker: Annotated[Optional[str], typer.Option(help="MQTT broker for the fleet run (default: the embedded one).")] = None,
     out_dir: Annotated[Optional[Path], typer.Option("--out", help="Keep the fleet run here (default: a temporary directory).")] = None,
@@ -50,7 +51,7 @@ def determinism(
         fail(f"--agents {agents} is not allowed; use 1 or more.")
     config = _run.build_run_config(
         strategy=strategy, rounds=rounds, dataset=dataset, model=model, partition=partition, seed=seed,
-        local_epochs=2, batch_size=16, lr=0.1, scheme=None, key_bits=key_bits, clients=agents, sets=set_,
+        local_epochs=defaults.LOCAL_EPOCHS, batch_size=defaults.BATCH_SIZE, lr=defaults.LR, scheme=None, key_bits=key_bits, clients=agents, sets=set_,
         train_threads=train_threads,
     )
     scheme = effective_scheme(config, build_strategy(config.strategy, config.options))

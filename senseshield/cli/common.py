@@ -36,6 +36,20 @@ def validation_sentence(exc: ValidationError) -> str:
     return f"--{where}={first.get('input')!r} is not allowed: {msg.rstrip('.')}."
 
 
+def version_option(program: str) -> Any:
+    """The ``--version`` option of ``program``'s top level: prints ``PROGRAM VERSION`` (the
+    package's one version, ``senseshield.__version__``) and exits 0."""
+
+    def show(value: bool) -> None:
+        if value:
+            from senseshield import __version__
+
+            out.print(f"{program} {__version__}", highlight=False)
+            raise typer.Exit()
+
+    return typer.Option("--version", callback=show, is_eager=True, help="Print the version and exit.")
+
+
 def numbers(
     text: Optional[str], flag: str, kind: type = float, example: str = "0.1,0.2"
 ) -> Optional[list[Any]]:

@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
+from senseshield import defaults
 from senseshield.cli.common import console, fail, out
 from senseshield.cli.run import Broker, CaFile, Fleet, Mqtt, PasswordFile, Username, check_mqtt, mqtt_security
 from senseshield.errors import ConfigError
@@ -40,10 +41,10 @@ def _follow(client, job_id: str) -> int:  # noqa: ANN001
 @job_app.command("submit")
 def submit(
     job_file: Annotated[Path, typer.Argument(help="The job (YAML or TOML): strategy, options, model, model_args, input_shape, num_classes, rounds, ...", metavar="FILE")],
-    broker: Broker = "mqtt://127.0.0.1:1883",
-    fleet: Fleet = "default",
+    broker: Broker = defaults.BROKER,
+    fleet: Fleet = defaults.FLEET,
     follow: Annotated[bool, typer.Option("--follow", help="Print the job's events until it ends (exit 0 if done, 1 if it failed or was cancelled).")] = False,
-    mqtt: Mqtt = "5",
+    mqtt: Mqtt = defaults.MQTT,
     ca_file: CaFile = None,
     username: Username = None,
     password_file: PasswordFile = None,
@@ -67,9 +68,9 @@ def submit(
 
 @job_app.command("list")
 def list_jobs(
-    broker: Broker = "mqtt://127.0.0.1:1883",
-    fleet: Fleet = "default",
-    mqtt: Mqtt = "5",
+    broker: Broker = defaults.BROKER,
+    fleet: Fleet = defaults.FLEET,
+    mqtt: Mqtt = defaults.MQTT,
     ca_file: CaFile = None,
     username: Username = None,
     password_file: PasswordFile = None,
@@ -95,9 +96,9 @@ def list_jobs(
 @job_app.command("status")
 def status(
     job_id: JobId,
-    broker: Broker = "mqtt://127.0.0.1:1883",
-    fleet: Fleet = "default",
-    mqtt: Mqtt = "5",
+    broker: Broker = defaults.BROKER,
+    fleet: Fleet = defaults.FLEET,
+    mqtt: Mqtt = defaults.MQTT,
     ca_file: CaFile = None,
     username: Username = None,
     password_file: PasswordFile = None,
@@ -125,9 +126,9 @@ def status(
 def logs(
     job_id: JobId,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new events until the job ends.")] = False,
-    broker: Broker = "mqtt://127.0.0.1:1883",
-    fleet: Fleet = "default",
-    mqtt: Mqtt = "5",
+    broker: Broker = defaults.BROKER,
+    fleet: Fleet = defaults.FLEET,
+    mqtt: Mqtt = defaults.MQTT,
     ca_file: CaFile = None,
     username: Username = None,
     password_file: PasswordFile = None,
@@ -146,9 +147,9 @@ def logs(
 @job_app.command("cancel")
 def cancel(
     job_id: JobId,
-    broker: Broker = "mqtt://127.0.0.1:1883",
-    fleet: Fleet = "default",
-    mqtt: Mqtt = "5",
+    broker: Broker = defaults.BROKER,
+    fleet: Fleet = defaults.FLEET,
+    mqtt: Mqtt = defaults.MQTT,
     ca_file: CaFile = None,
     username: Username = None,
     password_file: PasswordFile = None,

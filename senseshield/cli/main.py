@@ -24,6 +24,15 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+from senseshield import defaults  # noqa: E402
+from senseshield.cli.common import version_option  # noqa: E402
+
+
+@app.callback()
+def _root(version: Annotated[bool, version_option("senseshield")] = False) -> None:
+    """SenseShield: federated learning with sensitivity-guided selective HE and DP."""
+
+
 from senseshield.cli.attack import attack_app  # noqa: E402
 
 app.add_typer(attack_app, name="attack")
@@ -87,16 +96,16 @@ def schemes() -> None:
 
 @app.command()
 def simulate(
-    strategy: Annotated[str, typer.Option(help="Strategy name (see `senseshield strategies`).")] = "sensecrypt",
-    dataset: Annotated[str, typer.Option(help="digits | mnist5k | idx:<dir> | synthetic.")] = "digits",
-    model: Annotated[str, typer.Option(help="mlp | simplecnn | lenet5.")] = "mlp",
-    clients: Annotated[int, typer.Option(help="Number of clients.")] = 20,
-    rounds: Annotated[int, typer.Option(help="Federated rounds.")] = 5,
-    local_epochs: Annotated[int, typer.Option(help="Local epochs per round.")] = 2,
-    batch_size: Annotated[int, typer.Option(help="Local minibatch size.")] = 16,
-    lr: Annotated[float, typer.Option(help="Local SGD learning rate.")] = 0.1,
-    partition: Annotated[str, typer.Option(help="iid | dirichlet:ALPHA | categories:K.")] = "iid",
-    seed: Annotated[int, typer.Option(help="Seed; the same seed gives the same result.")] = 0,
+    strategy: _run.Strategy = defaults.STRATEGY,
+    dataset: _run.Dataset = defaults.DATASET,
+    model: _run.Model = defaults.MODEL,
+    clients: _run.Clients = defaults.CLIENTS,
+    rounds: _run.Rounds = defaults.ROUNDS,
+    local_epochs: _run.LocalEpochs = defaults.LOCAL_EPOCHS,
+    batch_size: _run.BatchSize = defaults.BATCH_SIZE,
+    lr: _run.LearningRate = defaults.LR,
+    partition: _run.Partition = defaults.PARTITION,
+    seed: _run.Seed = defaults.SEED,
     bandwidth: Annotated[Optional[str], typer.Option(help="Client bandwidths r_i (MB/s), comma-separated, cycled within each category.")] = None,
     cpu: Annotated[Optional[str], typer.Option(help="Client CPU speeds v_i (GHz x cores), comma-separated, cycled within each category.")] = None,
     profile_file: Annotated[Optional[Path], typer.Option(help="YAML/JSON with `bandwidth:` and `cpu:` lists (instead of the flags).")] = None,
@@ -106,9 +115,9 @@ def simulate(
     eta_mi: Annotated[float, typer.Option(help="Mutual-information bound in bits (SenseCrypt eq. 8).")] = 2.0,
     no_mi: Annotated[bool, typer.Option("--no-mi", help="Disable the mutual-information constraint.")] = False,
     cluster_epsilon: Annotated[Optional[float], typer.Option(help="DP epsilon of the clustering vectors (default: no noise).")] = None,
-    key_bits: Annotated[int, typer.Option(help="Paillier modulus bits (2048 default; smaller warns).")] = 2048,
-    scheme: Annotated[Optional[str], typer.Option(help="HE scheme override (see `senseshield schemes`); default: the strategy's.")] = None,
-    train_threads: Annotated[int, typer.Option(help="Torch threads of every client's training and scoring (the same seed and train threads on the same CPU give the same model).")] = 1,
+    key_bits: _run.KeyBits = defaults.KEY_BITS,
+    scheme: _run.Scheme = None,
+    train_threads: _run.TrainThreads = defaults.TRAIN_THREADS,
     tau: Annotated[float, typer.Option(help="SelectiveShield Fisher threshold tau in [0, 1].")] = 0.1,
     rho: Annotated[float, typer.Option(help="SelectiveShield consensus threshold rho in [0, 1].")] = 0.5,
     clip: Annotated[float, typer.Option(help="DP clipping norm C (update or per-sample).")] = 1.0,
@@ -301,31 +310,32 @@ def fleet_up(
     agents: Annotated[Optional[int], typer.Option(help="Edge agents to start, each one OS process with shard i/N (default 6, or one per --data file).")] = None,
     job_file: _run.JobFile = None,
     data: _run.DataFiles = None,
-    strategy: _run.Strategy = "sensecrypt",
-    rounds: _run.Rounds = 3,
-    dataset: _run.Dataset = "digits",
-    model: _run.Model = "mlp",
-    partition: _run.Partition = "iid",
-    seed: _run.Seed = 0,
-    local_epochs: _run.LocalEpochs = 2,
-    batch_size: _run.BatchSize = 16,
-    lr: _run.LearningRate = 0.1,
+    strategy: _run.Strategy = defaults.STRATEGY,
+    rounds: _run.Rounds = defaults.ROUNDS,
+    dataset: _run.Dataset = defaults.DATASET,
+    model: _run.Model = defaults.MODEL,
+    partition: _run.Partition = defaults.PARTITION,
+    seed: _run.Seed = defaults.SEED,
+    local_epochs: _run.LocalEpochs = defaults.LOCAL_EPOCHS,
+    batch_size: _run.BatchSize = defaults.BATCH_SIZE,
+    lr: _run.LearningRate = defaults.LR,
     scheme: _run.Scheme = None,
-    key_bits: _run.KeyBits = 2048,
-    train_threads: _run.TrainThreads = 1,
+    key_bits: _run.KeyBits = defaults.KEY_BITS,
+    train_threads: _run.TrainThreads = defaults.TRAIN_THREADS,
     set_: _run.Sets = None,
     profile_file: Annotated[Optional[Path], typer.Option(help="YAML with `bandwidth:` and `cpu:` lists, cycled within each category (as in simulate).")] = None,
     broker: Annotated[Optional[str], typer.Option(help="Use this MQTT broker (mqtt://HOST[:PORT], MQTT 5) instead of the embedded one.")] = None,
-    fleet: _run.Fleet = "local",
+    fleet: _run.Fleet = defaults.FLEET,
     round_deadline: Annotated[Optional[float], typer.Option(help="Seconds a round waits for updates (default: the job's, 120).")] = None,
-    min_contributors: Annotated[int, typer.Option(help="Key server refuses aggregates with fewer distinct contributors.")] = 2,
-    threads: Annotated[int, typer.Option(help="Threads per agent for everything but training (inference, encryption); training uses --train-threads.")] = 1,
+    min_contributors: _run.MinContributors = defaults.MIN_CONTRIBUTORS,
+    threads: _run.Threads = None,
     out_dir: Annotated[Path, typer.Option("--out", help="Directory for report.json, models/, logs/, keys/.")] = Path("fleet-run"),
     metrics_port: Annotated[Optional[int], typer.Option(help="Serve the coordinator's Prometheus metrics on this port.")] = None,
+    html: _run.Report = True,
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
 ) -> None:
     """Start a broker (embedded unless --broker), the key server, the coordinator and N agents
-    as OS processes; run the job; write DIR/report.json; print a summary."""
+    as OS processes; run the job; write DIR/report.json and DIR/report.html; print a summary."""
     from senseshield.runtime.fleet import FleetOptions
     from senseshield.runtime.fleet import fleet_up as _fleet_up
 
@@ -360,6 +370,8 @@ def fleet_up(
             return ["env", f"SENSESHIELD_METRICS_PORT={metrics_port}", *argv]
         return argv
 
+    if threads is not None and threads < 1:
+        _fail(f"--threads {threads} is not allowed; use 1 or more.")
     options = FleetOptions(agents=agents, out=out_dir, broker=broker, fleet=fleet, round_deadline=round_deadline,
                            min_contributors=min_contributors, threads=threads, wrap=wrap, data=files)
     with progress_bar(quiet) as bar:
@@ -380,6 +392,19 @@ def fleet_up(
     _print_summary(RunResult.model_validate(report))
     _print_phases(report)
     console.print(f"wrote {out_dir / 'report.json'} (logs in {out_dir / 'logs'})")
+    if html:
+        _render(out_dir)
+
+
+def _render(run_dir: Path) -> None:
+    """Render ``run_dir``'s report.json or trial.json into report.html; say where it is."""
+    from senseshield.trials.report import render_any
+
+    try:
+        page = render_any(run_dir)
+    except ConfigError as exc:
+        _fail(str(exc))
+    console.print(f"wrote {page}")
 
 
 def _print_phases(report: dict) -> None:
@@ -435,7 +460,7 @@ def trial_run(
     rounds: Annotated[Optional[int], typer.Option(help="Override the trial file's rounds.")] = None,
     no_emulation: Annotated[bool, typer.Option("--no-emulation", help="Run the agents unconfined (no cgroups, namespaces or tc).")] = False,
     metrics_port: Annotated[Optional[int], typer.Option(help="Serve the coordinator's Prometheus metrics on this port.")] = None,
-    report: Annotated[bool, typer.Option("--report/--no-report", help="Render report.html at the end.")] = True,
+    html: _run.Report = True,
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
 ) -> None:
     """Run a trial: broker, key server, coordinator and emulated agents as OS processes, every
@@ -479,12 +504,9 @@ def trial_run(
             console.print("trial interrupted; everything it started was removed")
             raise typer.Exit(130)
     _print_trial(trial)
-    if report:
-        from senseshield.trials.report import render_trial
-
-        page = render_trial(out_dir)
-        console.print(f"wrote {page}")
     console.print(f"wrote {out_dir / 'trial.json'}")
+    if html:
+        _render(out_dir)
 
 
 @trial_app.command("cleanup")
@@ -524,13 +546,7 @@ def report_command(
                                             metavar="DIR")],
 ) -> None:
     """Render DIR/report.json (or a trial's DIR/trial.json) into DIR/report.html with PNG plots."""
-    from senseshield.trials.report import render_any
-
-    try:
-        page = render_any(run_dir)
-    except ConfigError as exc:
-        _fail(str(exc))
-    console.print(f"wrote {page}")
+    _render(run_dir)
 
 
 def main() -> None:

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import yaml
 
+from senseshield import defaults
 from senseshield.data import load_dataset
 from senseshield.errors import ConfigError
 from senseshield.data.shards import device_shards, shards
@@ -44,11 +45,13 @@ class FleetOptions:
     agents: int
     out: Path
     broker: str | None = None  # None: embedded broker
-    fleet: str = "local"
+    fleet: str = defaults.FLEET
     round_deadline: float | None = None  # None: the job's
     join_timeout: float = 300.0
-    min_contributors: int = 2
-    threads: int = 1  # torch threads per agent (the agents share the machine's cores)
+    min_contributors: int = defaults.MIN_CONTRIBUTORS
+    # threads per agent for inference and encryption (training: the job's train_threads);
+    # None: the machine's cores shared among the agents (defaults.shared_threads)
+    threads: int | None = None
     log_level: str = "info"
     extra_agent_args: dict[str, list[str]] = field(default_factory=dict)  # agent id -> more flags
     extra_coordinator_args: list[str] = field(default_factory=list)
@@ -91,6 +94,7 @@ class Fleet:
             raise ConfigError(f"--data gives {len(options.data)} file(s) for {options.agents} agents; give one per agent.")
         self.config = config.model_copy(update={"clients": options.agents})
         self.options = options
+        self.threads = options.threads or defaults.shared_threads(options.agents)
         self.progress = progress
         self.out = writable_dir(options.out, "--out")
         self.broker = None
@@ -151,7 +155,7 @@ class Fleet:
                   else ["--shard", f"{sharded.index(i)}/{len(sharded)}"])
         self._spawn(agent, [
             *_python("edge_agent.cli"), "join", *self.common, "--agent-id", agent, "--profile", str(self.profiles[i]),
-            *source, "--threads", str(self.options.threads), *([] if self.options.serve else ["--once"]),
+            *source, "--threads", str(self.threads), *([] if self.options.serve else ["--once"]),
             "--model-dir", str(self.out / "agents" / agent),
             *self.options.extra_agent_args.get(agent, []),
         ])
@@ -194,7 +198,7 @@ class Fleet:
         if self.options.wrap is not None:
             argv = self.options.wrap(name, list(argv))
         log = (self.out / "logs" / f"{name}.log").open("ab")
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(self.options.threads))
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(self.threads))
         self.processes[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
                                                 start_new_session=True)
 

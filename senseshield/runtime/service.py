@@ -46,6 +46,24 @@ M = TypeVar("M", bound=Message)
 WAIT_REMINDER_S = 60.0
 """While a watched peer is offline, a service repeats what it waits for this often."""
 
+WAIT_NOTE_S = 2.0
+"""A wait that lasts longer than this is said in the log, once (:class:`WaitNote`)."""
+
+
+class WaitNote:
+    """Says in the log what a service waits for and why, once, when the wait has lasted
+    :data:`WAIT_NOTE_S` s (short waits stay quiet; a long one is one line, not one per loop)."""
+
+    def __init__(self, log: logging.Logger, what: str, *, after: float = WAIT_NOTE_S) -> None:
+        self.log, self.what, self.after = log, what, after
+        self.since = time.monotonic()
+        self.said = False
+
+    def check(self) -> None:
+        if not self.said and time.monotonic() - self.since >= self.after:
+            self.said = True
+            self.log.info("waiting for %s", self.what)
+
 
 def writable_dir(path: str | Path, flag: str, *, mode: int | None = None) -> Path:
     """``path`` as a directory this process can write in, created if missing (and set to
@@ -220,12 +238,18 @@ class Service:
         self.guard(item.suffix, lambda: handler(item))
         return True
 
-    def wait_until(self, predicate: Callable[[], bool], timeout: float | None = None) -> bool:
-        """Handle messages until ``predicate()`` holds (True), ``timeout`` passes or a stop (False)."""
+    def wait_until(self, predicate: Callable[[], bool], timeout: float | None = None, *,
+                   waiting: str | None = None) -> bool:
+        """Handle messages until ``predicate()`` holds (True), ``timeout`` passes or a stop
+        (False). ``waiting``: what is awaited and why, logged once if the wait lasts
+        :data:`WAIT_NOTE_S` s."""
         end = None if timeout is None else time.monotonic() + timeout
+        note = WaitNote(self.log, waiting) if waiting else None
         while not predicate():
             if self.stopping.is_set():
                 return False
+            if note is not None:
+                note.check()
             left = 0.5 if end is None else min(0.5, end - time.monotonic())
             if end is not None and left <= 0:
                 return predicate()

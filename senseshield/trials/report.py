@@ -314,10 +314,11 @@ def _fmt(value: Any, digits: int = 3) -> str:
 
 def render_report(run_dir: Any) -> Any:
     """DIR/report.json -> DIR/report.html and DIR/plots/*.png; returns the HTML path."""
-    import matplotlib
-
-    matplotlib.use("Agg")
     from pathlib import Path
+
+    from senseshield.plotting import pyplot
+
+    pyplot()  # the Agg backend; says where matplotlib writes in the home directory
 
     run_dir = Path(run_dir)
     report = _load(run_dir / "report.json")
@@ -390,11 +391,11 @@ def _median_of(values: list[float]) -> float | None:
 
 def render_trial(trial_dir: Any) -> Any:
     """DIR/trial.json -> every run's report.html and DIR/report.html comparing the runs."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
+
+    from senseshield.plotting import pyplot
+
+    plt = pyplot()
     from pathlib import Path
 
     trial_dir = Path(trial_dir)
