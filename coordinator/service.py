@@ -587,18 +587,19 @@ class Coordinator(Service):
         if not self._wait(ready, left()):
             raise ConfigError(f"No public key from the key server within {timeout:g} s; is `keyserver serve` running for fleet {self.fleet!r}?")
         need = self.config.min_devices
-        count = lambda: sum(self._ready(a) for a in self.agents)  # noqa: E731
-        last, enough_at = -1, None
+        count = lambda: (sum(self._ready(a) for a in self.agents), len(self.declined))  # noqa: E731
+        last, enough_at = None, None
         self.book.set(self.job, state="waiting")
         while True:
             self._check_cancelled()
-            n = count()
-            if n != last:
+            n, declined = now = count()
+            if now != last:
                 if self.progress:
                     self.progress("join", n, need)
                 if n < need:
-                    self._event(f"waiting for devices: {n}/{need} ready")
-                last = n
+                    self._event(f"waiting for devices: {n}/{need} ready"
+                                + (f", {declined} declined (job status shows why)" if declined else ""))
+                last = now
             if n >= need:
                 enough_at = enough_at or time.monotonic()
                 settled = n == len(self.agents) or time.monotonic() - enough_at >= self.join_grace
@@ -1290,8 +1291,7 @@ class Coordinator(Service):
             self._publish_board()
             return
         resumed = self.plan is not None
-        self.book.set(record, state="running" if resumed else "waiting", started_at=record.started_at or time.time(),
-                      out=str(self.job_out) if self.job_out is not None else None)
+        self.book.set(record, state="running" if resumed else "waiting", started_at=record.started_at or time.time())
         self._event(f"job {record.id} {'resumed after round ' + str(self.completed) if resumed else 'started'}: "
                     f"{self.config.label}")
         config_msg = FleetConfig(
@@ -1341,6 +1341,7 @@ class Coordinator(Service):
             if self.job_out is not None:
                 self.job_out.mkdir(parents=True, exist_ok=True)
                 (self.job_out / "report.json").write_text(json.dumps(report.model_dump(mode="json"), indent=2))
+                self.book.set(record, out=str(self.job_out))
         final = report.final_accuracy if report is not None else None
         self.book.set(record, state=state, reason=reason, accuracy=final if final is not None else record.accuracy,
                       finished_at=time.time() if state != "running" else None)

@@ -256,7 +256,7 @@ class EdgeAgent(Service):
             self.pending_config = self._prepare(msg)
         except ConfigError as exc:  # this device cannot take the job: say so, wait for the next
             self.declined.add(msg.run_id)
-            self.log.warning("not taking job %s: %s", msg.run_id, exc)
+            (self.log.warning if unselected is None else self.log.info)("not taking job %s: %s", msg.run_id, exc)
             self.send(f"agents/{self.agent_id}/decline",
                       Decline(run_id=msg.run_id, reason=str(exc)[:2000], selected=unselected is None))
 
@@ -430,8 +430,9 @@ class EdgeAgent(Service):
         )
         run.hello = hello
         self.send(f"agents/{self.agent_id}/hello", hello)
-        self.log.info("%s joined run %s (%s, %d samples, shard %d/%d)", self.agent_id, run.run_id,
-                      config.strategy, data.n_train, index, count)
+        where = "own data" if self.data_spec.sources else f"shard {index}/{count}"
+        self.log.info("%s joined job %s (%s, %d samples, %s)", self.agent_id, run.run_id, config.strategy,
+                      data.n_train, where)
         if strategy.needs_bootstrap_sensitivity:
             if vector is None:
                 vector = self._bootstrap(run, strategy, model, data, index)

@@ -14,18 +14,21 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from senseshield import defaults
-from senseshield.accounting import calibrate_sigma
 from senseshield.errors import ConfigError, ProtocolError
 from senseshield.he import SCHEMES, PublicKey, SecretKey
-from senseshield.models import build_model
 from senseshield.shapes import check_input_shape, check_num_classes
 from senseshield.strategies import STRATEGIES, Strategy, StrategyOptions
-from senseshield.training import TrainConfig, dpsgd_sample_rate, get_vector
+
+if TYPE_CHECKING:  # torch, the models and Opacus load on first use: `job` commands stay quick
+    import torch
+
+    from senseshield.training import TrainConfig
 
 
 class Selection(BaseModel):
@@ -167,11 +170,17 @@ def job_shape(job: Job) -> tuple[tuple[int, ...], int]:
 
 def build_job_model(job: Job, input_shape: tuple[int, ...], num_classes: int) -> torch.nn.Module:
     """A fresh instance of the job's model (its architecture; the weights are torch's)."""
+    from senseshield.models import build_model
+
     return build_model(job.model, tuple(input_shape), num_classes, model_args=job.model_args)
 
 
 def initial_model(config: Job, input_shape: tuple[int, ...], num_classes: int) -> tuple[torch.nn.Module, np.ndarray]:
     """The run's model and its round-0 weights: seeded by ``config.seed`` only."""
+    import torch
+
+    from senseshield.training import get_vector
+
     torch.manual_seed(config.seed)
     model = build_job_model(config, input_shape, num_classes)
     return model, get_vector(model).astype(np.float64)
@@ -233,6 +242,8 @@ def validation_reason(exc: ValidationError, model: type[BaseModel]) -> str:
 
 
 def train_config(config: Job) -> TrainConfig:
+    from senseshield.training import TrainConfig
+
     return TrainConfig(config.local_epochs, config.batch_size, config.lr, threads=config.train_threads)
 
 
@@ -269,6 +280,9 @@ def noise_multipliers(
     client rate q; record level per client over its DP-SGD steps (epochs x batches of its
     DP rounds) at its batch rate, assuming it takes part in every DP round (conservative).
     """
+    from senseshield.accounting import calibrate_sigma
+    from senseshield.training import dpsgd_sample_rate
+
     o = config.options
     user = record = None
     if strategy.dp_level is None:

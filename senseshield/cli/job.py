@@ -51,10 +51,12 @@ def submit(
 ) -> None:
     """Queue a job on the fleet's coordinator; it starts when the jobs before it are done and
     its minimum number of devices is ready."""
-    from senseshield.job import load_job
+    from senseshield.job import load_job, with_shape
 
     try:
-        job = load_job(job_file)  # a bad key or value is refused here, before anything is sent
+        # a bad key or value is refused here, before anything is sent; a job on a built-in
+        # dataset gets its input shape and classes from it (as `fleet up` does)
+        job = with_shape(load_job(job_file))
         with _client(broker, fleet, mqtt, ca_file, username, password_file) as client:
             job_id = client.submit(job)
             ahead = [j for j in client.board() if j["state"] in ("queued", "waiting", "running") and j["id"] != job_id]
