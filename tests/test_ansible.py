@@ -296,7 +296,13 @@ def test_the_rendered_fleet_runs_submitted_jobs_over_tls(sandbox, tmp_path):
         assert [p.poll() for p in services] == [None] * len(services), "a service exited"
     finally:
         # stop the services so that later tests may use their users (the broker takes the
-        # username as client id: two clients would take turns)
+        # username as client id: two clients would take turns); the coordinator first, so that
+        # the key server sees it go offline
+        coordinator.send_signal(signal.SIGTERM)
+        coordinator.wait(60)
+        deadline = time.monotonic() + 10
+        while "coordinator offline since" not in logs().get("keyserver", "") and time.monotonic() < deadline:
+            time.sleep(0.2)
         for proc in services:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
