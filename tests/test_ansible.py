@@ -415,30 +415,32 @@ def test_an_agent_cannot_use_another_agents_topics(sandbox):
 
 def test_only_the_operator_submits_jobs(sandbox):
     t = f"ss/v1/{FLEET}"
+    coordinator = Client(sandbox, "coordinator", sandbox.password("coordinator"))
     agent_a = Client(sandbox, "agent-a", sandbox.password("agent-a"))
     operator = Client(sandbox, "operator", sandbox.password("operator"))
     try:
-        assert agent_a.connected() == "Success" and operator.connected() == "Success"
+        assert {coordinator.connected(), agent_a.connected(), operator.connected()} == {"Success"}
         for topic in ("jobs/submit", "jobs/cancel"):
-            assert agent_a.publish(f"{t}/{topic}", b"not for agents") == "Not authorized"
-            assert operator.publish(f"{t}/{topic}", b"for the coordinator") == "Success"
+            coordinator.subscribe(f"{t}/{topic}")
+            assert agent_a.publish(f"{t}/{topic}", b"from agent-a") == "Not authorized"
+            assert operator.publish(f"{t}/{topic}", b"from the operator") == "Success"
+            assert coordinator.messages.get(timeout=10) == (f"{t}/{topic}", b"from the operator")
+        time.sleep(0.3)
+        assert coordinator.messages.empty()  # nothing from agent-a arrived
         # the operator speaks for no service and no device
         for topic in ("fleet/config", "jobs/board", "agents/agent-a/update", "keyserver/requests"):
             assert operator.publish(f"{t}/{topic}", b"forged") == "Not authorized", topic
         # it reads the coordinator's board and answers
-        coordinator = Client(sandbox, "coordinator", sandbox.password("coordinator"))
-        assert coordinator.connected() == "Success"
         operator.subscribe(f"{t}/jobs/board")
         operator.subscribe(f"{t}/jobs/replies/#")
         assert coordinator.publish(f"{t}/jobs/board", b"board") == "Success"
         assert coordinator.publish(f"{t}/jobs/replies/r1", b"reply") == "Success"
-        coordinator.stop()
         got: list[tuple[str, bytes]] = []
         while not {(f"{t}/jobs/board", b"board"), (f"{t}/jobs/replies/r1", b"reply")} <= set(got):
             got.append(operator.messages.get(timeout=10))  # the retained board of earlier tests may come first
     finally:
-        agent_a.stop()
-        operator.stop()
+        for client in (coordinator, agent_a, operator):
+            client.stop()
 
 
 def connects(url: str, *, timeout: float = 10.0, **security) -> None:
