@@ -28,7 +28,7 @@ def _root(version: Annotated[bool, version_option("coordinator")] = False) -> No
 def serve(
     broker: Broker = defaults.BROKER,
     fleet: Fleet = defaults.FLEET,
-    job: Annotated[Optional[list[Path]], typer.Option("--job", help="Queue this job file (YAML/TOML) at start; repeatable. More come from `senseshield job submit`.")] = None,
+    job: Annotated[Optional[list[Path]], typer.Option("--job", help="Queue this job file (YAML/TOML) at start (a restart with the same --state-dir does not queue it again); repeatable. More come from `senseshield job submit`.")] = None,
     once: Annotated[bool, typer.Option("--once", help="Exit when the queued jobs are done (default: stay up and take jobs).")] = False,
     strategy: Annotated[Optional[str], typer.Option(help="Queue a job built from these flags (instead of --job): strategy name.")] = None,
     rounds: Annotated[Optional[int], typer.Option(help=f"With --strategy: federated rounds (default {defaults.ROUNDS}).")] = None,
@@ -58,6 +58,7 @@ def serve(
 ) -> None:
     """Run the fleet's coordinator: it stays up and runs jobs one at a time, in the order they
     are submitted (--job files, `senseshield job submit`), on the devices that are online."""
+    from coordinator.jobs import OPEN
     from coordinator.service import Coordinator
     from senseshield.job import load_job, with_shape
 
@@ -92,11 +93,12 @@ def serve(
             state_dir=state_dir, out_dir=out, protocol=check_mqtt(mqtt),
             max_frame_bytes=int(max_message_mb * 1e6), metrics_port=metrics_port,
         )
-        resuming = server.book.next_open()
+        # restarted with the same --job: the checkpointed job resumes, and a long-running
+        # coordinator (a service restarted by its supervisor) does not run a finished one again
+        booked = [r.spec for r in server.book.records.values() if not once or r.state in OPEN]
         for spec in jobs:
-            if resuming is not None and resuming.spec == spec:
-                continue  # restarted with the same --job: the checkpointed job resumes
-            server.submit(spec)
+            if spec not in booked:
+                server.submit(spec)
         server.link.secure(**security)
         server.install_signal_handlers()
         server.serve()

@@ -4,14 +4,19 @@ ansible-lint (production profile) and a syntax check; then the whole playbook ap
 localhost into a sandbox (inventory/sandbox: five hosts, each rooted in its own directory,
 connection local, no systemd), a second apply that must change nothing, and the rendered
 fleet started from the rendered launchers: Mosquitto with its TLS listener, password file
-and ACL, the key server, the coordinator and two agents with their own credentials, until a
-round completes. The broker refuses what the ACL forbids (another agent's topics, a wrong
-password, anonymous or plain connections), a rotated credential replaces the old one, and
-bad inventories fail before anything changes, naming the host and the variable.
+and ACL, the key server, the long-running coordinator and two agents with their own
+credentials and a model package installed by the play; the operator submits two jobs
+(submit-job.yml, then `senseshield job submit --follow`) that both complete on the same
+agents. The broker refuses what the ACL forbids (another agent's topics, job submission by
+anyone but the operator, a wrong password, anonymous or plain connections), a rotated
+credential replaces the old one, and bad inventories fail before anything changes, naming
+the host and the variable.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import os
 import queue
@@ -22,6 +27,7 @@ import socket
 import subprocess
 import sys
 import time
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +36,7 @@ import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
 from senseshield.errors import ConfigError
+from senseshield.runtime.jobs import JobClient
 from senseshield.runtime.transport import Link, check_security, parse_broker
 from tests.broker import free_port, mosquitto_binary
 
@@ -60,6 +67,34 @@ def playbook(root: Path, *extra: str, inventories: tuple[str, ...] = ("inventory
         argv += ["-e", f"senseshield_broker_port={port}"]
     return subprocess.run([*argv, *extra], cwd=ANSIBLE_DIR, env=ansible_env(), capture_output=True,
                           text=True, timeout=600)
+
+
+MODEL_PACKAGE = {  # a model package for the fleet (edge_agent_model_packages): a wheel built here
+    "ssdemo/__init__.py": "",
+    "ssdemo/models.py": (
+        "from math import prod\n\nfrom torch import nn\n\n\n"
+        "def tiny(input_shape, num_classes, hidden=16):\n"
+        "    return nn.Sequential(nn.Flatten(), nn.Linear(prod(input_shape), hidden), nn.ReLU(),\n"
+        "                         nn.Linear(hidden, num_classes))\n"
+    ),
+    "ssdemo-0.1.dist-info/METADATA": "Metadata-Version: 2.1\nName: ssdemo\nVersion: 0.1\n",
+    "ssdemo-0.1.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+}
+
+
+def model_wheel(directory: Path) -> Path:
+    """The wheel of MODEL_PACKAGE (model ``ssdemo.models:tiny``), with its RECORD."""
+    directory.mkdir(parents=True, exist_ok=True)
+    wheel = directory / "ssdemo-0.1-py3-none-any.whl"
+    record = []
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for name, text in MODEL_PACKAGE.items():
+            data = text.encode()
+            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+            record.append(f"{name},sha256={digest},{len(data)}")
+            zf.writestr(name, data)
+        zf.writestr("ssdemo-0.1.dist-info/RECORD", "\n".join([*record, "ssdemo-0.1.dist-info/RECORD,,"]) + "\n")
+    return wheel
 
 
 def recap(output: str) -> dict[str, dict[str, int]]:
@@ -115,12 +150,13 @@ def sandbox(tmp_path_factory):
     mosquitto_binary()  # the tests need mosquitto and mosquitto_passwd (`make test` installs them)
     root = tmp_path_factory.mktemp("fleet")
     port = free_port()
+    packages = ["-e", json.dumps({"edge_agent_model_packages": [str(model_wheel(root / "packages"))]})]
     began = time.monotonic()
-    first = playbook(root, port=port)
+    first = playbook(root, *packages, port=port)
     seconds = {"from_zero": time.monotonic() - began}
     assert first.returncode == 0, tail(first)
     began = time.monotonic()
-    second = playbook(root, port=port)
+    second = playbook(root, *packages, port=port)
     seconds["second_run"] = time.monotonic() - began
     assert second.returncode == 0, tail(second)
     (root / "timings.json").write_text(json.dumps(seconds))
@@ -191,12 +227,21 @@ def test_sandbox_is_provisioned_and_a_second_apply_changes_nothing(sandbox):
     assert (root / "agent-b/etc/senseshield/profile.yaml").read_text() == \
         (ANSIBLE_DIR.parents[1] / "profiles/jetson-orin-nano.yaml").read_text()
     launcher = sandbox.launcher("agent-a", "senseshield-edge-agent").read_text()
-    for flag in (f"--broker {sandbox.url}", "--username agent-a", "--password-file", "--ca-file", "--profile"):
+    for flag in (f"--broker {sandbox.url}", "--username agent-a", "--password-file", "--ca-file", "--profile",
+                 "--device-class rpi4", "--label site=sandbox", "--shard 0/2"):
         assert flag in launcher
+    assert "--once" not in launcher
+    # the coordinator is long-running and starts without a job (none configured)
+    coordinator = sandbox.launcher("sandbox-coordinator", "senseshield-coordinator").read_text()
+    for flag in ("--state-dir", "--out", "--username coordinator", "--ca-file"):
+        assert flag in coordinator
+    assert "--once" not in coordinator and "--job" not in coordinator
+    for host, name in [("sandbox-coordinator", "coordinator"), ("agent-a", "edge-agent")]:
+        assert "Restart=always" in (root / host / f"etc/systemd/system/senseshield-{name}.service").read_text()
     # one hashed credential per MQTT user, and no password in any rendered file or in the output
     passwd = (root / "sandbox-broker/etc/mosquitto/senseshield/passwd").read_text().splitlines()
-    assert [line.split(":")[0] for line in passwd] == ["keyserver", "coordinator", *AGENTS]
-    secrets = [sandbox.password(u) for u in ("keyserver", "coordinator", *AGENTS)]
+    assert [line.split(":")[0] for line in passwd] == ["keyserver", "coordinator", "operator", *AGENTS]
+    secrets = [sandbox.password(u) for u in ("keyserver", "coordinator", "operator", *AGENTS)]
     rendered = [p for p in root.rglob("*") if p.is_file() and (
         p.parent.name == "bin" and p.parent.parent.name == "senseshield"  # the launchers
         or p.suffix in (".service", ".conf") or p.name in ("acl", "passwd"))]
@@ -208,34 +253,75 @@ def test_sandbox_is_provisioned_and_a_second_apply_changes_nothing(sandbox):
             assert secret not in path.read_text(errors="replace"), path
 
 
-def test_the_rendered_fleet_completes_a_round_over_tls(sandbox):
-    report_path = sandbox.root / "sandbox-coordinator/var/lib/senseshield/coordinator/run/report.json"
+def write_job(path: Path, **fields) -> Path:
+    path.write_text(json.dumps(fields))  # JSON is YAML
+    return path
+
+
+def test_the_rendered_fleet_runs_submitted_jobs_over_tls(sandbox, tmp_path):
+    """The coordinator and the agents run as services (no --once): the operator submits a
+    job with submit-job.yml and a second one with `senseshield job submit --follow`; both
+    complete on the same agent processes, the first with the model package the play installed."""
+    out = sandbox.root / "sandbox-coordinator/var/lib/senseshield/coordinator/run/jobs"
     keyserver = sandbox.spawn("sandbox-keyserver", "senseshield-keyserver", "keyserver.log")
     coordinator = sandbox.spawn("sandbox-coordinator", "senseshield-coordinator", "coordinator.log")
     agents = [sandbox.spawn(a, "senseshield-edge-agent", f"{a}.log") for a in AGENTS]
+    services = [keyserver, coordinator, *agents]
+    operator = {"ca_file": sandbox.ca, "username": "operator", "password": sandbox.password("operator")}
+    logs = lambda: {p.stem: p.read_text(errors="replace") for p in (sandbox.root / "logs").glob("*.log")}  # noqa: E731
+    digits = {"dataset": "digits", "input_shape": [1, 8, 8], "num_classes": 10, "strategy": "plaintext",
+              "min_devices": 2, "round_deadline": 60}
     try:
-        coordinator.wait(300)
-    except subprocess.TimeoutExpired:
-        pytest.fail("no report within 300 s: " + (sandbox.root / "logs/coordinator.log").read_text()[-2000:])
+        # job 1: the play, from the controller, as the operator; its model comes from the package
+        first = write_job(tmp_path / "first.yaml", name="sandbox-package", model="ssdemo.models:tiny",
+                          model_args={"hidden": 8}, rounds=2, **digits)
+        proc = subprocess.run([str(BIN / "ansible-playbook"), "-i", "inventory/sandbox", "submit-job.yml",
+                               "-e", f"senseshield_sandbox_root={sandbox.root}", "-e", f"senseshield_broker_port={sandbox.port}",
+                               "-e", f"job_file={first}"], cwd=ANSIBLE_DIR, env=ansible_env(), capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, tail(proc)
+        first_id = re.search(r"job (j-[0-9a-f]+) submitted", proc.stdout).group(1)
+        with JobClient(sandbox.url, fleet=FLEET, **operator) as client:
+            record = client.follow(first_id, lambda line: None, timeout=300)
+        assert record["state"] == "done", (record, logs()["coordinator"][-2000:])
+        # job 2 on the same agents (none restarted): the CLI with --follow, selecting by label
+        second = write_job(tmp_path / "second.yaml", name="sandbox-labels", model="linear", rounds=1,
+                           select={"labels": {"site": "sandbox"}, "device_class": ["rpi4", "jetson-orin-nano"]}, **digits)
+        proc = subprocess.run([str(BIN / "senseshield"), "job", "submit", str(second), "--broker", sandbox.url,
+                               "--fleet", FLEET, "--ca-file", str(sandbox.ca), "--username", "operator",
+                               "--password-file", str(sandbox.root / "pki/credentials/operator"), "--follow"],
+                              capture_output=True, text=True, timeout=300, env=ansible_env())
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:] + logs()["coordinator"][-2000:]
+        second_id = proc.stdout.split()[0]
+        assert [p.poll() for p in services] == [None] * len(services), "a service exited"
     finally:
-        # the key server serves until stopped; stop it so that later tests may use its user
-        # (the broker takes the username as client id: two clients would take turns)
-        keyserver.send_signal(signal.SIGTERM)
-        keyserver.wait(30)
-    logs = {p.stem: p.read_text(errors="replace") for p in (sandbox.root / "logs").glob("*.log")}
-    assert coordinator.returncode == 0, logs["coordinator"][-2000:]
-    assert [a.wait(60) for a in agents] == [0, 0], {a: logs[a][-1000:] for a in AGENTS}
-    report = json.loads(report_path.read_text())
-    assert [r["round"] for r in report["rounds"]] == [1, 2]
-    assert report["rounds"][-1]["accuracy"] > 0.5
-    # the agents joined with their device class's profile (rpi4: 5 MB/s, Jetson Orin Nano: 8 MB/s)
-    assert {c["id"]: c["bandwidth"] for c in report["clients"]} == {"agent-a": 5.0, "agent-b": 8.0}
-    assert not report["rejected_messages"]
+        # stop the services so that later tests may use their users (the broker takes the
+        # username as client id: two clients would take turns); the coordinator first, so that
+        # the key server sees it go offline
+        coordinator.send_signal(signal.SIGTERM)
+        coordinator.wait(60)
+        deadline = time.monotonic() + 10
+        while "coordinator offline since" not in logs().get("keyserver", "") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for proc in services:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        codes = [proc.wait(60) for proc in services]
+    text = logs()
+    assert codes[1:] == [0, 0, 0], {name: text[name][-1500:] for name in ("coordinator", *AGENTS)}
+    reports = {job_id: json.loads((out / job_id / "report.json").read_text()) for job_id in (first_id, second_id)}
+    assert [r["round"] for r in reports[first_id]["rounds"]] == [1, 2]
+    assert reports[first_id]["rounds"][-1]["accuracy"] > 0.5
+    assert [r["round"] for r in reports[second_id]["rounds"]] == [1]
+    for report in reports.values():
+        # the agents joined with their device class's profile (rpi4: 5 MB/s, Jetson Orin Nano: 8 MB/s)
+        assert {c["id"]: c["bandwidth"] for c in report["clients"]} == {"agent-a": 5.0, "agent-b": 8.0}
+        assert not report["rejected_messages"]
     # the ACL lets the status topics through: the key server saw the coordinator's offline
-    assert "keyserver: coordinator offline since" in logs["keyserver"]
+    assert "keyserver: coordinator offline since" in text["keyserver"]
     # each process logged in with its own user over the TLS listener
-    for user in ("keyserver", "coordinator", *AGENTS):
-        assert f"u'{user}'" in logs["broker"], user
+    for user in ("keyserver", "coordinator", "operator", *AGENTS):
+        assert f"u'{user}'" in text["broker"], user
 
 
 # -- the broker's ACL and authentication --------------------------------------------------------
@@ -325,6 +411,36 @@ def test_an_agent_cannot_use_another_agents_topics(sandbox):
     finally:
         watcher.stop()
         agent_a.stop()
+
+
+def test_only_the_operator_submits_jobs(sandbox):
+    t = f"ss/v1/{FLEET}"
+    coordinator = Client(sandbox, "coordinator", sandbox.password("coordinator"))
+    agent_a = Client(sandbox, "agent-a", sandbox.password("agent-a"))
+    operator = Client(sandbox, "operator", sandbox.password("operator"))
+    try:
+        assert {coordinator.connected(), agent_a.connected(), operator.connected()} == {"Success"}
+        for topic in ("jobs/submit", "jobs/cancel"):
+            coordinator.subscribe(f"{t}/{topic}")
+            assert agent_a.publish(f"{t}/{topic}", b"from agent-a") == "Not authorized"
+            assert operator.publish(f"{t}/{topic}", b"from the operator") == "Success"
+            assert coordinator.messages.get(timeout=10) == (f"{t}/{topic}", b"from the operator")
+        time.sleep(0.3)
+        assert coordinator.messages.empty()  # nothing from agent-a arrived
+        # the operator speaks for no service and no device
+        for topic in ("fleet/config", "jobs/board", "agents/agent-a/update", "keyserver/requests"):
+            assert operator.publish(f"{t}/{topic}", b"forged") == "Not authorized", topic
+        # it reads the coordinator's board and answers
+        operator.subscribe(f"{t}/jobs/board")
+        operator.subscribe(f"{t}/jobs/replies/#")
+        assert coordinator.publish(f"{t}/jobs/board", b"board") == "Success"
+        assert coordinator.publish(f"{t}/jobs/replies/r1", b"reply") == "Success"
+        got: list[tuple[str, bytes]] = []
+        while not {(f"{t}/jobs/board", b"board"), (f"{t}/jobs/replies/r1", b"reply")} <= set(got):
+            got.append(operator.messages.get(timeout=10))  # the retained board of earlier tests may come first
+    finally:
+        for client in (coordinator, agent_a, operator):
+            client.stop()
 
 
 def connects(url: str, *, timeout: float = 10.0, **security) -> None:
