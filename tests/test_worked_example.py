@@ -123,7 +123,8 @@ class Processes:
         (out / "logs").mkdir(parents=True)
         self.procs: dict[str, subprocess.Popen] = {}
         # COLUMNS: rich must not wrap the lines `job submit --follow` prints
-        self.env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", COLUMNS="400")
+        # PYTHONFAULTHANDLER: a process that does not stop dumps its threads into its log (SIGABRT)
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", COLUMNS="400", PYTHONFAULTHANDLER="1")
 
     def start(self, name: str, command: str, *args: str) -> None:
         log = (self.out / "logs" / f"{name}.log").open("ab")
@@ -172,7 +173,7 @@ class Processes:
             try:
                 codes[name] = proc.wait(30)
             except subprocess.TimeoutExpired:
-                proc.kill()
+                proc.send_signal(signal.SIGABRT)
                 codes[name] = proc.wait()
         return codes
 
