@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 import yaml
 
@@ -260,3 +261,33 @@ def test_devices_whose_data_does_not_fit_decline_and_the_job_goes_on(har: dict, 
         assert str(bad_files[name]) in reason and needle in reason, reason
         assert "\n" not in reason and reason.endswith(".") and "Traceback" not in fleet.log(name), reason
         assert any(f"{name} refused the job" in line for line in submitted.stdout.splitlines())
+
+
+def test_fleet_up_stops_with_one_sentence_when_a_device_declines(har: dict, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """`fleet up` waits for every agent it starts, so a device that declines (here: NaN in its
+    file) would keep the job waiting until the join timeout (300 s); it stops at once instead,
+    naming the agent and the file, with every process stopped."""
+    from typer.testing import CliRunner
+
+    from senseshield.cli import app
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("COLUMNS", "400")
+    job_path, _ = shrunk_job(tmp_path, min_devices=2)
+    data = tmp_path / "data"
+    data.mkdir()
+    arrays = {k: v.copy() for k, v in np.load(har["files"][1]).items()}
+    BAD_DATA["nan"][0](arrays)
+    np.savez(data / "device-1.npz", **arrays)
+    (data / "device-0.npz").write_bytes(har["files"][0].read_bytes())
+    started = time.monotonic()
+    result = CliRunner().invoke(app, ["fleet", "up", "--job", str(job_path), "--data", str(data / "device-*.npz"),
+                                      "--out", str(tmp_path / "run"), "--quiet"])
+    assert result.exit_code == 2, result.output
+    assert time.monotonic() - started < 150  # not the 300 s join timeout
+    message = " ".join(result.output.split())
+    assert "Agent c001 declined the job, and fleet up waits for all 2 agents" in message, message
+    assert str(data / "device-1.npz") in message and "non-finite" in message and "Traceback" not in result.output
+    leftovers = [p for p in psutil.Process().children(recursive=True) if "--fleet local" in " ".join(p.cmdline())]
+    assert not leftovers, leftovers
