@@ -10,7 +10,9 @@ windows per device so each test takes well under a minute):
   (no job), ``edge-agent join --data FILE`` per device, then ``senseshield job submit
   --follow``;
 * with devices whose data does not fit the job (wrong shape, labels outside the classes,
-  NaN): they decline it with one sentence naming their file, and the job goes on.
+  NaN): they decline it with one sentence naming their file, and the job goes on (slow: seven
+  processes); through ``fleet up``, which waits for every device it starts, a device that
+  declines stops the run at once with that sentence.
 
 Both fleet paths must give exactly the simulator's accuracies for the same files
 (``run_simulation(job, devices=...)``): agent ``i`` runs with ``--index i``, the seed index
@@ -225,6 +227,7 @@ BAD_DATA = {  # name -> (how the file is spoiled, what its refusal must say)
 }
 
 
+@pytest.mark.slow  # 7 OS processes: ~70 s on a loaded 2-core machine, mostly imports and exits
 def test_devices_whose_data_does_not_fit_decline_and_the_job_goes_on(har: dict, mosquitto, tmp_path: Path) -> None:  # noqa: ANN001
     """Two good devices and three whose file does not fit the job (no --index: real devices
     seed from their id): each bad one declines with one sentence naming its file, stays up
