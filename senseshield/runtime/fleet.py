@@ -204,10 +204,10 @@ class Fleet:
 
     def _start_observer(self) -> None:
         """A read-only MQTT client that counts finished cluster rounds for the progress bar."""
-        from senseshield.runtime.protocol.messages import AggregateResult, Hello, from_frame
+        from senseshield.runtime.protocol.messages import AggregateResult, Decline, Hello, from_frame
         from senseshield.runtime.transport import Link
 
-        self.seen = {"agents": set(), "rounds": set()}
+        self.seen = {"agents": set(), "rounds": set(), "declined": {}}
 
         def on_frame(topic: str, frame) -> None:  # noqa: ANN001
             msg = from_frame(frame)
@@ -215,10 +215,13 @@ class Fleet:
                 self.seen["agents"].add(msg.agent_id)
             elif isinstance(msg, AggregateResult):
                 self.seen["rounds"].add(frame.round)
+            elif isinstance(msg, Decline) and msg.selected and topic.endswith(f"agents/{frame.sender}/decline"):
+                self.seen["declined"].setdefault(frame.sender, msg.reason)
 
         self.observer = Link(self.url, client_id="fleet-up-observer", fleet=self.options.fleet,
                              on_frame=on_frame, protocol=self.mqtt)
         self.observer.subscribe("agents/+/hello")
+        self.observer.subscribe("agents/+/decline")
         self.observer.subscribe("keyserver/results")
         try:
             self.observer.start(timeout=5.0)
@@ -234,6 +237,11 @@ class Fleet:
         while coordinator.poll() is None:
             if end is not None and time.monotonic() > end:
                 raise ConfigError(f"The fleet did not finish within {timeout:g} s; see {self.out / 'logs'}.")
+            declined = sorted(self.seen["declined"].items())
+            if declined and not self.options.serve:  # the job waits for every agent: it would never start
+                name, reason = declined[0]
+                raise ConfigError(f"Agent {name} declined the job, and fleet up waits for all {self.options.agents} "
+                                  f"agents it starts: {reason.rstrip('.')}; fix or leave out that device's data.")
             agents = {n: p for n, p in self.processes.items() if n.startswith("c")}
             if agents and all(p.poll() not in (None, 0) for p in agents.values()):
                 name = sorted(agents)[0]
