@@ -8,8 +8,8 @@ PY     := $(VENV)/bin/python
 # is on disk (or a CPU index the user configured) and never resolves a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
-# two workers, whole files per worker (module fixtures such as the Ansible sandbox are built
-# once; trials, which own cgroups and namespaces, never run beside each other)
+# two workers, whole files per worker: module fixtures (keys, the Ansible sandbox) are built
+# once, and trials (cgroups, namespaces) never run beside each other
 XDIST ?= -n 2 --dist loadfile
 
 STAMP := $(VENV)/.installed

@@ -45,10 +45,13 @@ BIN = Path(sys.executable).parent
 FLEET = "sandbox"
 AGENTS = ("agent-a", "agent-b")  # rpi4 and jetson_orin in inventory/sandbox
 
-pytestmark = pytest.mark.skipif(
-    not (BIN / "ansible-playbook").exists(),
-    reason="ansible-core is not installed; `make test` installs it with the dev extras",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not (BIN / "ansible-playbook").exists(),
+        reason="ansible-core is not installed; `make test` installs it with the dev extras",
+    ),
+    pytest.mark.xdist_group("ansible"),  # one worker builds the sandbox once (make test: --dist loadgroup)
+]
 
 
 def ansible_env() -> dict[str, str]:

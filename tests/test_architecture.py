@@ -5,7 +5,6 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import pytest
 
 
 def _modules_after_import(module: str) -> set[str]:
@@ -14,11 +13,20 @@ def _modules_after_import(module: str) -> set[str]:
     return set(result.stdout.split())
 
 
-@pytest.mark.parametrize("role", ["coordinator.service", "edge_agent.service", "keyserver.service"])
-def test_services_do_not_import_the_simulator(role):
-    loaded = _modules_after_import(role)
-    assert "senseshield.simulation" not in loaded
-    assert "senseshield.job" in loaded  # what a job is comes from the shared module
+def test_services_do_not_import_the_simulator():
+    """One process imports the three roles one after another and checks after each (none
+    may pull in the simulator; what a job is comes from the shared module)."""
+    code = (
+        "import importlib, sys\n"
+        "for role in ('keyserver.service', 'coordinator.service', 'edge_agent.service'):\n"
+        "    importlib.import_module(role)\n"
+        "    print(role, 'senseshield.simulation' in sys.modules, 'senseshield.job' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    lines = [line.split() for line in result.stdout.split("\n") if line]
+    assert [(role, sim, job) for role, sim, job in lines] == [
+        (role, "False", "True") for role in ("keyserver.service", "coordinator.service", "edge_agent.service")
+    ]
 
 
 def test_the_privacy_engine_imports_no_torch_and_no_network():

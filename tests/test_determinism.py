@@ -75,6 +75,7 @@ def test_the_simulator_repeats_itself_and_training_threads_are_part_of_the_run()
     assert first_difference(a, c) is None
 
 
+@pytest.mark.slow  # two simulations and a fleet (~35 s); test_fleet checks simulator = fleet by default
 def test_check_determinism_command_reports_same_runs(tmp_path):
     from typer.testing import CliRunner
 

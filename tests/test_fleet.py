@@ -65,7 +65,8 @@ class Capture:
     "strategy, model, partition, extra",
     [
         ("plaintext", "mlp", "iid", {}),
-        ("paillier-full", "linear", "iid", {"key_bits": 1024}),
+        # per-value Paillier (~45 s): the fuzz test runs it by default, this one with make test-slow
+        pytest.param("paillier-full", "linear", "iid", {"key_bits": 1024}, marks=pytest.mark.slow),
         ("sensecrypt", "mlp", "categories:2", {"key_bits": 1024}),
     ],
 )

@@ -119,6 +119,7 @@ def test_a_long_wait_is_said_once_and_a_short_one_not_at_all(mosquitto, caplog):
         service.stop()
 
 
+@pytest.mark.slow  # a fleet whose key server starts late (~35 s on 2 cores)
 def test_agents_say_what_they_wait_for_and_nothing_lands_in_home_unsaid(mosquitto, tmp_path, monkeypatch):
     """A key server that starts 3 s after the agents: each agent says once that it waits for the job's
     key, and why. The fleet's processes write nothing into $HOME (onnxruntime's telemetry

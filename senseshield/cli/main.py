@@ -382,11 +382,21 @@ def fleet_up(
                 tasks[phase] = bar.add_task(f"fleet {phase}", total=total)
             bar.update(tasks[phase], completed=done)
 
+        import signal
+
+        def _terminated(signum, frame):  # noqa: ANN001 - SIGTERM stops the fleet as Ctrl-C does
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGTERM, _terminated)
         try:
             report = _fleet_up(config, options, progress)
         except ConfigError as exc:
             bar.stop()
             _fail(str(exc))
+        except KeyboardInterrupt:
+            bar.stop()
+            console.print("fleet up stopped; every process it started was stopped too")
+            raise typer.Exit(130)
     from senseshield.results import RunResult
 
     _print_summary(RunResult.model_validate(report))
