@@ -158,12 +158,28 @@ def mqtt_security(
     return {k: v for k, v in security.items() if v is not None}
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a line is logged, not the stream it was
+    created with (a command run in-process, e.g. by a test's CliRunner, must not leave a
+    handler bound to a stream that is closed afterwards)."""
+
+    @property  # type: ignore[override]
+    def stream(self):  # noqa: ANN201
+        import sys
+
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:  # noqa: ANN001 - StreamHandler.__init__ sets it
+        pass
+
+
 def setup_logging(level: str, role: str, file: Path | None = None) -> None:
     """Log lines with time, role and level on stderr (and to ``file``)."""
     value = getattr(logging, level.upper(), None)
     if not isinstance(value, int):
         fail(f"--log-level {level!r} is not allowed; use debug, info, warning or error.")
-    handlers: list[logging.Handler] = [logging.StreamHandler()]
+    handlers: list[logging.Handler] = [_StderrHandler()]
     if file is not None:
         file.parent.mkdir(parents=True, exist_ok=True)
         handlers.append(logging.FileHandler(file))
