@@ -383,10 +383,11 @@ def test_fuzzed_fleet_ends_like_the_simulator(mosquitto, tmp_path, config):
 @pytest.mark.parametrize("config", FUZZ_CONFIGS, ids=lambda c: c.strategy)
 def test_fuzzed_fleet_ends_like_the_simulator_10k(mosquitto, tmp_path, config):
     """The long fuzz: 10,000+ hostile frames and several large payloads, over more rounds."""
-    config = config.model_copy(update={"rounds": 6})
+    # enough rounds that the run outlasts 12,000 frames at this rate (a plaintext round is ~0.2 s)
+    config = config.model_copy(update={"rounds": 80 if config.strategy == "plaintext" else 12})
     large = [("agents/c000/update", 24, False), ("agents/c001/update", 40, True), ("keyserver/requests", 32, True),
              ("agents/c002/metrics", 40, True), ("fleet/config", 24, False), ("agents/c000/hello", 40, True)]
-    result = fuzz_fleet(mosquitto, tmp_path, config, messages=12_000, rate=600, large=large)
+    result = fuzz_fleet(mosquitto, tmp_path, config, messages=12_000, rate=1500, large=large)
     check_fuzzed_run(result, config, min_messages=10_000)
 
 
