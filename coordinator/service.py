@@ -1015,12 +1015,8 @@ class Coordinator(Service):
         delivered = sum(len(c["updates"]) for c in rec["clusters"].values())
         late = sum(len(c["straggled"]) for c in rec["clusters"].values())
         out = len(self.plan.cluster_of) - len(self.sampled) if self.plan is not None else 0
-        pairs, latest = [], 0
-        for (a, rr), m in self.metrics.items():
-            latest = max(latest, rr)
-        for (a, rr), m in self.metrics.items():
-            if rr == latest:
-                pairs.append((m.accuracy, m.n_test))
+        latest = max((rr for _, rr in self.metrics), default=0)
+        pairs = [(m.accuracy, m.n_test) for (_, rr), m in self.metrics.items() if rr == latest]
         accuracy = f"accuracy {weighted_accuracy(pairs):.3f} (round {latest})" if pairs else "accuracy pending"
         changes = "".join(f", {w} {', '.join(who)}" for w, who in (("joined", rec["joined"]), ("left", rec["left"])) if who)
         self._event(f"round {r}/{self.config.rounds}: {delivered} in, {late} late, {out} out{changes}; "

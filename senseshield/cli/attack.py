@@ -20,7 +20,6 @@ from typing import Annotated, Any, Optional
 
 import typer
 from pydantic import ValidationError
-from rich.progress import Progress
 from rich.table import Table
 
 from senseshield.errors import ConfigError
@@ -33,19 +32,10 @@ attack_app = typer.Typer(
 from senseshield.cli.common import console, out  # noqa: E402
 from senseshield.cli.common import fail as _fail  # noqa: E402
 from senseshield.cli.common import numbers as _numbers  # noqa: E402
+from senseshield.cli.common import phase_progress  # noqa: E402
 from senseshield.cli.common import progress_bar as _progress  # noqa: E402
 from senseshield.cli.common import validation_sentence as _validation_sentence  # noqa: E402
 
-
-def _reporter(bar: Progress):  # type: ignore[no-untyped-def]
-    tasks: dict[str, Any] = {}
-
-    def report(phase: str, done: int, total: int) -> None:
-        if phase not in tasks:
-            tasks[phase] = bar.add_task(phase, total=total)
-        bar.update(tasks[phase], completed=done)
-
-    return report
 
 
 def _fmt(value: Optional[float], digits: int = 3) -> str:
@@ -136,7 +126,7 @@ def attack(
     figure = out_file.with_suffix(".png")
     with _progress(quiet) as bar:
         try:
-            result = run_attack_experiment(config, figure=figure, progress=_reporter(bar))
+            result = run_attack_experiment(config, figure=figure, progress=phase_progress(bar))
         except ConfigError as exc:
             bar.stop()
             _fail(str(exc))
@@ -238,7 +228,7 @@ def sweep(
         _fail(str(exc))
     with _progress(quiet) as bar:
         try:
-            result = run_sweep(config, figure_prefix=out_file.with_suffix(""), progress=_reporter(bar))
+            result = run_sweep(config, figure_prefix=out_file.with_suffix(""), progress=phase_progress(bar))
         except ConfigError as exc:
             bar.stop()
             _fail(str(exc))

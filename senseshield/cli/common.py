@@ -64,6 +64,18 @@ def numbers(
     return None
 
 
+def phase_progress(bar: Progress, label: str = ""):  # -> Callable[[str, int, int], None]
+    """A ``progress(phase, done, total)`` callback that keeps one task per phase on ``bar``."""
+    tasks: dict[str, int] = {}
+
+    def progress(phase: str, done: int, total: int) -> None:
+        if phase not in tasks:
+            tasks[phase] = bar.add_task(f"{label} {phase}".strip(), total=total)
+        bar.update(tasks[phase], completed=done)
+
+    return progress
+
+
 def progress_bar(quiet: bool = False, *, transient: bool = False) -> Progress:
     """The project's progress bar (description, bar, done/total, elapsed) on stderr."""
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())

@@ -44,7 +44,7 @@ app.add_typer(job_app, name="job")
 from senseshield.cli import run as _run  # noqa: E402
 from senseshield.cli.common import console, out  # noqa: E402
 from senseshield.cli.common import fail as _fail  # noqa: E402
-from senseshield.cli.common import progress_bar  # noqa: E402
+from senseshield.cli.common import phase_progress, progress_bar  # noqa: E402
 from senseshield.cli.common import validation_sentence as _validation_sentence  # noqa: E402
 
 
@@ -202,12 +202,7 @@ def simulate(
         except ConfigError as exc:
             _fail(str(exc))
     with progress_bar(quiet) as bar:
-        tasks: dict[str, int] = {}
-
-        def progress(phase: str, done: int, total: int) -> None:
-            if phase not in tasks:
-                tasks[phase] = bar.add_task(f"{config.strategy} {phase}", total=total)
-            bar.update(tasks[phase], completed=done)
+        progress = phase_progress(bar, config.strategy)
 
         try:
             result = run_simulation(config, progress=progress, devices=devices)
@@ -375,12 +370,7 @@ def fleet_up(
     options = FleetOptions(agents=agents, out=out_dir, broker=broker, fleet=fleet, round_deadline=round_deadline,
                            min_contributors=min_contributors, threads=threads, wrap=wrap, data=files)
     with progress_bar(quiet) as bar:
-        tasks: dict[str, int] = {}
-
-        def progress(phase: str, done: int, total: int) -> None:
-            if phase not in tasks:
-                tasks[phase] = bar.add_task(f"fleet {phase}", total=total)
-            bar.update(tasks[phase], completed=done)
+        progress = phase_progress(bar, "fleet")
 
         import signal
 
