@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import stat
 import time
 from pathlib import Path
 
@@ -41,40 +40,13 @@ from senseshield.runtime.protocol.messages import (
     aggregate_from_message,
 )
 from senseshield.rounds import apply_mean
-from senseshield.runtime.service import Inbound, Service, writable_dir
+from senseshield.runtime.keyfiles import check_private, secure_dir, write_secret
+from senseshield.runtime.service import Inbound, Service
 from senseshield.job import Job, announced_run
 
 log = logging.getLogger("senseshield.keyserver")
 
 NO_KEY_ID = "none"  # announced when the run's strategy encrypts nothing
-
-
-def secure_dir(path: Path) -> Path:
-    """Create ``path`` (mode 0700) or tighten an existing one to 0700; :class:`ConfigError`
-    if it is a file, cannot be written, or holds a key file others may read."""
-    before = stat.S_IMODE(path.stat().st_mode) if path.is_dir() else None
-    writable_dir(path, "--key-dir", mode=0o700)
-    if before is not None and before & 0o077:
-        log.warning("key directory %s was mode %o; tightened to 0700", path, before)
-    for key_file in sorted(path.glob("*.key")):
-        check_private(key_file)
-    return path
-
-
-def check_private(path: Path) -> None:
-    """A secret key file must be readable by its owner only."""
-    mode = stat.S_IMODE(path.stat().st_mode)
-    if mode & 0o077:
-        raise ConfigError(f"Secret key file {path} has mode {mode:o}; it must be 0600 (chmod 600 {path}).")
-
-
-def write_secret(path: Path, data: bytes) -> None:
-    """Write ``data`` to a file only its owner can read (0600 from creation on)."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
 
 
 def load_or_generate(key_dir: Path, scheme: str, key_bits: int) -> SecretKey:

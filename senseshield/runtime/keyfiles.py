@@ -1,0 +1,47 @@
+"""Files that hold secrets (the key server's HE secret key, every role's identity key).
+
+One place for the rules: a key directory is mode 0700, a secret file is 0600 from creation
+on (written through a temporary file and renamed), and a secret file group or other can read
+stops the service at start with the command that fixes it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from pathlib import Path
+
+from senseshield.errors import ConfigError
+from senseshield.runtime.service import writable_dir
+
+log = logging.getLogger("senseshield.keyfiles")
+
+
+def secure_dir(path: Path, flag: str = "--key-dir") -> Path:
+    """Create ``path`` (mode 0700) or tighten an existing one to 0700; :class:`ConfigError`
+    if it is a file, cannot be written, or holds a key file others may read."""
+    path = Path(path)
+    before = stat.S_IMODE(path.stat().st_mode) if path.is_dir() else None
+    writable_dir(path, flag, mode=0o700)
+    if before is not None and before & 0o077:
+        log.warning("key directory %s was mode %o; tightened to 0700", path, before)
+    for key_file in sorted(path.glob("*.key")):
+        check_private(key_file)
+    return path
+
+
+def check_private(path: Path) -> None:
+    """A secret key file must be readable by its owner only."""
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & 0o077:
+        raise ConfigError(f"Secret key file {path} has mode {mode:o}; it must be 0600 (chmod 600 {path}).")
+
+
+def write_secret(path: Path, data: bytes) -> None:
+    """Write ``data`` to a file only its owner can read (0600 from creation on)."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
