@@ -10,8 +10,8 @@ import typer
 from senseshield import defaults
 from senseshield.cli.common import console, fail, version_option
 from senseshield.cli.run import (
-    Broker, CaFile, Fleet, LogLevel, Mqtt, PasswordFile, Scheme, Sets, Username, build_run_config, check_mqtt,
-    mqtt_security, setup_logging,
+    Broker, CaFile, Fleet, IdentityFile, LogLevel, Mqtt, PasswordFile, Scheme, Sets, TrustFile, Username,
+    build_run_config, check_mqtt, identity_and_trust, mqtt_security, setup_logging,
 )
 from senseshield.errors import ConfigError
 
@@ -54,6 +54,8 @@ def serve(
     ca_file: CaFile = None,
     username: Username = None,
     password_file: PasswordFile = None,
+    identity: IdentityFile = None,
+    trust: TrustFile = None,
     log_level: LogLevel = defaults.LOG_LEVEL,
 ) -> None:
     """Run the fleet's coordinator: it stays up and runs jobs one at a time, in the order they
@@ -88,8 +90,10 @@ def serve(
         fail(str(exc))
     security = mqtt_security(broker, ca_file=ca_file, username=username, password_file=password_file)
     try:
+        home = state_dir if state_dir is not None else Path.home() / ".senseshield" / fleet
+        me, trusted = identity_and_trust("coordinator", identity, home / "identity" / "coordinator.key", trust, fleet)
         server = Coordinator(
-            broker, fleet=fleet, once=once, join_timeout=join_timeout, round_deadline=round_deadline,
+            broker, fleet=fleet, once=once, identity=me, trust=trusted, join_timeout=join_timeout, round_deadline=round_deadline,
             state_dir=state_dir, out_dir=out, protocol=check_mqtt(mqtt),
             max_frame_bytes=int(max_message_mb * 1e6), metrics_port=metrics_port,
         )

@@ -59,6 +59,7 @@ from senseshield.runtime.protocol.messages import (
     update_from_message,
 )
 from senseshield.accounting import Accountant
+from senseshield.runtime.identity import Identity, Trust
 from senseshield.runtime.service import Inbound, Service, check_sender, writable_dir
 from coordinator.jobs import OPEN, JobBook, JobRecord
 from senseshield.job import Job, effective_scheme, initial_model, job_from_dict, job_shape, noise_multipliers
@@ -229,6 +230,8 @@ class Coordinator(Service):
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         progress: Progress | None = None,
         metrics_port: int | None = None,
+        identity: Identity | None = None,
+        trust: Trust | None = None,
     ) -> None:
         """A long-running coordinator: jobs come from ``submit`` (``--job``) or ``jobs/submit``.
 
@@ -241,7 +244,8 @@ class Coordinator(Service):
         if round_deadline is not None and round_deadline <= 0:
             raise ConfigError(f"--round-deadline {round_deadline} is not allowed; it must be > 0 seconds.")
         super().__init__(broker, fleet=fleet, client_id="coordinator", logger=log, protocol=protocol,
-                         max_frame_bytes=max_frame_bytes, status_topic="coordinator/status")
+                         max_frame_bytes=max_frame_bytes, status_topic="coordinator/status",
+                         identity=identity, trust=trust, role="coordinator")
         # checked now: a bad directory stops the coordinator before any job, not after one
         self.state_dir = writable_dir(state_dir, "--state-dir") if state_dir is not None else None
         self.out_dir = writable_dir(out_dir, "--out") if out_dir is not None else None
@@ -301,8 +305,14 @@ class Coordinator(Service):
             self.replies.pop(next(iter(self.replies)))
         self.send(f"jobs/replies/{reply.request_id}", reply)
 
+    def _check_operator(self, item: Inbound) -> None:
+        """Jobs come from operators only (the trust file's role; the signature was checked)."""
+        if self.trust.role(item.sender) != "operator":
+            raise ProtocolError(f"{item.message.schema_name!r} from {item.sender!r}, which is not an operator of this fleet.")
+
     def _on_submit(self, item: Inbound) -> None:
         msg: JobSubmit = item.message  # type: ignore[assignment]
+        self._check_operator(item)
         if msg.request_id in self.replies:  # a repeat (the operator did not hear the answer)
             self._reply(self.replies[msg.request_id])
             return
@@ -316,6 +326,7 @@ class Coordinator(Service):
 
     def _on_cancel(self, item: Inbound) -> None:
         msg: JobCancel = item.message  # type: ignore[assignment]
+        self._check_operator(item)
         if msg.request_id in self.replies:
             self._reply(self.replies[msg.request_id])
             return

@@ -10,7 +10,8 @@ import typer
 from senseshield import defaults
 from senseshield.cli.common import fail, version_option
 from senseshield.cli.run import (
-    Broker, CaFile, Fleet, LogLevel, Mqtt, PasswordFile, Threads, Username, check_mqtt, mqtt_security, setup_logging,
+    Broker, CaFile, Fleet, IdentityFile, LogLevel, Mqtt, PasswordFile, Threads, TrustFile, Username, check_mqtt,
+    identity_and_trust, mqtt_security, setup_logging,
 )
 from senseshield.errors import ConfigError
 
@@ -41,6 +42,8 @@ def join(
     ca_file: CaFile = None,
     username: Username = None,
     password_file: PasswordFile = None,
+    identity: IdentityFile = None,
+    trust: TrustFile = None,
     log_level: LogLevel = defaults.LOG_LEVEL,
     once: Annotated[bool, typer.Option("--once", help="Exit when the first job ends (default: stay connected and take every job).")] = False,
     device_class: Annotated[Optional[str], typer.Option(help="What a job's select.device_class matches (default: the declared profile's name, else the board).")] = None,
@@ -83,9 +86,11 @@ def join(
         if declared is not None and declared.endswith((".yaml", ".yml", ".json")):
             declared = None  # a file: its board says what it is
         device_class = device_class or declared
+        name = agent_id or socket.gethostname()
+        home = model_dir if model_dir is not None else Path.home() / ".senseshield" / fleet / name
+        me, trusted = identity_and_trust(name, identity, home / "identity" / "agent.key", trust, fleet)
         agent = EdgeAgent(
-            broker, fleet=fleet, agent_id=agent_id or socket.gethostname(), bandwidth=device.bandwidth,
-            cpu_speed=device.cpu_speed, profile=device.model_dump(mode="json"), data=spec, threads=threads,
+            broker, fleet=fleet, agent_id=name, identity=me, trust=trusted, bandwidth=device.bandwidth, cpu_speed=device.cpu_speed, profile=device.model_dump(mode="json"), data=spec, threads=threads,
             protocol=check_mqtt(mqtt), kill_at_round=kill_at_round, model_dir=model_dir, once=once,
             device_class=device_class, labels=labels,
         )

@@ -58,6 +58,7 @@ from senseshield.rounds import (
     protect_rng,
 )
 from senseshield.accounting import Accountant
+from senseshield.runtime.identity import Identity, Trust
 from senseshield.runtime.service import Inbound, Service, WaitNote
 from senseshield.data.shards import shards
 from senseshield.data.local import describe_data, load_local_data
@@ -188,6 +189,8 @@ class EdgeAgent(Service):
         once: bool = False,
         device_class: str | None = None,
         labels: dict[str, str] | None = None,
+        identity: Identity | None = None,
+        trust: Trust | None = None,
     ) -> None:
         """``once``: exit when the first job ends (``fleet up``); otherwise the agent stays
         connected and takes every job the coordinator runs. ``device_class`` and ``labels``
@@ -196,7 +199,7 @@ class EdgeAgent(Service):
             raise ConfigError(f"Agent id {agent_id!r} is not allowed; use letters, digits, '-' or '_'.")
         super().__init__(
             broker, fleet=fleet, client_id=agent_id, logger=log, protocol=protocol,
-            status_topic=f"agents/{agent_id}/status",
+            status_topic=f"agents/{agent_id}/status", identity=identity, trust=trust, role="agent",
         )
         self.agent_id = agent_id
         self.model_dir = Path(model_dir) if model_dir is not None else Path.home() / ".senseshield" / fleet / agent_id

@@ -10,7 +10,8 @@ import typer
 from senseshield import defaults
 from senseshield.cli.common import fail, version_option
 from senseshield.cli.run import (
-    Broker, CaFile, Fleet, LogLevel, MinContributors, Mqtt, PasswordFile, Threads, Username, check_mqtt, mqtt_security, setup_logging,
+    Broker, CaFile, Fleet, IdentityFile, LogLevel, MinContributors, Mqtt, PasswordFile, Threads, TrustFile, Username, check_mqtt, identity_and_trust, mqtt_security,
+    setup_logging,
 )
 from senseshield.errors import ConfigError
 
@@ -34,6 +35,8 @@ def serve(
     ca_file: CaFile = None,
     username: Username = None,
     password_file: PasswordFile = None,
+    identity: IdentityFile = None,
+    trust: TrustFile = None,
     log_level: LogLevel = defaults.LOG_LEVEL,
     kill_after_apply: Annotated[Optional[int], typer.Option(help="Fault drill: SIGKILL the key server right after it applied round R, before it answers.", hidden=True)] = None,
 ) -> None:
@@ -43,8 +46,9 @@ def serve(
     setup_logging(log_level, "keyserver")
     security = mqtt_security(broker, ca_file=ca_file, username=username, password_file=password_file)
     try:
+        me, trusted = identity_and_trust("keyserver", identity, key_dir / "identity.key", trust, fleet)
         server = KeyServer(broker, fleet=fleet, key_dir=key_dir, min_contributors=min_contributors, protocol=check_mqtt(mqtt),
-                           threads=threads, kill_after_apply=kill_after_apply)
+                           threads=threads, kill_after_apply=kill_after_apply, identity=me, trust=trusted)
         server.link.secure(**security)
         server.install_signal_handlers()
         server.run()

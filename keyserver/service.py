@@ -40,6 +40,7 @@ from senseshield.runtime.protocol.messages import (
     aggregate_from_message,
 )
 from senseshield.rounds import apply_mean
+from senseshield.runtime.identity import Identity, Trust
 from senseshield.runtime.keyfiles import check_private, secure_dir, write_secret
 from senseshield.runtime.service import Inbound, Service
 from senseshield.job import Job, announced_run
@@ -80,13 +81,15 @@ class KeyServer(Service):
         protocol: str = "5",
         threads: int | None = None,
         kill_after_apply: int | None = None,
+        identity: Identity | None = None,
+        trust: Trust | None = None,
     ) -> None:
         if threads is not None and threads < 1:
             raise ConfigError(f"--threads {threads} is not allowed; use 1 or more.")
         if min_contributors < 1:
             raise ConfigError(f"--min-contributors {min_contributors} is not allowed; it must be at least 1.")
         super().__init__(broker, fleet=fleet, client_id="keyserver", logger=log, protocol=protocol,
-                         status_topic="keyserver/status")
+                         status_topic="keyserver/status", identity=identity, trust=trust, role="keyserver")
         self.key_dir = secure_dir(Path(key_dir))
         self.kill_after_apply = kill_after_apply  # fault drill: SIGKILL itself after applying this round
         self.min_contributors = min_contributors

@@ -11,7 +11,10 @@ from rich.table import Table
 
 from senseshield import defaults
 from senseshield.cli.common import console, fail, out
-from senseshield.cli.run import Broker, CaFile, Fleet, Mqtt, PasswordFile, Username, check_mqtt, mqtt_security
+from senseshield.cli.run import (
+    Broker, CaFile, Fleet, IdentityFile, Mqtt, PasswordFile, TrustFile, Username, check_mqtt, identity_and_trust,
+    mqtt_security,
+)
 from senseshield.errors import ConfigError
 
 job_app = typer.Typer(help="Jobs on a running coordinator (`coordinator serve`): submit, list, status, logs, cancel.",
@@ -20,11 +23,13 @@ job_app = typer.Typer(help="Jobs on a running coordinator (`coordinator serve`):
 JobId = Annotated[str, typer.Argument(help="The job's id (see `senseshield job list`).", metavar="ID")]
 
 
-def _client(broker: str, fleet: str, mqtt: str, ca_file, username, password_file):  # noqa: ANN001, ANN202
+def _client(broker: str, fleet: str, mqtt: str, ca_file, username, password_file, identity, trust):  # noqa: ANN001, ANN202
     from senseshield.runtime.jobs import JobClient
 
     security = mqtt_security(broker, ca_file=ca_file, username=username, password_file=password_file)
-    return JobClient(broker, fleet=fleet, protocol=check_mqtt(mqtt), **security)
+    me, trusted = identity_and_trust("operator", identity, Path.home() / ".senseshield" / "identities" / "operator.key",
+                                     trust, fleet)
+    return JobClient(broker, fleet=fleet, protocol=check_mqtt(mqtt), identity=me, trust=trusted, **security)
 
 
 def _when(stamp: float | None) -> str:
@@ -48,6 +53,8 @@ def submit(
     ca_file: CaFile = None,
     username: Username = None,
     password_file: PasswordFile = None,
+    identity: IdentityFile = None,
+    trust: TrustFile = None,
 ) -> None:
     """Queue a job on the fleet's coordinator; it starts when the jobs before it are done and
     its minimum number of devices is ready."""
@@ -57,7 +64,7 @@ def submit(
         # a bad key or value is refused here, before anything is sent; a job on a built-in
         # dataset gets its input shape and classes from it (as `fleet up` does)
         job = with_shape(load_job(job_file))
-        with _client(broker, fleet, mqtt, ca_file, username, password_file) as client:
+        with _client(broker, fleet, mqtt, ca_file, username, password_file, identity, trust) as client:
             job_id = client.submit(job)
             ahead = [j for j in client.board() if j["state"] in ("queued", "waiting", "running") and j["id"] != job_id]
             console.print(f"job {job_id} queued: {job.label}" + (f" ({len(ahead)} ahead of it)" if ahead else ""))
@@ -76,10 +83,12 @@ def list_jobs(
     ca_file: CaFile = None,
     username: Username = None,
     password_file: PasswordFile = None,
+    identity: IdentityFile = None,
+    trust: TrustFile = None,
 ) -> None:
     """The coordinator's jobs, oldest first: state, progress, accuracy, devices."""
     try:
-        with _client(broker, fleet, mqtt, ca_file, username, password_file) as client:
+        with _client(broker, fleet, mqtt, ca_file, username, password_file, identity, trust) as client:
             jobs = client.board()
     except (ConfigError, ConnectionError) as exc:
         fail(str(exc))
@@ -104,10 +113,12 @@ def status(
     ca_file: CaFile = None,
     username: Username = None,
     password_file: PasswordFile = None,
+    identity: IdentityFile = None,
+    trust: TrustFile = None,
 ) -> None:
     """One job: state, progress, accuracy, where its report is, and its latest events."""
     try:
-        with _client(broker, fleet, mqtt, ca_file, username, password_file) as client:
+        with _client(broker, fleet, mqtt, ca_file, username, password_file, identity, trust) as client:
             j = client.record(job_id)
     except (ConfigError, ConnectionError) as exc:
         fail(str(exc))
@@ -134,10 +145,12 @@ def logs(
     ca_file: CaFile = None,
     username: Username = None,
     password_file: PasswordFile = None,
+    identity: IdentityFile = None,
+    trust: TrustFile = None,
 ) -> None:
     """The job's event lines (queued, waiting for devices, one line per round, joins, refusals, end)."""
     try:
-        with _client(broker, fleet, mqtt, ca_file, username, password_file) as client:
+        with _client(broker, fleet, mqtt, ca_file, username, password_file, identity, trust) as client:
             if follow:
                 raise typer.Exit(_follow(client, job_id))
             for line in client.record(job_id)["events"]:
@@ -155,10 +168,12 @@ def cancel(
     ca_file: CaFile = None,
     username: Username = None,
     password_file: PasswordFile = None,
+    identity: IdentityFile = None,
+    trust: TrustFile = None,
 ) -> None:
     """Cancel a queued job, or stop a running one (its devices stay for the next job)."""
     try:
-        with _client(broker, fleet, mqtt, ca_file, username, password_file) as client:
+        with _client(broker, fleet, mqtt, ca_file, username, password_file, identity, trust) as client:
             client.cancel(job_id)
     except (ConfigError, ConnectionError) as exc:
         fail(str(exc))

@@ -45,6 +45,16 @@ Threads = Annotated[Optional[int], typer.Option(help="Threads of this process fo
 CaFile = Annotated[Optional[Path], typer.Option("--ca-file", help="CA certificate (PEM) that signed the broker's certificate; required by mqtts:// URLs.")]
 Username = Annotated[Optional[str], typer.Option("--username", help="MQTT username (this device's credential).")]
 PasswordFile = Annotated[Optional[Path], typer.Option("--password-file", help=f"File holding the MQTT password (first line); or set ${PASSWORD_ENV}; the password itself never goes on the command line.")]
+IdentityFile = Annotated[Optional[Path], typer.Option("--identity", help="This process's identity key (Ed25519 signing + X25519 box, 0600; created if missing). Its public half goes in the fleet's trust file.")]
+TrustFile = Annotated[Optional[Path], typer.Option("--trust", help="The fleet's trust file (name -> role and public keys): frames from anyone else, or not signed by the pinned key, are rejected. Without it: trust on first use, development only (warns).")]
+
+
+def identity_and_trust(name: str, identity: Path | None, default: Path, trust: Path | None, fleet: str):  # noqa: ANN201
+    """Load (or create) this process's identity and the fleet's trust (None: trust on first use)."""
+    from senseshield.runtime.identity import Identity, Trust
+
+    return (Identity.load_or_create(name, identity or default),
+            Trust.load(trust, fleet=fleet) if trust is not None else None)
 
 
 def parse_sets(sets: list[str] | None) -> dict[str, object]:

@@ -49,6 +49,10 @@ class EncryptedVector:
     positions: np.ndarray
     payload: Any
     nbytes: int
+    # in memory only, never on the wire: what a verifiable scheme keeps beside the payload
+    # (``"openings"`` of a fresh encryption, ``"plain"``: the plaintext folded into each unit
+    # of an aggregate), see :mod:`senseshield.he.fingerprint`
+    meta: dict[str, Any] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return int(self.positions.size)
@@ -94,6 +98,24 @@ class PublicKey(ABC):
     scheme: ClassVar[str]
     ragged_masks: ClassVar[bool]
     block_size: int = 1
+    verifiable: ClassVar[bool] = False
+    """The key server can check an aggregate against the contributors' signed fingerprints
+    (:mod:`senseshield.he.fingerprint`): Paillier-family schemes, whose aggregate is a
+    product of powers of the contributions' ciphertexts. CKKS is not."""
+
+    def fingerprint(self, vector: EncryptedVector, seed: bytes) -> bytes:
+        """The contributor's fingerprint of ``vector`` under a round's challenge ``seed``."""
+        raise NotImplementedError(f"{self.scheme} aggregates cannot be verified by fingerprints.")
+
+    def plain_fold(self, aggregate: EncryptedVector) -> bytes:
+        """What an aggregate folded in as plaintext, unit by unit, for the key server's check."""
+        raise NotImplementedError(f"{self.scheme} aggregates cannot be verified by fingerprints.")
+
+    def verify_aggregate(self, aggregate: EncryptedVector, seed: bytes,
+                         contributions: Sequence[tuple[bytes, int]], plain: bytes) -> bool:
+        """Whether ``aggregate`` is the product of the fingerprinted contributions (with
+        their weights) and the plaintext ``plain`` under ``seed``."""
+        raise NotImplementedError(f"{self.scheme} aggregates cannot be verified by fingerprints.")
 
     @property
     @abstractmethod

@@ -115,6 +115,14 @@ from senseshield.he.base import (
     int_param,
     short_hash,
 )
+from senseshield.he.fingerprint import (
+    bytes_ints,
+    check,
+    fingerprint,
+    fingerprint_from_openings,
+    int_bytes,
+    ints_bytes,
+)
 from senseshield.he.obfuscation import (
     DEFAULT_POOL_CAPACITY,
     DEFAULT_WINDOW_BITS,
@@ -123,6 +131,7 @@ from senseshield.he.obfuscation import (
     ObfuscatorPool,
     ShortExponentWarning,
     default_exponent_bits,
+    random_exponent,
 )
 from senseshield.he.paillier import (
     DEFAULT_KEY_BITS,
@@ -523,13 +532,20 @@ class PackedPaillierPublicKey(PublicKey):
         """One fresh obfuscator ``h_s^a mod n^2`` (``a`` from the CSPRNG)."""
         return self.obfuscator_table().random_power()
 
+    def new_opening(self) -> tuple[int, Any]:
+        """``(a, h_s^a mod n^2)``: an obfuscator with its exponent, which the encrypting agent
+        keeps to compute its fingerprint cheaply (:mod:`senseshield.he.fingerprint`)."""
+        table = self.obfuscator_table()
+        a = random_exponent(table.exponent_bits)
+        return a, table.pow(a)
+
     def make_pool(
         self, capacity: int = DEFAULT_POOL_CAPACITY, *, start: bool = False, attach: bool = False
     ) -> ObfuscatorPool[Any]:
         """An :class:`ObfuscatorPool` of this key's obfuscators (``start``: start its thread;
         ``attach``: make :meth:`encrypt` use it by default)."""
         pool: ObfuscatorPool[Any] = ObfuscatorPool(
-            self.new_obfuscator, capacity=capacity, owner=self._key_id
+            self.new_opening, capacity=capacity, owner=self._key_id
         )
         if attach:
             self.attach_pool(pool)
@@ -584,13 +600,15 @@ class PackedPaillierPublicKey(PublicKey):
         if pool is not None:
             if pool.owner != self._key_id:
                 raise ConfigError("The pool was not made for this key (use key.make_pool()).")
-            obfuscators = pool.take(len(packed))
+            items = pool.take(len(packed))
         else:
-            table = self.obfuscator_table()
-            obfuscators = [table.random_power() for _ in packed]
+            items = [self.new_opening() for _ in packed]
+        openings = all(isinstance(item, tuple) for item in items)
+        obfuscators = [item[1] for item in items] if openings else items
         n, nsquare = self._n_mpz, self._nsquare
         ciphertexts = [int((1 + m * n) * r % nsquare) for m, r in zip(packed, obfuscators)]
         return EncryptedVector(
+            meta={"openings": (packed, [item[0] for item in items])} if openings else {},
             scheme=self.scheme,
             key_id=self._key_id,
             positions=positions,
@@ -780,6 +798,7 @@ class PackedPaillierPublicKey(PublicKey):
             for j, c in zip(rows_list, ciphertexts):
                 per_block[j].append((mpz(c), weight))
         acc = [_multi_power(terms, nsquare) for terms in per_block]
+        plain = [0] * nb
         if plain_jobs:
             sums = np.zeros((nb, B), dtype=np.int64)
             for row_of, cols, encoded, weight in plain_jobs:
@@ -787,7 +806,9 @@ class PackedPaillierPublicKey(PublicKey):
             touched = np.flatnonzero(sums.any(axis=1))
             for j, m in zip(touched.tolist(), _pack(sums[touched], lay.slot_bits)):
                 acc[j] = acc[j] * (1 + m * n) % nsquare
+                plain[j] = int(m)
         return EncryptedVector(
+            meta={"plain": plain},
             scheme=self.scheme,
             key_id=self._key_id,
             positions=union.copy(),
@@ -810,6 +831,40 @@ class PackedPaillierPublicKey(PublicKey):
             f"{lay.u_max} < 2^{lay.slot_bits}); aggregate fewer samples or generate a key with "
             "a larger max_total_weight."
         )
+
+    # -- verification (senseshield.he.fingerprint) ---------------------------------------
+    verifiable: ClassVar[bool] = True
+
+    def fingerprint(self, vector: EncryptedVector, seed: bytes) -> bytes:
+        """``prod_k c_k^{a_k} mod n^2`` over the vector's blocks (from the openings when this
+        process encrypted it: one exponentiation), as ``2 * key bytes`` big-endian."""
+        payload, _, blocks, _ = self._check_payload(vector, "The fingerprinted vector")
+        units = blocks.tolist()
+        opened = vector.meta.get("openings")
+        if opened is not None and len(opened[0]) == len(units):
+            value = fingerprint_from_openings(opened[0], opened[1], units, seed, self._n, self._hs)
+        else:
+            value = fingerprint(payload.ciphertexts, units, seed, int(self._nsquare))
+        return int_bytes(value, 2 * self._key_bytes)
+
+    def plain_fold(self, aggregate: EncryptedVector) -> bytes:
+        plain = aggregate.meta.get("plain") or [0] * len(aggregate.payload.ciphertexts)
+        return b"" if not any(plain) else ints_bytes(plain, self._key_bytes)
+
+    def verify_aggregate(self, aggregate: EncryptedVector, seed: bytes,
+                         contributions: Sequence[tuple[bytes, int]], plain: bytes) -> bool:
+        payload, _, blocks, _ = self._check_payload(aggregate, "The aggregate")
+        width = 2 * self._key_bytes
+        fps = []
+        for f, w in contributions:
+            if len(f) != width:
+                raise ProtocolError(f"A fingerprint has {len(f)} bytes; this key's have {width}.")
+            fps.append((int.from_bytes(f, "big"), int(w)))
+        try:
+            folded = bytes_ints(plain, self._key_bytes, len(blocks), "The plaintext fold") if plain else None
+        except ValueError as exc:
+            raise ProtocolError(str(exc)) from None
+        return check(payload.ciphertexts, blocks.tolist(), seed, self._n, fps, folded)
 
     # -- serialisation ----------------------------------------------------------------
     def to_bytes(self) -> bytes:

@@ -67,6 +67,7 @@ import numpy as np
 from phe import paillier as _phe
 
 from senseshield.errors import ConfigError, KeyMismatchError, ProtocolError, SecretKeyExportError
+from senseshield.he.fingerprint import bytes_ints, check, fingerprint, int_bytes, ints_bytes
 from senseshield.he.base import (
     SCHEMES,
     CipherPart,
@@ -368,18 +369,49 @@ class PaillierPublicKey(PublicKey):
                     t = powmod(c, weight, nsquare)
                     a = acc[j]
                     acc[j] = t if a is None else a * t % nsquare
+        plain = [0] * size
         if plain_jobs:
             n = self._n_mpz
             for j in np.flatnonzero(plain_sum != 0).tolist():
-                acc[j] = acc[j] * (1 + n * (plain_sum[j] % n)) % nsquare
+                plain[j] = int(plain_sum[j] % n)
+                acc[j] = acc[j] * (1 + n * plain[j]) % nsquare
 
         return EncryptedVector(
+            meta={"plain": plain},
             scheme=self.scheme,
             key_id=self._key_id,
             positions=union.copy(),
             payload=[int(a) for a in acc],
             nbytes=size * self.ciphertext_nbytes,
         )
+
+    # -- verification (senseshield.he.fingerprint; units are positions) ---------------------
+    verifiable: ClassVar[bool] = True
+
+    def fingerprint(self, vector: EncryptedVector, seed: bytes) -> bytes:
+        self.check(vector)
+        value = fingerprint(vector.payload, np.asarray(vector.positions).tolist(), seed, int(self._nsquare))
+        return int_bytes(value, 2 * _key_bytes(self._n))
+
+    def plain_fold(self, aggregate: EncryptedVector) -> bytes:
+        plain = aggregate.meta.get("plain") or [0] * len(aggregate.payload)
+        return b"" if not any(plain) else ints_bytes(plain, _key_bytes(self._n))
+
+    def verify_aggregate(self, aggregate: EncryptedVector, seed: bytes,
+                         contributions: Sequence[tuple[bytes, int]], plain: bytes) -> bool:
+        self.check(aggregate)
+        width = 2 * _key_bytes(self._n)
+        fps = []
+        for f, w in contributions:
+            if len(f) != width:
+                raise ProtocolError(f"A fingerprint has {len(f)} bytes; this key's have {width}.")
+            fps.append((int.from_bytes(f, "big"), int(w)))
+        units = np.asarray(aggregate.positions).tolist()
+        try:
+            folded = bytes_ints(plain, _key_bytes(self._n), len(units), "The plaintext fold") if plain else None
+        except ValueError as exc:
+            raise ProtocolError(str(exc)) from None
+        return check(aggregate.payload, units, seed, self._n, fps, folded)
 
     # -- serialisation ----------------------------------------------------------------
     def to_bytes(self) -> bytes:

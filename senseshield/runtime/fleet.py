@@ -35,6 +35,7 @@ from senseshield.data import load_dataset
 from senseshield.errors import ConfigError
 from senseshield.data.shards import device_shards, shards
 from senseshield.job import Job, with_shape
+from senseshield.runtime.identity import Identity, Trust, check_frame
 from senseshield.runtime.service import writable_dir
 
 Progress = Callable[[str, int, int], None]
@@ -128,10 +129,12 @@ class Fleet:
             logging.getLogger("amqtt").setLevel(logging.CRITICAL)
             self.broker = EmbeddedBroker(host=self.options.broker_host).start()
             self.url, self.mqtt = self.broker.url, EmbeddedBroker.protocol
+        self._make_identities()
         self._start_observer()  # first: an unreachable broker stops the launch before any process
         common = ["--broker", self.url, "--fleet", self.options.fleet, "--mqtt", self.mqtt,
-                  "--log-level", self.options.log_level]
+                  "--log-level", self.options.log_level, "--trust", str(self.trust_file)]
         self._spawn("keyserver", [*_python("keyserver.cli"), "serve", *common, "--key-dir", str(self.out / "keys"),
+                                  "--identity", str(self.identity_file("keyserver")),
                                   "--min-contributors", str(self.options.min_contributors),
                                   *self.options.extra_keyserver_args])
         once = [] if self.options.serve else [
@@ -139,7 +142,8 @@ class Fleet:
             "--join-timeout", str(self.options.join_timeout)]
         self._spawn("coordinator", [
             *_python("coordinator.cli"), "serve", *common, *once, "--out", str(self.out),
-            "--state-dir", str(self.out / "state"), *self.options.extra_coordinator_args,
+            "--state-dir", str(self.out / "state"), "--identity", str(self.identity_file("coordinator")),
+            *self.options.extra_coordinator_args,
         ])
         self.common = common
         self.profiles = self._profiles()
@@ -156,10 +160,22 @@ class Fleet:
         self._spawn(agent, [
             *_python("edge_agent.cli"), "join", *self.common, "--agent-id", agent, "--profile", str(self.profiles[i]),
             *source, "--threads", str(self.threads), *([] if self.options.serve else ["--once"]),
-            "--model-dir", str(self.out / "agents" / agent),
+            "--model-dir", str(self.out / "agents" / agent), "--identity", str(self.identity_file(agent)),
             *self.options.extra_agent_args.get(agent, []),
         ])
         return agent
+
+    def identity_file(self, name: str) -> Path:
+        return self.out / "identities" / f"{name}.key"
+
+    def _make_identities(self) -> None:
+        """One identity per process (and one for the operator who submits jobs), and the
+        fleet's trust file pinning their public keys: ``OUT/identities/``, ``OUT/trust.json``."""
+        names = {"keyserver": "keyserver", "coordinator": "coordinator", "operator": "operator",
+                 **{a: "agent" for a in agent_ids(self.options.agents)}}
+        self.identities = {n: (Identity.load_or_create(n, self.identity_file(n)), role) for n, role in names.items()}
+        self.trust = Trust.for_identities(self.identities, fleet=self.options.fleet)
+        self.trust_file = self.trust.save(self.out / "trust.json")
 
     def _profiles(self) -> list[Path]:
         """One profile file per agent with the simulator's bandwidth and CPU speed for it
@@ -210,6 +226,7 @@ class Fleet:
         self.seen = {"agents": set(), "rounds": set(), "declined": {}}
 
         def on_frame(topic: str, frame) -> None:  # noqa: ANN001
+            check_frame(self.trust, frame)
             msg = from_frame(frame)
             if isinstance(msg, Hello):
                 self.seen["agents"].add(msg.agent_id)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +28,7 @@ from senseshield.runtime.protocol.messages import (
     from_frame,
     to_frame,
 )
+from senseshield.runtime.identity import Identity, Trust, check_frame
 from senseshield.runtime.transport import Link
 
 OPEN_STATES = ("queued", "waiting", "running")
@@ -35,8 +37,15 @@ OPEN_STATES = ("queued", "waiting", "running")
 class JobClient:
     """A connection to a fleet's coordinator for jobs (use as a context manager)."""
 
-    def __init__(self, broker: str, *, fleet: str, protocol: str = "5", **security: Any) -> None:
+    def __init__(self, broker: str, *, fleet: str, protocol: str = "5", identity: Identity | None = None,
+                 trust: Trust | None = None, **security: Any) -> None:
+        """``identity``: the operator's (default ``~/.senseshield/identities/operator.key``,
+        created if missing; a fleet with a trust file accepts jobs only from the operators it
+        pins); ``trust``: whose answers to believe (default: trust on first use)."""
         self.fleet = fleet
+        self.identity = identity if identity is not None else Identity.load_or_create(
+            "operator", Path.home() / ".senseshield" / "identities" / "operator.key")
+        self.trust = trust if trust is not None else Trust(fleet=fleet, tofu=True)
         self._online: bool | None = None  # the coordinator's retained status
         self._board: list[dict[str, Any]] | None = None
         self._replies: dict[str, JobReply] = {}
@@ -56,6 +65,7 @@ class JobClient:
         self.link.stop()
 
     def _on_frame(self, topic: str, frame: Any) -> None:
+        check_frame(self.trust, frame)
         message = from_frame(frame)
         with self._changed:
             if isinstance(message, Status) and frame.sender == "coordinator":
@@ -67,7 +77,8 @@ class JobClient:
             self._changed.notify_all()
 
     def _send(self, suffix: str, message: Message) -> None:
-        self.link.publish(suffix, to_frame(message, fleet=self.fleet, sender="operator", round=0))
+        self.link.publish(suffix, to_frame(message, fleet=self.fleet, sender=self.identity.name, round=0,
+                                                signer=self.identity))
 
     def _wait(self, predicate: Callable[[], bool], timeout: float, what: str) -> None:
         end = time.monotonic() + timeout

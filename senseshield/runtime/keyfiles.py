@@ -10,12 +10,32 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import tempfile
 from pathlib import Path
 
 from senseshield.errors import ConfigError
-from senseshield.runtime.service import writable_dir
 
 log = logging.getLogger("senseshield.keyfiles")
+
+
+def writable_dir(path: str | Path, flag: str, *, mode: int | None = None) -> Path:
+    """``path`` as a directory this process can write in, created if missing (and set to
+    ``mode`` if given); else :class:`ConfigError` naming ``flag``. Services call it at start,
+    so a bad ``--out`` or ``--key-dir`` stops them before the first round, not after it."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{flag} {str(path)!r} is a file; give a directory (it is created if missing).")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if mode is not None and stat.S_IMODE(path.stat().st_mode) != mode:
+            path.chmod(mode)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise ConfigError(
+            f"{flag} {str(path)!r} is not a writable directory ({exc.strerror or exc}); give one this user can write."
+        ) from None
+    return path
 
 
 def secure_dir(path: Path, flag: str = "--key-dir") -> Path:

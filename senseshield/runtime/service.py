@@ -25,8 +25,6 @@ from __future__ import annotations
 import logging
 import queue
 import signal
-import stat
-import tempfile
 import threading
 import time
 from collections import deque
@@ -38,6 +36,8 @@ from typing import TypeVar
 from senseshield.errors import ConfigError, KeyMismatchError, ProtocolError
 from senseshield.runtime.protocol import Frame
 from senseshield.runtime.protocol.envelope import DEFAULT_MAX_FRAME_BYTES
+from senseshield.runtime.identity import Identity, Trust, check_frame
+from senseshield.runtime.keyfiles import writable_dir  # noqa: F401 - re-exported for the roles
 from senseshield.runtime.protocol.messages import Message, Status, from_frame, to_frame
 from senseshield.runtime.transport import PREFIX, Link
 
@@ -63,26 +63,6 @@ class WaitNote:
         if not self.said and time.monotonic() - self.since >= self.after:
             self.said = True
             self.log.info("waiting for %s", self.what)
-
-
-def writable_dir(path: str | Path, flag: str, *, mode: int | None = None) -> Path:
-    """``path`` as a directory this process can write in, created if missing (and set to
-    ``mode`` if given); else :class:`ConfigError` naming ``flag``. Services call it at start,
-    so a bad ``--out`` or ``--key-dir`` stops them before the first round, not after it."""
-    path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise ConfigError(f"{flag} {str(path)!r} is a file; give a directory (it is created if missing).")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        if mode is not None and stat.S_IMODE(path.stat().st_mode) != mode:
-            path.chmod(mode)
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as exc:
-        raise ConfigError(
-            f"{flag} {str(path)!r} is not a writable directory ({exc.strerror or exc}); give one this user can write."
-        ) from None
-    return path
 
 
 @dataclass
@@ -139,12 +119,32 @@ class Service:
         protocol: str = "5",
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         status_topic: str | None = None,
+        identity: Identity | None = None,
+        trust: Trust | None = None,
+        role: str = "agent",
     ) -> None:
         """TLS and credentials: call ``self.link.secure(...)`` before :meth:`start` (the CLIs
-        do), so the security options are defined once, on :class:`Link`."""
+        do), so the security options are defined once, on :class:`Link`.
+
+        ``identity`` signs every frame this service sends (default: a fresh one, for tests
+        and development); ``trust`` decides whose frames it accepts (default: trust on first
+        use, which warns). A trust file that pins another key for this service's own name
+        stops it here."""
         self.fleet = fleet
         self.name = client_id
         self.log = logger
+        self.identity = identity if identity is not None else Identity.generate(client_id)
+        if trust is None:
+            logger.warning("%s: no --trust file: trusting every sender's key on first use (development only)",
+                           client_id)
+            trust = Trust(fleet=fleet, tofu=True)
+        self.trust = trust
+        own = trust.principals.get(client_id)
+        if own is None:
+            trust.add(self.identity.principal(role))
+        elif own.sign is not None and own.sign != self.identity.sign_key:
+            raise ConfigError(f"The trust file pins another key for {client_id!r} than its identity "
+                              f"({self.identity.fingerprint}); give the matching --identity or update the trust file.")
         self._queue: queue.Queue = queue.Queue()
         self._handlers: dict[type[Message], Callable[[Inbound], None]] = {}
         self.stopping = threading.Event()
@@ -178,7 +178,7 @@ class Service:
         return self.peers[f"{name}/status"].online
 
     def frame(self, message: Message, *, round: int = 0) -> bytes:
-        return to_frame(message, fleet=self.fleet, sender=self.name, round=round)
+        return to_frame(message, fleet=self.fleet, sender=self.name, round=round, signer=self.identity)
 
     def send(self, suffix: str, message: Message, *, round: int = 0, retain: bool = False) -> int:
         """Publish ``message``; returns the frame's size in bytes."""
@@ -313,7 +313,9 @@ class Service:
     # -- internals ------------------------------------------------------------------------
 
     def _on_frame(self, full_topic: str, frame: Frame) -> None:
-        # network thread: decode into the typed message (raises ProtocolError -> Link rejects)
+        # network thread: check the signature, decode into the typed message (raises
+        # ProtocolError -> Link rejects)
+        check_frame(self.trust, frame)
         message = from_frame(frame)
         suffix = full_topic.removeprefix(f"{PREFIX}/{self.fleet}/")
         self._queue.put(Inbound(suffix, frame, message, time.time()))

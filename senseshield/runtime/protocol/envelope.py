@@ -3,6 +3,7 @@
 Frame layout (all integers big-endian)::
 
     b"SSHD" | u8 frame version | u32 header length H | H bytes of UTF-8 JSON header | sections
+           [| 64-byte Ed25519 signature over everything before it]
 
 The header names the message ``schema`` and its ``version``, the ``fleet``, the
 ``sender``, the ``round``, a ``sent_at`` timestamp, the message's small fields (``fields``)
@@ -13,10 +14,18 @@ follow the header in descriptor order: numeric arrays little-endian, raw bytes a
 header size, JSON validity (no NaN or infinite numbers in the header), descriptor types, that every section's length equals
 ``prod(shape) * itemsize``, that the lengths add up to the frame, the total size limit, and
 (for float sections) finiteness. Any violation raises :class:`ProtocolError` with the reason.
+
+Signatures (frame version 2): a signed frame's header holds ``"sig": {"alg": "ed25519",
+"key": <base64 public key>}`` and the frame ends with the 64-byte signature over every byte
+before it (prefix, header, sections), so the sender, fleet, round, schema, fields and
+sections are all covered. :func:`decode_frame` only parses; whether the key is one the
+receiver trusts is decided by :class:`senseshield.runtime.identity.Trust`, which every
+service applies to every frame before handling it.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import struct
@@ -29,7 +38,8 @@ import numpy as np
 from senseshield.errors import ProtocolError
 
 MAGIC = b"SSHD"
-FRAME_VERSION = 1
+FRAME_VERSION = 2  # 2: optional Ed25519 signature trailer
+SIGNATURE_BYTES = 64
 _PREFIX = struct.Struct(">4sBI")
 MAX_HEADER_BYTES = 1 << 20
 DEFAULT_MAX_FRAME_BYTES = 256 << 20  # Mosquitto's default message_size_limit is 256 MB
@@ -56,6 +66,13 @@ class Frame:
     sent_at: float
     fields: dict[str, Any]
     sections: dict[str, np.ndarray | bytes] = field(default_factory=dict)
+    signer_key: bytes | None = None  # the public key the frame says signed it (None: unsigned)
+    signature: bytes = b""
+    signed: bytes = b""  # the bytes the signature covers
+
+    @property
+    def is_signed(self) -> bool:
+        return self.signer_key is not None
 
 
 def _descriptor(name: str, value: np.ndarray | bytes) -> tuple[dict[str, Any], bytes]:
@@ -83,8 +100,10 @@ def encode_frame(
     fields: dict[str, Any],
     sections: dict[str, np.ndarray | bytes] | None = None,
     sent_at: float | None = None,
+    signer: Any = None,
 ) -> bytes:
-    """Serialise one message; ``fields`` must be JSON-serialisable (no arrays)."""
+    """Serialise one message; ``fields`` must be JSON-serialisable (no arrays).
+    ``signer`` (an :class:`~senseshield.runtime.identity.Identity`): sign the frame."""
     descriptors, blobs = [], []
     for name, value in (sections or {}).items():
         descriptor, raw = _descriptor(name, value)
@@ -100,8 +119,11 @@ def encode_frame(
         "fields": fields,
         "sections": descriptors,
     }
+    if signer is not None:
+        header["sig"] = {"alg": "ed25519", "key": base64.b64encode(signer.sign_key).decode()}
     encoded = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
-    return b"".join([_PREFIX.pack(MAGIC, FRAME_VERSION, len(encoded)), encoded, *blobs])
+    body = b"".join([_PREFIX.pack(MAGIC, FRAME_VERSION, len(encoded)), encoded, *blobs])
+    return body + signer.sign(body) if signer is not None else body
 
 
 def decode_frame(data: bytes, *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Frame:
@@ -152,8 +174,13 @@ def decode_frame(data: bytes, *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Fr
         elif kind in ("f32", "f64") and not np.all(np.isfinite(array)):
             raise ProtocolError(f"Section {name!r} contains NaN or inf.")
         sections[name] = array.astype(array.dtype.newbyteorder("="))
-    if offset != len(data):
-        raise ProtocolError(f"Frame has {len(data) - offset:,} trailing bytes after its sections.")
+    signer_key, signature = _signature(header.get("sig"))
+    expected_end = offset + (SIGNATURE_BYTES if signer_key is not None else 0)
+    if expected_end != len(data):
+        what = "its signature" if signer_key is not None else "its sections"
+        raise ProtocolError(f"Frame has {len(data) - expected_end:,} trailing bytes after {what} (or is cut short).")
+    if signer_key is not None:
+        signature = data[offset:]
     return Frame(
         schema=header["schema"],
         version=header["version"],
@@ -163,7 +190,24 @@ def decode_frame(data: bytes, *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Fr
         sent_at=float(header["sent_at"]),
         fields=header["fields"],
         sections=sections,
+        signer_key=signer_key,
+        signature=signature,
+        signed=data[:offset] if signer_key is not None else b"",
     )
+
+
+def _signature(sig: Any) -> tuple[bytes | None, bytes]:
+    if sig is None:
+        return None, b""
+    if not isinstance(sig, dict) or sig.get("alg") != "ed25519" or not isinstance(sig.get("key"), str):
+        raise ProtocolError("Header field 'sig' must be {alg: ed25519, key: base64}.")
+    try:
+        key = base64.b64decode(sig["key"], validate=True)
+    except (ValueError, TypeError):
+        key = b""
+    if len(key) != 32:
+        raise ProtocolError("Header field 'sig' names a key that is not a 32-byte Ed25519 public key.")
+    return key, b""
 
 
 def _no_constant(name: str) -> float:

@@ -66,13 +66,14 @@ def unpack_mask(bits: np.ndarray, size: int) -> np.ndarray:
     return unpacked[:size]
 
 
-def to_frame(msg: Message, *, fleet: str, sender: str, round: int) -> bytes:
-    """Serialise ``msg`` into one envelope frame."""
+def to_frame(msg: Message, *, fleet: str, sender: str, round: int, signer: Any = None) -> bytes:
+    """Serialise ``msg`` into one envelope frame, signed by ``signer`` (an
+    :class:`~senseshield.runtime.identity.Identity`) if given."""
     data = msg.model_dump()
     sections = {name: data.pop(name) for name in msg.sections}
     return encode_frame(
         schema=msg.schema_name, version=msg.version, fleet=fleet, sender=sender,
-        round=round, fields=data, sections=sections,
+        round=round, fields=data, sections=sections, signer=signer,
     )
 
 

@@ -1,0 +1,286 @@
+"""Who is speaking: every role's identity key, and the fleet's trust file.
+
+Every process of a fleet (the key server, the coordinator, each agent, an operator who
+submits jobs) holds an **identity**: 32 random bytes in a 0600 file (rules of
+:mod:`senseshield.runtime.keyfiles`), from which two key pairs are derived with the
+``cryptography`` package (no home-made primitives):
+
+* an Ed25519 signing key: every frame it sends is signed (:mod:`...protocol.envelope`,
+  the signature covers the header, so fleet, sender, round, schema and fields, and every
+  section);
+* an X25519 box key: the key server seals each round's challenge seed to the agents with it
+  (:func:`seal` / :func:`open_sealed`: X25519 + HKDF-SHA256 + ChaCha20-Poly1305), so the
+  coordinator, which relays everything, never learns the challenge.
+
+A **trust file** (YAML or JSON) pins the fleet's principals: name -> role and public keys
+(or only the signing key's fingerprint, the first 16 bytes of its SHA-256, in hex)::
+
+    fleet: demo
+    principals:
+      keyserver:   {role: keyserver,   sign: <base64>, box: <base64>}
+      coordinator: {role: coordinator, sign: <base64>}
+      agent-0:     {role: agent,       sign: <base64>, box: <base64>}
+      operator:    {role: operator,    fingerprint: 3f2a...}
+
+``senseshield fleet up`` writes one for its processes; ``deploy/ansible`` builds one from the
+keys each host generated. Without a trust file a service runs in **trust on first use**
+(:class:`Trust` with ``tofu=True``): the first key seen for a name is pinned for the life of
+the process, and a warning says that this is for development only (an attacker who speaks
+first is believed).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cryptography.exceptions import InvalidSignature, InvalidTag
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from senseshield.errors import ConfigError, ProtocolError
+from senseshield.runtime.keyfiles import check_private, secure_dir, write_secret
+
+log = logging.getLogger("senseshield.identity")
+
+ROLES = ("keyserver", "coordinator", "agent", "operator")
+SIGNATURE_BYTES = 64
+_SEED_BYTES = 32
+_RAW = serialization.Encoding.Raw, serialization.PublicFormat.Raw
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def unb64(text: str, what: str, size: int = 32) -> bytes:
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (ValueError, TypeError):
+        raise ConfigError(f"{what} is not base64.") from None
+    if len(raw) != size:
+        raise ConfigError(f"{what} has {len(raw)} bytes; a key has {size}.")
+    return raw
+
+
+def fingerprint(sign_key: bytes) -> str:
+    """The pinned form of a signing key: 32 hex characters of its SHA-256."""
+    return hashlib.sha256(sign_key).hexdigest()[:32]
+
+
+class Identity:
+    """A principal's private keys (never serialised except to its own 0600 file)."""
+
+    def __init__(self, name: str, seed: bytes) -> None:
+        if len(seed) != _SEED_BYTES:
+            raise ConfigError(f"An identity seed has {_SEED_BYTES} bytes, got {len(seed)}.")
+        self.name = name
+        self._sign = Ed25519PrivateKey.from_private_bytes(seed)
+        self._box = X25519PrivateKey.from_private_bytes(hashlib.sha256(b"senseshield-box\0" + seed).digest())
+        self.sign_key = self._sign.public_key().public_bytes(*_RAW)
+        self.box_key = self._box.public_key().public_bytes(*_RAW)
+        self.fingerprint = fingerprint(self.sign_key)
+
+    @classmethod
+    def generate(cls, name: str) -> "Identity":
+        return cls(name, os.urandom(_SEED_BYTES))
+
+    @classmethod
+    def load_or_create(cls, name: str, path: str | Path) -> "Identity":
+        """The identity in ``path`` (0600, in a 0700 directory), created on first use."""
+        path = Path(path)
+        secure_dir(path.parent, "--identity")
+        if path.is_symlink():
+            raise ConfigError(f"Identity file {path} is a symbolic link; give the file itself.")
+        if path.exists():
+            check_private(path)
+            seed = path.read_bytes()
+            if len(seed) != _SEED_BYTES:
+                raise ConfigError(f"Identity file {path} holds {len(seed)} bytes, not a {_SEED_BYTES}-byte identity.")
+            return cls(name, seed)
+        identity = cls.generate(name)
+        write_secret(path, identity._seed())
+        log.info("created identity %s (%s) in %s", name, identity.fingerprint, path)
+        return identity
+
+    def _seed(self) -> bytes:
+        return self._sign.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
+                                        serialization.NoEncryption())
+
+    def sign(self, data: bytes) -> bytes:
+        return self._sign.sign(data)
+
+    def principal(self, role: str) -> "Principal":
+        return Principal(self.name, role, self.sign_key, self.box_key)
+
+    def open(self, sealed: bytes, sender_box: bytes, context: bytes) -> bytes:
+        """Open a box :func:`seal` made for this identity (:class:`ProtocolError` if it fails)."""
+        key = _box_key(self._box, sender_box, context)
+        try:
+            return ChaCha20Poly1305(key).decrypt(sealed[:12], sealed[12:], context)
+        except (InvalidTag, ValueError):
+            raise ProtocolError("A sealed value does not open with this identity (wrong key or tampered).") from None
+
+    def seal(self, data: bytes, recipient_box: bytes, context: bytes) -> bytes:
+        """``data`` readable only by the holder of ``recipient_box`` (and this identity);
+        ``context`` (fleet, run, round) is bound into the key and the tag."""
+        key = _box_key(self._box, recipient_box, context)
+        nonce = os.urandom(12)
+        return nonce + ChaCha20Poly1305(key).encrypt(nonce, data, context)
+
+    def __repr__(self) -> str:
+        return f"Identity({self.name!r}, {self.fingerprint})"
+
+    def __reduce__(self) -> Any:
+        raise TypeError("Identities do not pickle.")
+
+
+def _box_key(own: X25519PrivateKey, other: bytes, context: bytes) -> bytes:
+    shared = own.exchange(X25519PublicKey.from_public_bytes(other))
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=b"senseshield-seal\0" + context).derive(shared)
+
+
+@dataclass(frozen=True)
+class Principal:
+    """A trusted name: its role and public keys (``sign`` may be None when only the
+    fingerprint is pinned; it is then learnt from the first frame that matches it)."""
+
+    name: str
+    role: str
+    sign: bytes | None
+    box: bytes | None = None
+    pinned_fingerprint: str | None = None
+
+    def as_dict(self) -> dict[str, str]:
+        out = {"role": self.role}
+        if self.sign is not None:
+            out["sign"] = b64(self.sign)
+        if self.box is not None:
+            out["box"] = b64(self.box)
+        if self.sign is None and self.pinned_fingerprint:
+            out["fingerprint"] = self.pinned_fingerprint
+        return out
+
+
+class Trust:
+    """The keys this process believes; checks every frame's signature before it is used.
+
+    ``tofu=True`` (no trust file): unknown names are pinned on first sight, with a warning.
+    """
+
+    def __init__(self, principals: dict[str, Principal] | None = None, *, fleet: str | None = None,
+                 tofu: bool = False) -> None:
+        self.principals: dict[str, Principal] = dict(principals or {})
+        self.fleet = fleet
+        self.tofu = tofu
+        self._lock = threading.Lock()
+
+    # -- files ------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, path: str | Path, *, fleet: str | None = None) -> "Trust":
+        """Read a trust file; :class:`ConfigError` naming the first problem."""
+        import yaml
+
+        path = Path(path)
+        try:
+            data = yaml.safe_load(path.read_text())
+        except OSError as exc:
+            raise ConfigError(f"--trust {str(path)!r} cannot be read ({exc.strerror or exc}).") from None
+        except yaml.YAMLError:
+            raise ConfigError(f"--trust {str(path)!r} is not YAML or JSON.") from None
+        if not isinstance(data, dict) or not isinstance(data.get("principals"), dict):
+            raise ConfigError(f"--trust {str(path)!r} needs a 'principals' mapping of name -> role and keys.")
+        file_fleet = data.get("fleet")
+        if fleet is not None and file_fleet is not None and file_fleet != fleet:
+            raise ConfigError(f"--trust {str(path)!r} is for fleet {file_fleet!r}, not {fleet!r}.")
+        principals = {}
+        for name, entry in data["principals"].items():
+            where = f"Trust file {path}, principal {name!r}"
+            if not isinstance(entry, dict) or entry.get("role") not in ROLES:
+                raise ConfigError(f"{where}: role must be one of {', '.join(ROLES)}.")
+            if entry["role"] != role_of_name(str(name)):
+                raise ConfigError(f"{where}: the name says role {role_of_name(str(name))!r}, the file {entry['role']!r}; "
+                                  "the key server and the coordinator are named after their roles, operators "
+                                  "'operator' or 'operator-...', agents anything else.")
+            sign = unb64(entry["sign"], f"{where}: sign") if entry.get("sign") else None
+            box = unb64(entry["box"], f"{where}: box") if entry.get("box") else None
+            pinned = entry.get("fingerprint")
+            if sign is None and not (isinstance(pinned, str) and len(pinned) == 32):
+                raise ConfigError(f"{where}: give 'sign' (base64 public key) or 'fingerprint' (32 hex characters).")
+            if sign is not None and pinned and fingerprint(sign) != pinned:
+                raise ConfigError(f"{where}: the fingerprint does not match the signing key.")
+            principals[str(name)] = Principal(str(name), entry["role"], sign, box, pinned)
+        return cls(principals, fleet=file_fleet or fleet)
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        data = {"fleet": self.fleet, "principals": {n: p.as_dict() for n, p in sorted(self.principals.items())}}
+        path.write_text(json.dumps(data, indent=2) + "\n")
+        return path
+
+    @classmethod
+    def for_identities(cls, identities: dict[str, tuple["Identity", str]], *, fleet: str) -> "Trust":
+        """The trust of a fleet whose identities this process made (``fleet up``)."""
+        return cls({n: i.principal(role) for n, (i, role) in identities.items()}, fleet=fleet)
+
+    # -- checks -----------------------------------------------------------------------------
+    def add(self, principal: Principal) -> None:
+        with self._lock:
+            self.principals[principal.name] = principal
+
+    def role(self, name: str) -> str | None:
+        p = self.principals.get(name)
+        return p.role if p is not None else None
+
+    def box_key(self, name: str) -> bytes | None:
+        p = self.principals.get(name)
+        return p.box if p is not None else None
+
+    def verify(self, sender: str, key: bytes, signed: bytes, signature: bytes, *, role: str | None = None) -> None:
+        """Accept ``signature`` over ``signed`` from ``sender`` whose frame names ``key``;
+        :class:`ProtocolError` with the reason otherwise."""
+        with self._lock:
+            principal = self.principals.get(sender)
+            if principal is None:
+                if not self.tofu:
+                    raise ProtocolError(f"Frame from {sender!r}, which is not in the fleet's trust file.")
+                principal = Principal(sender, role or "agent", key)
+                self.principals[sender] = principal
+                log.warning("trusting %s's key %s on first use (no --trust file: development only)",
+                            sender, fingerprint(key))
+            elif principal.sign is None:
+                if fingerprint(key) != principal.pinned_fingerprint:
+                    raise ProtocolError(f"Frame from {sender!r} is signed with a key whose fingerprint is not the pinned one.")
+                principal = Principal(sender, principal.role, key, principal.box, principal.pinned_fingerprint)
+                self.principals[sender] = principal
+        if key != principal.sign:
+            raise ProtocolError(f"Frame from {sender!r} is signed with key {fingerprint(key)}, not its pinned key "
+                                f"{fingerprint(principal.sign)}.")
+        try:
+            Ed25519PublicKey.from_public_bytes(key).verify(signature, signed)
+        except InvalidSignature:
+            raise ProtocolError(f"Signature of the frame from {sender!r} does not verify.") from None
+
+
+def role_of_name(name: str) -> str:
+    """The role a name has by convention (trust on first use; trust files must agree)."""
+    if name in ("keyserver", "coordinator"):
+        return name
+    return "operator" if name == "operator" or name.startswith("operator-") else "agent"
+
+
+def check_frame(trust: Trust, frame: Any) -> None:
+    """Every frame a service uses must be signed by its sender's trusted key."""
+    if not frame.is_signed:
+        raise ProtocolError(f"Unsigned {frame.schema!r} frame from {frame.sender!r}; every frame must be signed.")
+    trust.verify(frame.sender, frame.signer_key, frame.signed, frame.signature, role=role_of_name(frame.sender))
