@@ -17,6 +17,7 @@ simulator's result for the same config and seed.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -43,6 +44,8 @@ from senseshield.runtime.protocol.messages import (
     Assignment,
     BootstrapVector,
     ClusterModel,
+    Receipt,
+    RoundOpen,
     FleetConfig,
     Hello,
     MaskDecision,
@@ -53,13 +56,15 @@ from senseshield.runtime.protocol.messages import (
     RoundPlan,
     Status,
     UpdateMessage,
+    from_frame,
     aggregate_to_message,
     pack_mask,
     unpack_mask,
     update_from_message,
 )
 from senseshield.accounting import Accountant
-from senseshield.runtime.identity import Identity, Trust
+from senseshield.runtime.identity import Identity, Trust, check_frame
+from senseshield.runtime.protocol.envelope import decode_frame
 from senseshield.runtime.service import Inbound, Service, check_sender, writable_dir
 from coordinator.jobs import OPEN, JobBook, JobRecord
 from senseshield.job import Job, effective_scheme, initial_model, job_from_dict, job_shape, noise_multipliers
@@ -398,6 +403,7 @@ class Coordinator(Service):
         self.model_round: dict[int, int] = {}
         self.models: dict[int, tuple[int, np.ndarray]] = {}  # last published model per cluster
         self.round = 0
+        self.round_open: RoundOpen | None = None
         self.completed = 0
         self.clusters = {}
         self.records: list[dict] = []  # per round, before accuracy is known
@@ -438,8 +444,10 @@ class Coordinator(Service):
             self._resend_requests("the key server is back online")
 
     def _resend_requests(self, why: str) -> None:
-        """Re-send every aggregate request still waiting for its verdict (the key server
-        answers a repeat with the verdict it gave, so duplicates are harmless)."""
+        """Re-send the round's plan and every aggregate request still waiting for its verdict
+        (the key server answers a repeat with the verdict it gave, so duplicates are harmless)."""
+        if getattr(self, "round_open", None) is not None and self.round >= 1:
+            self.send("keyserver/rounds", self.round_open, round=self.round)
         for k, cr in self.clusters.items():
             if cr.phase == "decrypting" and cr.request is not None:
                 self.log.info("round %d cluster %d: %s; re-sending the aggregate request", self.round, k, why)
@@ -661,6 +669,14 @@ class Coordinator(Service):
         if offline:  # known gone (last will): not sampled until they are back
             self.offline_notes.append(f"round {r}: {', '.join(offline)} offline, not sampled")
         self.sampled = sampled & online
+        # the round's plan, pinned at the key server before any agent hears of it: it seals
+        # the round's challenge to these agents and decrypts aggregates of these clusters only
+        members_of = {k: [a for a in self.plan.members(k) if a in self.sampled] for k in self.plan.clusters}
+        self.round_open = RoundOpen(
+            run_id=self.run_id, clusters={str(k): m for k, m in members_of.items() if m},
+            box_keys={a: self.agents[a].hello.box_key for m in members_of.values() for a in m
+                      if a in self.agents and self.agents[a].hello.box_key})
+        self.send("keyserver/rounds", self.round_open, round=r)
         for k in self.plan.clusters:
             members = [a for a in self.plan.members(k) if a in self.sampled]
             if not members:
@@ -755,6 +771,7 @@ class Coordinator(Service):
         if msg.n_samples != hello.n_samples:
             raise ProtocolError(f"Update of {agent_id!r} claims {msg.n_samples} samples; it joined with {hello.n_samples}.")
         update = update_from_message(msg, self.public, client_id=agent_id, round=item.round, size=self.size)
+        self._check_receipt(agent_id, item.round, msg)
         cr = self._cluster_round_of(agent_id, item.round, "update")
         if agent_id in cr.updates:
             return  # a re-sent duplicate
@@ -764,6 +781,24 @@ class Coordinator(Service):
         cr.updates[agent_id] = (update, item)
         self.agent_rounds[agent_id][item.round]["update_received"] = item.received
         self._advance()
+
+    def _check_receipt(self, agent_id: str, r: int, msg: UpdateMessage) -> None:
+        """The update's receipt must be the agent's own signed statement about this update
+        (the key server checks it again, and the fingerprint): one bad receipt would make
+        the whole cluster's aggregate refused."""
+        if not msg.receipt:
+            raise ProtocolError(f"Update of {agent_id!r} carries no signed receipt.")
+        frame = decode_frame(msg.receipt)
+        check_frame(self.trust, frame)
+        receipt = from_frame(frame)
+        if not isinstance(receipt, Receipt) or frame.sender != agent_id or frame.round != r:
+            raise ProtocolError(f"Update of {agent_id!r} carries a receipt of {frame.sender!r} for round {frame.round}.")
+        if (receipt.run_id, receipt.cluster, receipt.n_samples) != (self.run_id, msg.cluster, msg.n_samples):
+            raise ProtocolError(f"Update of {agent_id!r} carries a receipt for another run, cluster or sample count.")
+        if receipt.ciphertext_digest != (hashlib.sha256(msg.ciphertext).hexdigest() if msg.ciphertext else ""):
+            raise ProtocolError(f"Update of {agent_id!r} carries a receipt for another ciphertext.")
+        if bool(receipt.fingerprint) != bool(msg.ciphertext and self.public is not None and self.public.verifiable):
+            raise ProtocolError(f"Update of {agent_id!r} carries a receipt without the fingerprint of its ciphertext.")
 
     def _check_facts(self, agent_id: str, what: str, *, cluster: int, size: int) -> Hello:
         """An agent's message must name its cluster and the model's size; returns its hello."""
@@ -852,7 +887,8 @@ class Coordinator(Service):
             cr.phase, cr.accepted, cr.reason = "done", False, f"aggregation failed: {exc}"
             self.log.warning("round %d cluster %d: %s", self.round, k, cr.reason)
             return
-        request = aggregate_to_message(aggregate, self.public, run_id=self.run_id)
+        receipts = [cr.updates[a][1].message.receipt for a in sorted(cr.updates)]  # type: ignore[attr-defined]
+        request = aggregate_to_message(aggregate, self.public, run_id=self.run_id, receipts=receipts)
         cr.timings["aggregate"] = time.perf_counter() - t
         cr.union_ratio = float(aggregate.union_mask.mean())  # type: ignore[attr-defined]
         cr.request = self.frame(request, round=self.round)

@@ -15,6 +15,7 @@ re-sends its last update (the coordinator drops duplicates). SIGTERM ends it cle
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -31,7 +32,10 @@ from senseshield.runtime.protocol.messages import (
     Decline,
     Assignment,
     BootstrapVector,
+    Challenge,
     ClusterModel,
+    Receipt,
+    UpdateMessage,
     FleetConfig,
     Hello,
     MaskDecision,
@@ -58,7 +62,7 @@ from senseshield.rounds import (
     protect_rng,
 )
 from senseshield.accounting import Accountant
-from senseshield.runtime.identity import Identity, Trust
+from senseshield.runtime.identity import SEALED_SEED_BYTES, Identity, Trust, b64, unb64
 from senseshield.runtime.service import Inbound, Service, WaitNote
 from senseshield.data.shards import shards
 from senseshield.data.local import describe_data, load_local_data
@@ -235,8 +239,11 @@ class EdgeAgent(Service):
             MaskDecision: self._on_decision,
             ClusterModel: self._on_model,
             Notice: self._on_notice,
+            Challenge: self._on_challenge,
         }.items():
             self.on(cls, handler)
+        self.seeds: dict[tuple[str, int], bytes] = {}  # (run, round) -> the key server's challenge seed
+        self.plan_cluster: dict[tuple[str, int], int] = {}  # (run, round) -> the cluster of its first plan
         self.watch("coordinator")  # says so in the log when it is gone, and keeps waiting
 
     # ---- handlers (they only record; the main loop acts) --------------------------------
@@ -299,6 +306,12 @@ class EdgeAgent(Service):
                                 "rounds start at 1 from an earlier model.")
         if item.round < self.newest_plan:
             raise ProtocolError(f"Round plan for round {item.round}; round {self.newest_plan} has begun.")
+        # one cluster per round: a second plan that moves this agent to another cluster would
+        # let a coordinator put its contribution into two aggregates
+        first = self.plan_cluster.setdefault((self.run.run_id, item.round), msg.cluster)
+        if first != msg.cluster:
+            raise ProtocolError(f"Round plan puts this agent in cluster {msg.cluster} in round {item.round}; "
+                                f"an earlier plan of that round said cluster {first}.")
         self.newest_plan = item.round
         self.plans.append((item.round, msg))
         self.plan_sent_at.setdefault(item.round, item.frame.sent_at)
@@ -310,6 +323,39 @@ class EdgeAgent(Service):
         if self.run is None or msg.size != self.run.initial.size:
             raise ProtocolError(f"Mask decision for {msg.size} parameters does not fit this agent's run.")
         self.decisions[item.round] = msg
+
+    def _on_challenge(self, item: Inbound) -> None:
+        """The round's challenge seed, sealed to this agent by the key server."""
+        if item.sender != "keyserver":
+            raise ProtocolError(f"Challenge from {item.sender!r}; only the key server sets challenges.")
+        msg: Challenge = item.message  # type: ignore[assignment]
+        if self.run is None or msg.run_id != self.run.run_id or self.agent_id not in msg.sealed:
+            return  # another job's round, or this agent is not in it
+        context = f"{self.fleet}/{msg.run_id}/{item.round}".encode()
+        sealed = unb64(msg.sealed[self.agent_id], "the sealed challenge", size=SEALED_SEED_BYTES)
+        box = unb64(msg.box_key, "the key server's box key")
+        self.seeds[(msg.run_id, item.round)] = self.identity.open(sealed, box, context)
+
+    def _receipt(self, r: int, plan: RoundPlan, update, message: UpdateMessage) -> bytes:  # noqa: ANN001
+        """This update's signed receipt (its fingerprint under round ``r``'s sealed challenge)."""
+        run = self.run
+        assert run is not None
+        fp = b""
+        if update.ciphertext is not None and self.public is not None and self.public.verifiable:
+            waiting = (f"round {r}: the key server's challenge for this round (the receipt's fingerprint "
+                       "needs it; the key server seals it to the round's agents when the round opens)")
+            if not self.wait_until(lambda: (run.run_id, r) in self.seeds, max(plan.deadline - time.time(), 1.0),
+                                   waiting=waiting):
+                raise ProtocolError(f"Round {r}: no challenge from the key server before the deadline; update not sent.")
+            fp = self.public.fingerprint(update.ciphertext, self.seeds[(run.run_id, r)])
+        receipt = Receipt(
+            run_id=run.run_id, cluster=plan.cluster, n_samples=update.n_samples,
+            key_id=self.public.key_id if self.public is not None else "",
+            mask_digest=hashlib.sha256(message.mask.tobytes()).hexdigest(),
+            ciphertext_digest=hashlib.sha256(message.ciphertext).hexdigest() if message.ciphertext else "",
+            fingerprint=fp,
+        )
+        return self.frame(receipt, round=r)
 
     def _on_model(self, item: Inbound) -> None:
         msg: ClusterModel = item.message
@@ -430,6 +476,7 @@ class EdgeAgent(Service):
         hello = Hello(
             run_id=run.run_id, agent_id=self.agent_id, n_samples=data.n_train, bandwidth=self.bandwidth,
             cpu_speed=self.cpu_speed, profile=profile, key_id=self.key.key_id if self.key else None, index=index,
+            box_key=b64(self.identity.box_key),
         )
         run.hello = hello
         self.send(f"agents/{self.agent_id}/hello", hello)
@@ -592,15 +639,21 @@ class EdgeAgent(Service):
         )
         keep_personal(run.client, local, choice.withheld)
         t = time.perf_counter()
-        frame = self.frame(update_to_message(update, self.public, report=choice_report(choice)), round=r)
+        message = update_to_message(update, self.public, report=choice_report(choice))
         t_serialize = time.perf_counter() - t
+        t = time.perf_counter()
+        receipt = self._receipt(r, plan, update, message)
+        t_receipt = time.perf_counter() - t
+        t = time.perf_counter()
+        frame = self.frame(message.model_copy(update={"receipt": receipt}), round=r)
+        t_serialize += time.perf_counter() - t
         t = time.perf_counter()
         self.link.publish(f"agents/{self.agent_id}/update", frame)
         t_upload = time.perf_counter() - t
         run.last_update = (r, frame)
         run.done_rounds.add(r)
         tm.update({k: v for k, v in update.timings.items()})
-        tm.update({"serialize": t_serialize, "upload": t_upload, "uploaded_at": time.time(),
+        tm.update({"serialize": t_serialize, "receipt": t_receipt, "upload": t_upload, "uploaded_at": time.time(),
                    "bytes_up": float(len(frame))})
 
     def _evaluate_new_model(self) -> None:
@@ -668,7 +721,7 @@ class EdgeAgent(Service):
         """Take jobs until SIGTERM (``once``: until the first job ends or refuses this
         agent); returns the exit code (0, or 3 if refused)."""
         self.start([
-            "fleet/config", "keys/public", "fleet/control", f"agents/{self.agent_id}/inbox",
+            "fleet/config", "keys/public", "fleet/control", f"agents/{self.agent_id}/inbox", "keyserver/challenges",
         ])
         self.log.info("%s: connected to fleet %r; waiting for a job", self.agent_id, self.fleet)
         waits: dict[object, WaitNote] = {}  # what this agent waits for, each said once

@@ -30,6 +30,7 @@ def serve(
     fleet: Fleet = defaults.FLEET,
     key_dir: Annotated[Path, typer.Option(help="Directory of the key pair (created 0700; secret file 0600).")] = Path("keys"),
     min_contributors: MinContributors = defaults.MIN_CONTRIBUTORS,
+    min_fraction: Annotated[float, typer.Option(help="Also refuse an aggregate of fewer than this fraction of its cluster's members in the round (0..1; SenseCrypt Thm. 1: collusion with at most |G|-2 clients).")] = 0.0,
     threads: Threads = None,
     mqtt: Mqtt = defaults.MQTT,
     ca_file: CaFile = None,
@@ -47,7 +48,8 @@ def serve(
     security = mqtt_security(broker, ca_file=ca_file, username=username, password_file=password_file)
     try:
         me, trusted = identity_and_trust("keyserver", identity, key_dir / "identity.key", trust, fleet)
-        server = KeyServer(broker, fleet=fleet, key_dir=key_dir, min_contributors=min_contributors, protocol=check_mqtt(mqtt),
+        server = KeyServer(broker, fleet=fleet, key_dir=key_dir, min_contributors=min_contributors, min_fraction=min_fraction,
+                           protocol=check_mqtt(mqtt),
                            threads=threads, kill_after_apply=kill_after_apply, identity=me, trust=trusted)
         server.link.secure(**security)
         server.install_signal_handlers()

@@ -20,6 +20,7 @@ cannot write or a key file group/other can read stops it there.
 from __future__ import annotations
 
 import json
+import math
 import logging
 import os
 import time
@@ -31,9 +32,17 @@ from senseshield import defaults
 from senseshield.engine.aggregation import decrypt_aggregate
 from senseshield.errors import ConfigError, ProtocolError
 from senseshield.he import SCHEMES, PublicKey, SecretKey
+from senseshield.he.fingerprint import SEED_BYTES
+from senseshield.runtime.identity import b64, check_frame, unb64
+from senseshield.runtime.protocol.envelope import decode_frame
 from senseshield.runtime.protocol.messages import (
     AggregateRequest,
     AggregateResult,
+    Challenge,
+    Receipt,
+    RoundOpen,
+    from_frame,
+    unpack_frames,
     ClusterModel,
     FleetConfig,
     PublicKeyAnnouncement,
@@ -78,6 +87,7 @@ class KeyServer(Service):
         fleet: str,
         key_dir: Path,
         min_contributors: int = 2,
+        min_fraction: float = 0.0,
         protocol: str = "5",
         threads: int | None = None,
         kill_after_apply: int | None = None,
@@ -88,11 +98,14 @@ class KeyServer(Service):
             raise ConfigError(f"--threads {threads} is not allowed; use 1 or more.")
         if min_contributors < 1:
             raise ConfigError(f"--min-contributors {min_contributors} is not allowed; it must be at least 1.")
+        if not 0.0 <= min_fraction <= 1.0:
+            raise ConfigError(f"--min-fraction {min_fraction} is not allowed; give a fraction of the cluster in 0..1.")
         super().__init__(broker, fleet=fleet, client_id="keyserver", logger=log, protocol=protocol,
                          status_topic="keyserver/status", identity=identity, trust=trust, role="keyserver")
         self.key_dir = secure_dir(Path(key_dir))
         self.kill_after_apply = kill_after_apply  # fault drill: SIGKILL itself after applying this round
         self.min_contributors = min_contributors
+        self.min_fraction = min_fraction
         self.threads = threads if threads is not None else defaults.shared_threads()
         self.run_id: str | None = None
         self.config: Job | None = None
@@ -101,7 +114,14 @@ class KeyServer(Service):
         self.initial: np.ndarray | None = None
         self.models: dict[int, tuple[int, np.ndarray]] = {}  # cluster -> (round, weights)
         self.results: dict[tuple[int, int], AggregateResult] = {}  # (round, cluster) -> result
+        # the contribution bookkeeping (checkpointed): each round's pinned plan, its challenge
+        # seed, and which agent's contribution went into which decrypted aggregate
+        self.plans: dict[int, dict[int, list[str]]] = {}
+        self.seeds: dict[int, bytes] = {}
+        self.spent: dict[int, dict[str, int]] = {}
+        self.challenges: dict[int, Challenge] = {}
         self.on(FleetConfig, self._on_config)
+        self.on(RoundOpen, self._on_round_open)
         self.on(AggregateRequest, self._on_request)
         self.watch("coordinator")
 
@@ -115,6 +135,7 @@ class KeyServer(Service):
         config, _, scheme = announced_run(msg.config)  # checked before anything changes
         self.run_id, self.config, self.initial = msg.run_id, config, msg.initial.copy()
         self.models, self.results = {}, {}
+        self.plans, self.seeds, self.spent, self.challenges = {}, {}, {}, {}
         if scheme is None:
             self.secret = self.public = None
             announcement = PublicKeyAnnouncement(scheme="", key_id=NO_KEY_ID, key=b"", run_id=msg.run_id)
@@ -141,14 +162,17 @@ class KeyServer(Service):
         last = self.models.get(k, (0, None))[0]
         if r <= last:
             raise ProtocolError(f"Aggregate for round {r} of cluster {k} is stale; the cluster is at round {last}.")
-        distinct = sorted(set(msg.contributors))
-        if len(distinct) < self.min_contributors:
-            reason = (
-                f"refused: {len(distinct)} distinct contributor(s) {distinct}, fewer than the "
-                f"minimum {self.min_contributors}; decrypting would reveal an individual update"
-            )
+        t = time.perf_counter()
+        try:
+            refusal, distinct = self._verify(r, k, msg)
+        except ProtocolError as exc:  # a malformed receipt or ciphertext: a verdict, not silence
+            refusal, distinct = str(exc), []
+        t_verify = time.perf_counter() - t
+        if refusal is not None:
+            reason = f"refused: {refusal}"
             self.log.warning("round %d cluster %d %s", r, k, reason)
-            self._answer(r, k, AggregateResult(run_id=self.run_id, cluster=k, accepted=False, reason=reason))
+            self._answer(r, k, AggregateResult(run_id=self.run_id, cluster=k, accepted=False, reason=reason,
+                                               timings={"verify": t_verify}))
             return
         t = time.perf_counter()
         # sizes, masks, weights and the ciphertext's blocks are all checked before decrypting
@@ -158,8 +182,105 @@ class KeyServer(Service):
         current = self.models.get(k, (0, self.initial))[1]
         new = apply_mean(current, mean, server_lr=self.config.options.server_lr)
         self.models[k] = (r, new)
-        self.log.info("round %d cluster %d: %d contributors, decrypted in %.3f s", r, k, len(distinct), t_decrypt)
-        self._answer(r, k, AggregateResult(run_id=self.run_id, cluster=k, accepted=True, timings={"decrypt": t_decrypt}))
+        self.spent.setdefault(r, {}).update({a: k for a in distinct})
+        self.log.info("round %d cluster %d: %d verified contributors (%.3f s), decrypted in %.3f s", r, k,
+                      len(distinct), t_verify, t_decrypt)
+        self._answer(r, k, AggregateResult(run_id=self.run_id, cluster=k, accepted=True,
+                                           timings={"decrypt": t_decrypt, "verify": t_verify}))
+
+    # -- trust: the round's plan, its challenge, the contributions ------------------------
+    def _on_round_open(self, item: Inbound) -> None:
+        msg: RoundOpen = item.message  # type: ignore[assignment]
+        if item.sender != "coordinator":
+            raise ProtocolError(f"Round plan from {item.sender!r}; only the coordinator opens rounds.")
+        if self.config is None or msg.run_id != self.run_id:
+            raise ProtocolError(f"Round plan for run {msg.run_id!r}; the current run is {self.run_id!r}.")
+        r = item.round
+        try:
+            plan = {int(k): sorted(set(v)) for k, v in msg.clusters.items()}
+        except ValueError:
+            raise ProtocolError("A round plan's cluster ids must be integers.") from None
+        members = [a for v in plan.values() for a in v]
+        if r < 1 or not plan or len(members) != len(set(members)):
+            raise ProtocolError(f"Round plan {r} is empty, for round < 1, or puts an agent in two clusters.")
+        if r in self.plans:
+            if self.plans[r] != plan:
+                raise ProtocolError(f"Round {r} was already opened with another plan; a round's plan is pinned.")
+            if r in self.challenges:  # a re-sent plan (reconnect): the same challenge again
+                self.send("keyserver/challenges", self.challenges[r], round=r, retain=True)
+            return
+        if self.plans and r < max(self.plans):
+            raise ProtocolError(f"Round plan {r} comes after round {max(self.plans)}; rounds only move forward.")
+        self.plans[r] = plan
+        self.seeds[r] = os.urandom(SEED_BYTES)
+        context = f"{self.fleet}/{self.run_id}/{r}".encode()
+        sealed = {}
+        for agent in members:
+            box = self.trust.box_key(agent) if not self.trust.tofu else None
+            if box is None and self.trust.tofu and msg.box_keys.get(agent):
+                box = unb64(msg.box_keys[agent], f"box key of {agent}")
+            if box is None:
+                self.log.warning("round %d: no box key for %s; it cannot sign a fingerprint this round", r, agent)
+                continue
+            sealed[agent] = b64(self.identity.seal(self.seeds[r], box, context))
+        self.challenges[r] = Challenge(run_id=self.run_id, box_key=b64(self.identity.box_key), sealed=sealed)
+        self._checkpoint()
+        self.send("keyserver/challenges", self.challenges[r], round=r, retain=True)
+        self.log.info("round %d opened: clusters %s; challenge sealed to %d agents", r,
+                      {k: len(v) for k, v in plan.items()}, len(sealed))
+
+    def _verify(self, r: int, k: int, msg: AggregateRequest) -> tuple[str | None, list[str]]:
+        """``(None, contributors)`` if round ``r``'s aggregate of cluster ``k`` may be
+        decrypted, else ``(reason, [])``: the plan, every receipt's signature, round, run,
+        cluster and membership, no contribution used twice in the round, the minimum of
+        contributors, the weights, and (verifiable schemes) the fingerprint equation."""
+        plan = self.plans.get(r)
+        if plan is None:
+            return f"round {r} was never opened (no round plan); nothing of it is decrypted", []
+        if k not in plan:
+            return f"cluster {k} is not in round {r}'s plan (clusters {sorted(plan)})", []
+        receipts: dict[str, Receipt] = {}
+        for raw in unpack_frames(msg.receipts):
+            frame = decode_frame(raw)
+            check_frame(self.trust, frame)  # signed by the agent it names, with its pinned key
+            receipt = from_frame(frame)
+            if not isinstance(receipt, Receipt):
+                return f"a receipt of {frame.sender!r} is a {frame.schema!r} message", []
+            if frame.round != r or receipt.run_id != self.run_id:
+                return f"the receipt of {frame.sender!r} is for round {frame.round} of run {receipt.run_id!r}", []
+            if receipt.cluster != k or frame.sender not in plan[k]:
+                return f"{frame.sender!r} signed for cluster {receipt.cluster}, and is not a member of cluster {k}", []
+            if frame.sender in receipts:
+                return f"two receipts of {frame.sender!r}", []
+            receipts[frame.sender] = receipt
+        names = sorted(receipts)
+        if sorted(set(msg.contributors)) != names or len(msg.contributors) != len(names):
+            return (f"the contributor list {sorted(msg.contributors)} is not the signed receipts' "
+                    f"{names}; decrypting would reveal an individual update"), []
+        used = {a: self.spent.get(r, {}).get(a) for a in names}
+        reused = sorted(a for a, c in used.items() if c is not None)
+        if reused:
+            return (f"the contributions of {reused} in round {r} were already decrypted in cluster "
+                    f"{used[reused[0]]}'s aggregate; each enters one aggregate per round"), []
+        need = max(self.min_contributors, math.ceil(self.min_fraction * len(plan[k]) - 1e-9))
+        if len(names) < need:
+            return (f"{len(names)} distinct contributor(s) {names}, fewer than the minimum {need} "
+                    f"(--min-contributors {self.min_contributors}, --min-fraction {self.min_fraction:g} of "
+                    f"{len(plan[k])}); decrypting would reveal an individual update"), []
+        weight = sum(rc.n_samples for rc in receipts.values())
+        if weight != msg.total_weight:
+            return f"the aggregate weighs {msg.total_weight} samples; the receipts sign {weight}", []
+        if msg.ciphertext and self.public is not None and self.public.verifiable:
+            aggregate = self.public.vector_from_bytes(msg.ciphertext)
+            self.public.check(aggregate)
+            missing = [a for a, rc in receipts.items() if rc.key_id != self.public.key_id]
+            if missing:
+                return f"the receipts of {missing} are not under the current key", []
+            parts = [(rc.fingerprint, rc.n_samples) for rc in receipts.values() if rc.fingerprint]
+            if not self.public.verify_aggregate(aggregate, self.seeds[r], parts, msg.plain_fold):
+                return ("the aggregate is not the product of the signed contributions under round "
+                        f"{r}'s challenge (forged, altered or from another round)"), []
+        return None, names
 
     def _answer(self, r: int, k: int, result: AggregateResult) -> None:
         """Record the verdict with the model it produced (one checkpoint: a restart never
@@ -193,7 +314,11 @@ class KeyServer(Service):
     def _checkpoint(self) -> None:
         arrays = {f"c{k}": w for k, (_, w) in self.models.items()}
         meta = {"run_id": self.run_id, "rounds": {str(k): r for k, (r, _) in self.models.items()},
-                "results": [[r, k, v.model_dump(mode="json")] for (r, k), v in self.results.items()]}
+                "results": [[r, k, v.model_dump(mode="json")] for (r, k), v in self.results.items()],
+                "plans": {str(r): {str(k): v for k, v in p.items()} for r, p in self.plans.items()},
+                "seeds": {str(r): seed.hex() for r, seed in self.seeds.items()},
+                "spent": {str(r): v for r, v in self.spent.items()},
+                "challenges": {str(r): c.model_dump(mode="json") for r, c in self.challenges.items()}}
         tmp = self.key_dir / f".models-{self.fleet}.tmp.npz"
         np.savez(tmp, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
         os.replace(tmp, self._state_path())
@@ -208,6 +333,10 @@ class KeyServer(Service):
                 return
             self.models = {int(k): (int(r), data[f"c{k}"].copy()) for k, r in meta["rounds"].items()}
             self.results = {(int(r), int(k)): AggregateResult(**v) for r, k, v in meta.get("results", [])}
+            self.plans = {int(r): {int(k): v for k, v in p.items()} for r, p in meta.get("plans", {}).items()}
+            self.seeds = {int(r): bytes.fromhex(h) for r, h in meta.get("seeds", {}).items()}
+            self.spent = {int(r): v for r, v in meta.get("spent", {}).items()}
+            self.challenges = {int(r): Challenge(**c) for r, c in meta.get("challenges", {}).items()}
         for k in sorted(self.models):
             self._publish_model(k)
         self.log.info("resumed run %s: cluster rounds %s, %d verdicts", self.run_id,
@@ -215,7 +344,7 @@ class KeyServer(Service):
 
     # -- main -----------------------------------------------------------------------------
     def run(self) -> None:
-        self.start(["fleet/config", "keyserver/requests"])
+        self.start(["fleet/config", "keyserver/requests", "keyserver/rounds"])
         try:
             while not self.stopping.is_set():
                 self.pump(0.5)

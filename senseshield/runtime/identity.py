@@ -55,6 +55,7 @@ log = logging.getLogger("senseshield.identity")
 
 ROLES = ("keyserver", "coordinator", "agent", "operator")
 SIGNATURE_BYTES = 64
+SEALED_SEED_BYTES = 12 + 32 + 16  # nonce, a 32-byte challenge seed, Poly1305 tag
 _SEED_BYTES = 32
 _RAW = serialization.Encoding.Raw, serialization.PublicFormat.Raw
 

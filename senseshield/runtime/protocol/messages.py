@@ -145,6 +145,7 @@ class Hello(Message):
     """``agents/<id>/hello``: the agent's measured profile and data facts."""
 
     schema_name: ClassVar[str] = "hello"
+    version: ClassVar[int] = 2
     run_id: str  # the fleet run the agent joins (FleetConfig.run_id)
     agent_id: str
     n_samples: int = Field(ge=1, le=MAX_SAMPLES)
@@ -153,6 +154,7 @@ class Hello(Message):
     profile: dict[str, Any] = {}
     key_id: str | None = None  # the public key the agent holds
     index: int = Field(0, ge=0)  # the agent's data shard index (seeds its randomness)
+    box_key: str = ""  # base64 X25519 key the key server seals round challenges to (trust file wins)
 
 
 @message
@@ -353,8 +355,9 @@ class UpdateMessage(Message):
     """``rounds/<r>/updates/<id>``: a protected update (see :class:`ProtectedUpdate`)."""
 
     schema_name: ClassVar[str] = "update"
+    version: ClassVar[int] = 2
     sections: ClassVar[dict[str, str]] = {
-        "mask": "u8", "withheld": "u8", "plaintext": "f32", "ciphertext": "bytes",
+        "mask": "u8", "withheld": "u8", "plaintext": "f32", "ciphertext": "bytes", "receipt": "bytes",
     }
     cluster: int = Field(ge=0)
     n_samples: int = Field(ge=1, le=MAX_SAMPLES)
@@ -366,6 +369,7 @@ class UpdateMessage(Message):
     withheld: np.ndarray
     plaintext: np.ndarray
     ciphertext: bytes
+    receipt: bytes = b""  # a Receipt frame signed by the agent, for the key server (see Receipt)
 
     @model_validator(mode="after")
     def _consistent(self) -> "UpdateMessage":
@@ -392,8 +396,10 @@ class AggregateRequest(Message):
     """``keyserver/requests``: a cluster's aggregate, for the key server to decrypt."""
 
     schema_name: ClassVar[str] = "aggregate-request"
+    version: ClassVar[int] = 2
     sections: ClassVar[dict[str, str]] = {
         "union_mask": "u8", "plain_sum": "f64", "position_weight": "f64", "ciphertext": "bytes",
+        "receipts": "bytes", "plain_fold": "bytes",
     }
     run_id: str
     cluster: int = Field(ge=0)
@@ -404,6 +410,8 @@ class AggregateRequest(Message):
     plain_sum: np.ndarray
     position_weight: np.ndarray  # empty when every client sent every position
     ciphertext: bytes
+    receipts: bytes = b""  # the contributors' signed Receipt frames (pack_frames)
+    plain_fold: bytes = b""  # per ciphertext unit, the plaintext the coordinator folded in (verifiable schemes)
 
     @model_validator(mode="after")
     def _consistent(self) -> "AggregateRequest":
@@ -427,6 +435,51 @@ class AggregateRequest(Message):
 
 
 @message
+class Receipt(Message):
+    """An agent's signed statement about its update, carried inside the update (section
+    ``receipt``) and forwarded by the coordinator with the aggregate: the key server counts
+    only contributors whose receipt verifies against the trust file, once per round, for the
+    cluster they signed, and (Paillier schemes) checks the aggregate against the
+    ``fingerprint`` under the round's sealed challenge (:mod:`senseshield.he.fingerprint`).
+    The round is the frame header's."""
+
+    schema_name: ClassVar[str] = "receipt"
+    sections: ClassVar[dict[str, str]] = {"fingerprint": "bytes"}
+    run_id: str
+    cluster: int = Field(ge=0)
+    n_samples: int = Field(ge=1, le=MAX_SAMPLES)
+    key_id: str = ""
+    mask_digest: str = Field(max_length=64)  # SHA-256 of the packed encryption mask
+    ciphertext_digest: str = Field(max_length=64)  # SHA-256 of the ciphertext bytes ("" if none)
+    fingerprint: bytes = b""  # empty when nothing is encrypted or the scheme is not verifiable
+
+
+@message
+class RoundOpen(Message):
+    """``keyserver/rounds`` (coordinator -> key server) when a round starts: which agents are in
+    which cluster. The key server pins it (a second, different plan for the round is refused),
+    accepts aggregates only for these clusters and members, and seals the round's challenge
+    seed to these agents. ``box_keys`` (base64 X25519) are used only without a trust file."""
+
+    schema_name: ClassVar[str] = "round-open"
+    run_id: str
+    clusters: dict[str, list[str]]
+    box_keys: dict[str, str] = {}
+
+
+@message
+class Challenge(Message):
+    """``keyserver/challenges`` (retained, key server): round's challenge seed, sealed to each
+    agent of the round (base64; X25519 + ChaCha20-Poly1305 under the key server's ``box_key``),
+    so the coordinator that relays it cannot read it. The round is in the header."""
+
+    schema_name: ClassVar[str] = "challenge"
+    run_id: str
+    box_key: str
+    sealed: dict[str, str]
+
+
+@message
 class AggregateResult(Message):
     """``keyserver/results/<r>``: accepted (model published) or refused, with the reason."""
 
@@ -442,7 +495,8 @@ class AggregateResult(Message):
 
 
 def update_to_message(
-    update: ProtectedUpdate, public_key: PublicKey | None, *, report: dict[str, Any] | None = None
+    update: ProtectedUpdate, public_key: PublicKey | None, *, report: dict[str, Any] | None = None,
+    receipt: bytes = b"",
 ) -> UpdateMessage:
     cipher = b""
     if update.ciphertext is not None:
@@ -460,6 +514,7 @@ def update_to_message(
         withheld=pack_mask(withheld) if withheld is not None else np.zeros(0, np.uint8),
         plaintext=np.asarray(update.plaintext, dtype=np.float32),
         ciphertext=cipher,
+        receipt=receipt,
     )
 
 
@@ -494,12 +549,14 @@ def update_from_message(
 
 
 def aggregate_to_message(
-    aggregate: EncryptedAggregate, public_key: PublicKey | None, *, run_id: str
+    aggregate: EncryptedAggregate, public_key: PublicKey | None, *, run_id: str, receipts: list[bytes] | None = None,
 ) -> AggregateRequest:
-    cipher = b""
+    cipher, fold = b"", b""
     if aggregate.ciphertext is not None:
         assert public_key is not None
         cipher = public_key.ciphertext_bytes(aggregate.ciphertext)
+        if public_key.verifiable:
+            fold = public_key.plain_fold(aggregate.ciphertext)
     weights = aggregate.position_weight
     return AggregateRequest(
         run_id=run_id,
@@ -511,6 +568,8 @@ def aggregate_to_message(
         plain_sum=np.asarray(aggregate.plain_sum, dtype=np.float64),
         position_weight=np.zeros(0) if weights is None else np.asarray(weights, dtype=np.float64),
         ciphertext=cipher,
+        receipts=pack_frames(receipts or []),
+        plain_fold=fold,
     )
 
 
@@ -542,3 +601,22 @@ def aggregate_from_message(
         contributors=list(msg.contributors),
         position_weight=msg.position_weight if msg.position_weight.size else None,
     )
+
+
+def pack_frames(frames: list[bytes]) -> bytes:
+    """Frames one after another, each preceded by its u32 big-endian length."""
+    return b"".join(len(f).to_bytes(4, "big") + f for f in frames)
+
+
+def unpack_frames(data: bytes, *, limit: int = 1 << 16) -> list[bytes]:
+    """Inverse of :func:`pack_frames`; :class:`ProtocolError` on a malformed list."""
+    out, i = [], 0
+    while i < len(data):
+        if i + 4 > len(data):
+            raise ProtocolError("A frame list ends inside a length prefix.")
+        size = int.from_bytes(data[i : i + 4], "big")
+        if size > limit or i + 4 + size > len(data):
+            raise ProtocolError(f"A frame list holds a frame of {size:,} bytes that does not fit.")
+        out.append(data[i + 4 : i + 4 + size])
+        i += 4 + size
+    return out
