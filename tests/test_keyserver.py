@@ -1,7 +1,12 @@
-"""The key server against a real broker: key files, public material only, the contributor rule."""
+"""The key server against a real broker: key files, public material only, and what it agrees to
+decrypt (issue 14: signed receipts, the round's pinned plan, one use per contribution, the
+fingerprint equation). The test plays a deviating coordinator with the coordinator's real
+identity, and honest agents with theirs; the key server is the real service."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import stat
 import threading
 import time
@@ -11,112 +16,274 @@ import pytest
 
 from keyserver.service import KeyServer
 from senseshield.engine.aggregation import aggregate_updates, protect_update
+from senseshield.errors import ConfigError
 from senseshield.he import SCHEMES
+from senseshield.job import Job
+from senseshield.runtime.identity import Identity, Trust, unb64
 from senseshield.runtime.protocol.messages import (
     AggregateResult,
+    Challenge,
     ClusterModel,
     FleetConfig,
     PublicKeyAnnouncement,
+    Receipt,
+    RoundOpen,
     aggregate_to_message,
     from_frame,
+    pack_mask,
     to_frame,
 )
-from senseshield.job import Job
+from senseshield.runtime.identity import SEALED_SEED_BYTES
+from senseshield.runtime.protocol.envelope import decode_frame
 from senseshield.runtime.transport import Link
+
+FLEET = "ks"
+SIZE = 650
+AGENTS = ["a", "b", "c", "d", "e"]
+
+
+class Harness:
+    """A key server with a trust file pinning the coordinator and five agents; the test holds
+    their identities (so it can be an honest agent or a deviating coordinator)."""
+
+    def __init__(self, url: str, key_dir, *, min_contributors: int = 2, min_fraction: float = 0.0) -> None:  # noqa: ANN001
+        self.ids = {n: Identity.generate(n) for n in ["keyserver", "coordinator", *AGENTS]}
+        roles = {n: ("agent" if n in AGENTS else n) for n in self.ids}
+        self.trust = Trust.for_identities({n: (i, roles[n]) for n, i in self.ids.items()}, fleet=FLEET)
+        self.server = KeyServer(url, fleet=FLEET, key_dir=key_dir, min_contributors=min_contributors,
+                                min_fraction=min_fraction, identity=self.ids["keyserver"], trust=self.trust)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        self.got: list[tuple[str, object, int]] = []
+        self.link = Link(url, client_id="coordinator", fleet=FLEET,
+                         on_frame=lambda t, f: self.got.append((t, from_frame(f), f.round)))
+        for suffix in ("keys/public", "keyserver/results", "clusters/+/model", "keyserver/challenges"):
+            self.link.subscribe(suffix)
+        self.link.start()
+        end = time.monotonic() + 15  # the key server subscribes before anything is sent to it
+        while not self.server.link.connected and time.monotonic() < end:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        self.rng = np.random.default_rng(0)
+        self.seeds: dict[int, bytes] = {}
+
+    def stop(self) -> None:
+        self.link.stop()
+        self.server.stopping.set()
+        self.thread.join(10)
+
+    def send(self, suffix: str, msg, round: int = 0, *, as_: str = "coordinator", signer: str | None = None) -> None:  # noqa: ANN001
+        signing = self.ids[signer or as_] if signer != "" else None
+        self.link.publish(suffix, to_frame(msg, fleet=FLEET, sender=as_, round=round, signer=signing))
+
+    def wait(self, cls, timeout: float = 60):  # noqa: ANN001, ANN201
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            for entry in list(self.got):
+                if isinstance(entry[1], cls):
+                    self.got.remove(entry)
+                    return entry[1], entry[2]
+            time.sleep(0.02)
+        raise AssertionError(f"no {cls.__name__} within {timeout} s")
+
+    # -- the run --------------------------------------------------------------------------
+    def start_run(self, strategy: str = "sensecrypt") -> object:
+        config = Job(strategy=strategy, model="linear", clients=2, key_bits=1024,
+                     scheme="packed-paillier" if strategy != "plaintext" else None)
+        self.send("fleet/config", FleetConfig(run_id="run-1", config=config.model_dump(mode="json"),
+                                              input_shape=[1, 8, 8], num_classes=10, round_deadline=30,
+                                              initial=np.zeros(SIZE)))
+        announcement, _ = self.wait(PublicKeyAnnouncement)
+        self.public = SCHEMES.get(announcement.scheme).public_key_from_bytes(announcement.key) if announcement.scheme else None
+        return announcement
+
+    def open_round(self, r: int, clusters: dict[int, list[str]]) -> None:
+        self.send("keyserver/rounds", RoundOpen(run_id="run-1", clusters={str(k): v for k, v in clusters.items()}),
+                  round=r)
+        challenge, got_r = self.wait(Challenge)
+        assert got_r == r
+        context = f"{FLEET}/run-1/{r}".encode()
+        seeds = {a: self.ids[a].open(unb64(s, "sealed", SEALED_SEED_BYTES), unb64(challenge.box_key, "box"), context)
+                 for a, s in challenge.sealed.items()}
+        assert len(set(seeds.values())) == 1  # every agent of the round got the same seed
+        assert sorted(seeds) == sorted(a for v in clusters.values() for a in v)
+        self.seeds[r] = next(iter(seeds.values()))
+
+    def contribution(self, agent: str, r: int, cluster: int, *, seed_round: int | None = None, n: int = 10):  # noqa: ANN201
+        """An honest agent's update (half the model encrypted) and its signed receipt."""
+        mask = np.zeros(SIZE, bool)
+        if self.public is not None:
+            mask[: self.public.block_size * 4] = True
+        update = protect_update(self.rng.normal(size=SIZE) * 0.01, mask, self.public, client_id=agent, round=r,
+                                cluster=cluster, n_samples=n)
+        cipher = self.public.ciphertext_bytes(update.ciphertext) if update.ciphertext is not None else b""
+        fp = self.public.fingerprint(update.ciphertext, self.seeds[seed_round or r]) if cipher else b""
+        receipt = Receipt(run_id="run-1", cluster=cluster, n_samples=n, key_id=self.public.key_id if self.public else "",
+                          mask_digest=hashlib.sha256(pack_mask(mask).tobytes()).hexdigest(),
+                          ciphertext_digest=hashlib.sha256(cipher).hexdigest() if cipher else "", fingerprint=fp)
+        return update, to_frame(receipt, fleet=FLEET, sender=agent, round=r, signer=self.ids[agent])
+
+    def request(self, r: int, cluster: int, parts: list, *, contributors: list[str] | None = None,  # noqa: ANN001
+                receipts: list[bytes] | None = None):  # noqa: ANN201
+        updates = [u for u, _ in parts]
+        aggregate = aggregate_updates(updates, self.public, round=r, cluster=cluster)
+        msg = aggregate_to_message(aggregate, self.public, run_id="run-1",
+                                   receipts=receipts if receipts is not None else [rc for _, rc in parts])
+        return msg if contributors is None else msg.model_copy(update={"contributors": contributors})
+
+    def verdict(self, r: int, msg) -> AggregateResult:  # noqa: ANN001
+        self.send("keyserver/requests", msg, round=r)
+        result, got = self.wait(AggregateResult)
+        assert got == r
+        return result
 
 
 @pytest.fixture
-def keyserver(mosquitto, tmp_path):
-    server = KeyServer(mosquitto.url, fleet="ks", key_dir=tmp_path / "keys", min_contributors=2)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    time.sleep(0.5)
-    yield server
-    server.stopping.set()
-    thread.join(10)
+def harness(mosquitto, tmp_path):
+    h = Harness(mosquitto.url, tmp_path / "keys")
+    yield h
+    h.stop()
 
 
-class Peer:
-    """A test client speaking as the coordinator."""
-
-    def __init__(self, url: str) -> None:
-        self.got: list[tuple[str, object, int]] = []
-        self.link = Link(url, client_id="coordinator", fleet="ks",
-                         on_frame=lambda t, f: self.got.append((t, from_frame(f), f.round)))
-        for suffix in ("keys/public", "keyserver/results", "clusters/+/model"):
-            self.link.subscribe(suffix)
-        self.link.start()
-
-    def send(self, suffix: str, msg, round: int = 0) -> None:  # noqa: ANN001
-        self.link.publish(suffix, to_frame(msg, fleet="ks", sender="coordinator", round=round))
-
-    def wait(self, cls, timeout: float = 60):  # noqa: ANN001
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            for _, msg, r in self.got:
-                if isinstance(msg, cls):
-                    self.got = [g for g in self.got if g[1] is not msg]
-                    return msg, r
-            time.sleep(0.05)
-        raise AssertionError(f"no {cls.__name__} within {timeout} s")
-
-
-def _config(strategy: str, size: int) -> FleetConfig:
-    config = Job(strategy=strategy, model="linear", clients=2, key_bits=1024,
-                              scheme="packed-paillier" if strategy != "plaintext" else None)
-    return FleetConfig(run_id="run-1", config=config.model_dump(mode="json"), input_shape=[1, 8, 8],
-                       num_classes=10, round_deadline=30, initial=np.zeros(size))
-
-
-def test_keys_are_private_on_disk_and_only_public_material_is_announced(mosquitto, keyserver, tmp_path):
-    peer = Peer(mosquitto.url)
-    peer.send("fleet/config", _config("sensecrypt", 650))
-    announcement, _ = peer.wait(PublicKeyAnnouncement)
+def test_keys_are_private_on_disk_and_only_public_material_is_announced(harness, tmp_path):
+    announcement = harness.start_run()
     key_dir = tmp_path / "keys"
     assert stat.S_IMODE(key_dir.stat().st_mode) == 0o700
-    (secret_file,) = key_dir.glob("*.key")
+    (secret_file,) = key_dir.glob("packed-paillier-*.key")
     assert stat.S_IMODE(secret_file.stat().st_mode) == 0o600
     assert announcement.scheme == "packed-paillier"
-    public = SCHEMES.get("packed-paillier").public_key_from_bytes(announcement.key)
-    assert public.key_id == announcement.key_id
-    import json
-
+    assert harness.public.key_id == announcement.key_id
     primes = json.loads(secret_file.read_bytes())
     assert format(int(primes["p"], 16), "x").encode() not in announcement.key
-    peer.link.stop()
 
 
-def test_an_aggregate_of_fewer_than_min_contributors_is_refused_and_said_so(mosquitto, keyserver):
-    peer = Peer(mosquitto.url)
-    size = 650
-    peer.send("fleet/config", _config("plaintext", size))
-    peer.wait(PublicKeyAnnouncement)
-    rng = np.random.default_rng(0)
+def test_honest_aggregates_pass_and_each_attack_is_refused_with_its_reason(harness):
+    """Forged contributor names, a single ciphertext under three genuine receipts, overlapping
+    aggregates (a fresh cluster id; a contribution signed for another cluster), a replay into a
+    later round, fingerprints of another round's challenge: each refused with its reason; the
+    honest aggregates of the same rounds pass and their models are published. (A round's
+    verdict per cluster is final, so every attack gets its own round or cluster.)"""
+    harness.start_run()
+    plan = {0: ["a", "b", "c"], 1: ["d", "e"]}
+    harness.open_round(1, plan)
+    a, b, c = (harness.contribution(x, 1, 0) for x in "abc")
+    d, e = (harness.contribution(x, 1, 1) for x in "de")
+    # one agent's ciphertext with two invented names (the attack of the issue)
+    forged = harness.request(1, 0, [a], contributors=["a", "x", "y"]).model_copy(update={"total_weight": 30})
+    result = harness.verdict(1, forged)
+    assert not result.accepted and "not the signed receipts" in result.reason
+    # the honest aggregate of cluster 1 passes, its model is published
+    result = harness.verdict(1, harness.request(1, 1, [d, e]))
+    assert result.accepted, result.reason
+    model, r = harness.wait(ClusterModel)
+    assert (model.cluster, r) == (1, 1)
+    # overlapping aggregate under a fresh cluster id: outside the plan
+    result = harness.verdict(1, harness.request(1, 7, [a, d]))
+    assert not result.accepted and "cluster 7 is not in round 1's plan" in result.reason
 
-    def request(clients: list[str], round: int):  # noqa: ANN202
-        updates = [protect_update(rng.normal(size=size) * 0.01, np.zeros(size, bool), None, client_id=c, round=round,
-                                  cluster=0, n_samples=10) for c in clients]
-        return aggregate_to_message(aggregate_updates(updates, None, round=round, cluster=0), None, run_id="run-1")
+    harness.open_round(2, plan)
+    # one agent's ciphertext under three genuine receipts: the fingerprint equation fails
+    a2, b2, c2 = (harness.contribution(x, 2, 0) for x in "abc")
+    only_a = harness.request(2, 0, [a2], contributors=["a", "b", "c"], receipts=[a2[1], b2[1], c2[1]])
+    result = harness.verdict(2, only_a.model_copy(update={"total_weight": 30}))
+    assert not result.accepted and "not the product of the signed contributions" in result.reason
+    # a replay of round 1's accepted aggregate into round 2
+    result = harness.verdict(2, harness.request(1, 1, [d, e]))
+    assert not result.accepted and "is for round 1" in result.reason
 
-    peer.send("keyserver/requests", request(["a"], 1), round=1)
-    result, r = peer.wait(AggregateResult)
-    assert (result.accepted, r) == (False, 1)
-    assert "1 distinct contributor" in result.reason and "minimum 2" in result.reason
-    # the same contributor named twice is still one
-    forged = request(["a"], 2).model_copy(update={"contributors": ["a", "a"]})
-    peer.send("keyserver/requests", forged, round=2)
-    result, r = peer.wait(AggregateResult)
-    assert (result.accepted, r) == (False, 2)
-    peer.send("keyserver/requests", request(["a", "b"], 3), round=3)
-    result, r = peer.wait(AggregateResult)
-    assert result.accepted and r == 3 and result.timings["decrypt"] >= 0
-    model, r = peer.wait(ClusterModel)
-    assert r == 3 and model.weights.size == size and np.any(model.weights != 0)
-    # a request from someone who is not the coordinator is rejected, the server keeps running
-    stranger = Link(mosquitto.url, client_id="mallory", fleet="ks", on_frame=lambda t, f: None)
-    stranger.start()
-    stranger.publish("keyserver/requests", to_frame(request(["x", "y"], 4), fleet="ks", sender="mallory", round=4))
-    time.sleep(0.5)
-    assert any("only the coordinator" in r for r in keyserver.rejected)
-    stranger.stop()
-    peer.link.stop()
+    harness.open_round(3, plan)
+    # overlapping: d's contribution, signed for cluster 1, offered in cluster 0's aggregate
+    a3, d3 = harness.contribution("a", 3, 0), harness.contribution("d", 3, 1)
+    result = harness.verdict(3, harness.request(3, 0, [a3, d3]))
+    assert not result.accepted and "'d' signed for cluster 1" in result.reason
+    # round-3 receipts whose fingerprints were computed under round 2's challenge
+    stale = [harness.contribution(x, 3, 1, seed_round=2) for x in "de"]
+    result = harness.verdict(3, harness.request(3, 1, stale))
+    assert not result.accepted and "not the product" in result.reason
+
+    harness.open_round(4, plan)
+    result = harness.verdict(4, harness.request(4, 0, [harness.contribution(x, 4, 0) for x in "abc"]))
+    assert result.accepted, result.reason
+    assert harness.server.spent == {1: {"d": 1, "e": 1}, 4: {"a": 0, "b": 0, "c": 0}}
+    assert harness.thread.is_alive()
+
+
+def test_a_contribution_enters_one_decrypted_aggregate_per_round_even_after_a_restart(mosquitto, tmp_path):
+    h = Harness(mosquitto.url, tmp_path / "keys")
+    try:
+        h.start_run()
+        h.open_round(1, {0: ["a", "b"], 1: ["c", "d"]})
+        a, b = h.contribution("a", 1, 0), h.contribution("b", 1, 0)
+        assert h.verdict(1, h.request(1, 0, [a, b])).accepted
+        # the same round's plan again with another split is refused (pinned)
+        h.send("keyserver/rounds", RoundOpen(run_id="run-1", clusters={"0": ["a", "c"], "1": ["b", "d"]}), round=1)
+        time.sleep(0.5)
+        assert any("already opened with another plan" in r for r in h.server.rejected)
+    finally:
+        h.stop()
+    # the key server restarts from its checkpoint: what was spent stays spent
+    again = KeyServer(mosquitto.url, fleet=FLEET, key_dir=tmp_path / "keys", identity=h.ids["keyserver"], trust=h.trust)
+    thread = threading.Thread(target=again.run, daemon=True)
+    thread.start()
+    h.server, h.thread = again, thread
+    h.link = Link(mosquitto.url, client_id="coordinator", fleet=FLEET,
+                  on_frame=lambda t, f: h.got.append((t, from_frame(f), f.round)))
+    for suffix in ("keys/public", "keyserver/results", "clusters/+/model", "keyserver/challenges"):
+        h.link.subscribe(suffix)
+    h.link.start()
+    time.sleep(1.0)
+    try:
+        h.got.clear()
+        h.start_run()
+        assert again.spent[1] == {"a": 0, "b": 0} and again.plans[1] == {0: ["a", "b"], 1: ["c", "d"]}
+        # the re-sent request of round 1 cluster 0 gets the recorded verdict, not a second decryption
+        assert h.verdict(1, h.request(1, 0, [a, b])).accepted
+    finally:
+        h.stop()
+
+
+def test_the_minimum_is_per_cluster_absolute_and_relative(mosquitto, tmp_path):
+    h = Harness(mosquitto.url, tmp_path / "keys", min_contributors=2, min_fraction=0.75)
+    try:
+        h.start_run("plaintext")
+        h.open_round(1, {0: ["a", "b", "c", "d"], 1: ["e"]})
+        two = [h.contribution(x, 1, 0) for x in "ab"]
+        result = h.verdict(1, h.request(1, 0, two))
+        assert not result.accepted and "fewer than the minimum 3" in result.reason and "--min-fraction 0.75" in result.reason
+        result = h.verdict(1, h.request(1, 1, [h.contribution("e", 1, 1)]))
+        assert not result.accepted and "fewer than the minimum 2" in result.reason
+        h.open_round(2, {0: ["a", "b", "c", "d"]})
+        result = h.verdict(2, h.request(2, 0, [h.contribution(x, 2, 0) for x in "abc"]))
+        assert result.accepted, result.reason
+    finally:
+        h.stop()
+
+
+def test_frames_not_signed_by_the_pinned_key_are_rejected_and_the_server_goes_on(harness):
+    harness.start_run()
+    harness.open_round(1, {0: ["a", "b"]})
+    a, b = harness.contribution("a", 1, 0), harness.contribution("b", 1, 0)
+    request = harness.request(1, 0, [a, b])
+    harness.send("keyserver/requests", request, round=1, signer="")  # unsigned
+    harness.send("keyserver/requests", request, round=1, signer="a")  # signed by an agent, sent as the coordinator
+    harness.send("keyserver/requests", request, round=1, as_="a")  # an agent's own request
+    time.sleep(0.8)
+    reasons = list(harness.server.rejected)
+    assert any("Unsigned 'aggregate-request' frame from 'coordinator'" in r for r in reasons), reasons
+    assert any("not its pinned key" in r for r in reasons), reasons
+    assert any("only the coordinator may send aggregates" in r for r in reasons), reasons
+    assert not harness.server.results  # none of them reached a verdict
+    assert harness.verdict(1, request).accepted
+    # a receipt signed by b's key but naming a
+    harness.open_round(2, {0: ["a", "b"]})
+    a2, b2 = harness.contribution("a", 2, 0), harness.contribution("b", 2, 0)
+    forged_receipt = to_frame(from_frame(decode_frame(a2[1])), fleet=FLEET, sender="a", round=2, signer=harness.ids["b"])
+    result = harness.verdict(2, harness.request(2, 0, [a2, b2], receipts=[forged_receipt, b2[1]]))
+    assert not result.accepted and "not its pinned key" in result.reason
+
+
+def test_a_key_directory_that_is_a_file_stops_the_key_server(tmp_path, mosquitto):
+    bad = tmp_path / "keys"
+    bad.write_text("not a directory")
+    with pytest.raises(ConfigError, match="is a file"):
+        KeyServer(mosquitto.url, fleet=FLEET, key_dir=bad)
