@@ -47,6 +47,9 @@ def serve(
     setup_logging(log_level, "keyserver")
     security = mqtt_security(broker, ca_file=ca_file, username=username, password_file=password_file)
     try:
+        from senseshield.runtime.keyfiles import secure_dir
+
+        secure_dir(key_dir, "--key-dir")  # the key directory's problems are named as such
         me, trusted = identity_and_trust("keyserver", identity, key_dir / "identity.key", trust, fleet)
         server = KeyServer(broker, fleet=fleet, key_dir=key_dir, min_contributors=min_contributors, min_fraction=min_fraction,
                            protocol=check_mqtt(mqtt),

@@ -162,9 +162,12 @@ class KeyServer(Service):
         last = self.models.get(k, (0, None))[0]
         if r <= last:
             raise ProtocolError(f"Aggregate for round {r} of cluster {k} is stale; the cluster is at round {last}.")
+        # sizes, masks, weights and the ciphertext's blocks: a malformed request is rejected
+        # (logged, no verdict) before anything is verified or decrypted
+        aggregate = aggregate_from_message(msg, self.public, round=r, size=self.initial.size)
         t = time.perf_counter()
         try:
-            refusal, distinct = self._verify(r, k, msg)
+            refusal, distinct = self._verify(r, k, msg, aggregate.ciphertext)
         except ProtocolError as exc:  # a malformed receipt or ciphertext: a verdict, not silence
             refusal, distinct = str(exc), []
         t_verify = time.perf_counter() - t
@@ -175,8 +178,6 @@ class KeyServer(Service):
                                                timings={"verify": t_verify}))
             return
         t = time.perf_counter()
-        # sizes, masks, weights and the ciphertext's blocks are all checked before decrypting
-        aggregate = aggregate_from_message(msg, self.public, round=r, size=self.initial.size)
         mean = decrypt_aggregate(aggregate, self.secret, threads=self.threads)
         t_decrypt = time.perf_counter() - t
         current = self.models.get(k, (0, self.initial))[1]
@@ -229,7 +230,7 @@ class KeyServer(Service):
         self.log.info("round %d opened: clusters %s; challenge sealed to %d agents", r,
                       {k: len(v) for k, v in plan.items()}, len(sealed))
 
-    def _verify(self, r: int, k: int, msg: AggregateRequest) -> tuple[str | None, list[str]]:
+    def _verify(self, r: int, k: int, msg: AggregateRequest, ciphertext) -> tuple[str | None, list[str]]:  # noqa: ANN001
         """``(None, contributors)`` if round ``r``'s aggregate of cluster ``k`` may be
         decrypted, else ``(reason, [])``: the plan, every receipt's signature, round, run,
         cluster and membership, no contribution used twice in the round, the minimum of
@@ -270,14 +271,12 @@ class KeyServer(Service):
         weight = sum(rc.n_samples for rc in receipts.values())
         if weight != msg.total_weight:
             return f"the aggregate weighs {msg.total_weight} samples; the receipts sign {weight}", []
-        if msg.ciphertext and self.public is not None and self.public.verifiable:
-            aggregate = self.public.vector_from_bytes(msg.ciphertext)
-            self.public.check(aggregate)
+        if ciphertext is not None and self.public is not None and self.public.verifiable:
             missing = [a for a, rc in receipts.items() if rc.key_id != self.public.key_id]
             if missing:
                 return f"the receipts of {missing} are not under the current key", []
             parts = [(rc.fingerprint, rc.n_samples) for rc in receipts.values() if rc.fingerprint]
-            if not self.public.verify_aggregate(aggregate, self.seeds[r], parts, msg.plain_fold):
+            if not self.public.verify_aggregate(ciphertext, self.seeds[r], parts, msg.plain_fold):
                 return ("the aggregate is not the product of the signed contributions under round "
                         f"{r}'s challenge (forged, altered or from another round)"), []
         return None, names

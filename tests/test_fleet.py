@@ -16,6 +16,7 @@ import pytest
 
 from senseshield.determinism import first_difference, fleet_trace
 from senseshield.runtime.fleet import Fleet, FleetOptions, fleet_up
+from senseshield.runtime.identity import Identity
 from senseshield.runtime.protocol import encode_frame
 from senseshield.runtime.protocol.messages import Hello, Notice, UpdateMessage, from_frame, to_frame
 from senseshield.job import Job
@@ -91,12 +92,14 @@ def test_fleet_ends_with_the_simulators_model(mosquitto, tmp_path, strategy, mod
     # per-agent, per-round phase timings and the server's
     phases = report["agents"][0]["rounds"]["1"]["phases"]
     assert {"train", "sensitivity", "mask", "encrypt", "upload", "wait"} <= set(phases)
-    assert {"aggregate", "decrypt"} <= set(report["server"][0]["clusters"]["0"]["timings"])
+    assert {"aggregate", "decrypt", "verify"} <= set(report["server"][0]["clusters"]["0"]["timings"])
     # no secret material in any message (the broker saw every payload of the run)
     secrets = sorted((tmp_path / "keys").glob("*.key"))
     assert bool(secrets) == (strategy != "plaintext")
     assert len(capture.payloads) > 10
-    assert_no_secrets(secrets, b"".join(p for _, p in capture.payloads))
+    identities = sorted((tmp_path / "identities").glob("*.key"))
+    assert len(identities) == 4 + 3  # the agents, key server, coordinator and operator
+    assert_no_secrets(secrets + identities, b"".join(p for _, p in capture.payloads))
 
 
 def assert_no_secrets(files: list[Path], blob: bytes) -> None:
@@ -136,22 +139,28 @@ def test_faults_are_rejected_and_a_killed_agent_does_not_delay_its_round(mosquit
         fleet.start()
         wait_for(lambda: len(fleet.seen["agents"]) >= 3)
         run_id = _run_id(mosquitto.url, "faults")
+        c000 = Identity.load_or_create("c000", fleet.identity_file("c000"))  # a compromised agent's key
         bad = {
             "malformed": b"\x00garbage\xff" * 10,
-            "wrong-version": encode_frame(schema="metrics", version=9, fleet="faults", sender="c000", round=1, fields={}),
-            "wrong-fleet": encode_frame(schema="status", version=1, fleet="elsewhere", sender="c000", round=0, fields={"online": True}),
-            "wrong-round": to_frame(_update(), fleet="faults", sender="c000", round=99),
-            "oversized": to_frame(_update(size=200_000), fleet="faults", sender="c000", round=1),
+            "wrong-version": encode_frame(schema="metrics", version=9, fleet="faults", sender="c000", round=1, fields={},
+                                          signer=c000),
+            "wrong-fleet": encode_frame(schema="status", version=1, fleet="elsewhere", sender="c000", round=0,
+                                        fields={"online": True}, signer=c000),
+            "wrong-round": to_frame(_update(), fleet="faults", sender="c000", round=99, signer=c000),
+            "oversized": to_frame(_update(size=200_000), fleet="faults", sender="c000", round=1, signer=c000),
+            "unsigned": to_frame(_update(), fleet="faults", sender="c000", round=1),
         }
         for name, payload in bad.items():
             intruder.publish("agents/c000/update", payload) if name not in ("malformed", "wrong-fleet") else \
                 intruder._client.publish(f"ss/v1/faults/agents/c000/update", payload, qos=1).wait_for_publish(5)
         hello = Hello(run_id=run_id, agent_id="intruder", n_samples=10, bandwidth=1, cpu_speed=1, key_id="not-the-fleet-key")
-        intruder.publish("agents/intruder/hello", to_frame(hello, fleet="faults", sender="intruder", round=0))
+        intruder.publish("agents/intruder/hello", to_frame(hello, fleet="faults", sender="intruder", round=0,
+                                                           signer=Identity.generate("intruder")))
         report = fleet.wait(timeout=300)
     intruder.stop()
     log = (tmp_path / "logs" / "coordinator.log").read_text()
-    for reason in ("magic", "version 9", "fleet 'elsewhere'", "round 99", "exceeds"):
+    for reason in ("magic", "version 9", "fleet 'elsewhere'", "round 99", "exceeds",
+                   "Unsigned 'update' frame from 'c000'", "'intruder', which is not in the fleet's trust file"):
         assert reason in log, reason
     assert len(report["rounds"]) == 3
     # c002 was killed when round 2's plan arrived: round 2 closed without it as soon as its
@@ -168,9 +177,8 @@ def test_faults_are_rejected_and_a_killed_agent_does_not_delay_its_round(mosquit
     assert report["rounds"][2]["seconds"] < 15  # known offline: not waited for again
     assert fleet.exit_codes["c002"] == -9
     assert fleet.exit_codes["c000"] == 0
-    # the intruder with the wrong key id was refused, and told so
-    assert "intruder" in report["refused"]
-    assert any(isinstance(n, Notice) and n.kind == "refused" and "not-the-fleet-key" in n.reason for n in notices)
+    # the intruder, whose identity is not in the fleet's trust file, is not even heard
+    assert "intruder" not in report["refused"] and not notices
 
 
 def test_a_broker_restart_mid_run_is_survived(mosquitto, tmp_path):

@@ -2,10 +2,11 @@
 what is malformed, invalid, replayed or for the wrong round, keeps running, and the run
 ends with the simulator's result for the same seed (issue 17, items 0 and 3).
 
-Senders are header fields until messages are signed: a well-formed message forged under a
-service's or an agent's name for the current round can act as that party, so the fuzzer
-sends frames that must be rejected (or replays that must change nothing), never valid
-forgeries for the current round.
+Every frame is signed (issue 14). The fuzzer plays a compromised participant: it signs what
+it re-encodes with the key of the party that sent the original (from the fleet's identity
+files), so its frames get past the signature check into the content checks; what it sends
+must still be rejected (or be replays that change nothing), never valid forgeries for the
+current round. Unsigned and wrongly signed frames are covered in test_keyserver/test_trust.
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ import psutil
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
+from senseshield.engine.aggregation import protect_update
 from senseshield.runtime.fleet import Fleet, FleetOptions, agent_ids
+from senseshield.runtime.identity import Identity
+from senseshield.runtime.protocol.messages import pack_mask
 from senseshield.runtime.protocol import CHUNK_SCHEMA, Frame, decode_frame, encode_frame
 from senseshield.runtime.protocol.envelope import MAGIC
 from senseshield.runtime.protocol.messages import from_frame
@@ -32,7 +36,6 @@ from senseshield.job import Job
 from senseshield.simulation import run_simulation
 from senseshield.runtime.transport import parse_broker
 from tests.test_fleet import wait_for
-from tests.test_keyserver import keyserver  # noqa: F401 - fixture
 
 SERVICES = ("coordinator", "keyserver")
 
@@ -89,10 +92,20 @@ class Wire:
         self.client.loop_stop()
 
 
+SIGNERS: dict[str, Identity] = {}  # a compromised fleet's keys, loaded by the tests that need them
+
+
+def load_signers(fleet: Fleet) -> None:
+    SIGNERS.clear()
+    SIGNERS.update({p.stem: Identity.load_or_create(p.stem, p) for p in (fleet.out / "identities").glob("*.key")})
+
+
 def reframe(frame: Frame, **changes) -> bytes:  # noqa: ANN003
-    """``frame`` re-encoded with some header facts, fields or sections changed."""
+    """``frame`` re-encoded with some header facts, fields or sections changed, signed with
+    the key of its original sender (when the test holds it)."""
     args = dict(schema=frame.schema, version=frame.version, fleet=frame.fleet, sender=frame.sender,
-                round=frame.round, fields=dict(frame.fields), sections=dict(frame.sections))
+                round=frame.round, fields=dict(frame.fields), sections=dict(frame.sections),
+                signer=SIGNERS.get(frame.sender))
     args.update(changes)
     return encode_frame(**args)
 
@@ -317,6 +330,7 @@ def fuzz_fleet(mosquitto, tmp_path, config: Job, *, messages: int, rate: float, 
     t0 = time.monotonic()
     with Fleet(config, options) as fleet:
         fleet.start()
+        load_signers(fleet)
         wait_for(lambda: wire.newest_plan >= 1, timeout=240)  # bootstrapped, round 1 under way
         rss = RssSampler({name: fleet.processes[name].pid for name in SERVICES})
         coordinator = fleet.processes["coordinator"]
@@ -397,10 +411,11 @@ def test_fuzzed_fleet_ends_like_the_simulator_10k(mosquitto, tmp_path, config):
 def _update_frame(fleet: str, sender: str, round: int, *, size: int, n_samples: int, plain: int) -> bytes:
     """An agent's plaintext update built by hand (the message class would refuse it)."""
     return encode_frame(
-        schema="update", version=1, fleet=fleet, sender=sender, round=round,
+        schema="update", version=2, fleet=fleet, sender=sender, round=round,
         fields={"cluster": 0, "n_samples": n_samples, "size": size, "has_withheld": False, "timings": {}, "report": {}},
         sections={"mask": np.zeros(-(-size // 8), np.uint8), "withheld": np.zeros(0, np.uint8),
-                  "plaintext": np.full(plain, 0.01, np.float32), "ciphertext": b""},
+                  "plaintext": np.full(plain, 0.01, np.float32), "ciphertext": b"", "receipt": b""},
+        signer=SIGNERS.get(sender),
     )
 
 
@@ -418,6 +433,7 @@ def test_bad_updates_forged_configs_metrics_and_chunk_floods_stop_nothing(mosqui
     wire = Wire(mosquitto.url, fleet_name)
     with Fleet(config, options) as fleet:
         fleet.start()
+        load_signers(fleet)
         wait_for(lambda: wire.newest_plan >= 1, timeout=240)
         r = wire.newest_plan
         for n_samples, plain in ((400, 649), (10**6, 650)):  # one value short; 10^6 samples
@@ -436,8 +452,9 @@ def test_bad_updates_forged_configs_metrics_and_chunk_floods_stop_nothing(mosqui
                     sections={"data": bytes(500_000)}))
         wait_for(lambda: any(f.sender == "c000" and f.round == 1 for _, _, f in wire.frames.get("metrics", [])))
         forged = Metrics(cluster=0, accuracy=0.5, n_test=1)
-        wire.publish("agents/c000/metrics", to_frame(forged, fleet=fleet_name, sender="c000", round=1))  # reported
-        wire.publish("agents/c000/metrics", to_frame(forged, fleet=fleet_name, sender="c000", round=99))  # future
+        c000 = SIGNERS["c000"]
+        wire.publish("agents/c000/metrics", to_frame(forged, fleet=fleet_name, sender="c000", round=1, signer=c000))  # reported
+        wire.publish("agents/c000/metrics", to_frame(forged, fleet=fleet_name, sender="c000", round=99, signer=c000))  # future
         report = fleet.wait(timeout=300)
     wire.stop()
     assert fleet.exit_codes == {name: 0 for name in fleet.exit_codes}
@@ -475,7 +492,7 @@ def test_an_agent_rejects_a_bad_config_keeps_running_and_joins_a_valid_one(mosqu
     try:
         time.sleep(0.5)
         peer.publish("keys/public", to_frame(PublicKeyAnnouncement(scheme="", key_id="none", key=b""), fleet="cfg",
-                                             sender="keyserver", round=0))
+                                             sender="keyserver", round=0, signer=Identity.generate("keyserver")))
         config = Job(strategy="plaintext", model="linear", clients=1, rounds=1)
         _, initial = initial_model(config, (1, 8, 8), 10)
         good = FleetConfig(run_id="good", config=config.model_dump(mode="json"), input_shape=[1, 8, 8],
@@ -486,8 +503,9 @@ def test_an_agent_rejects_a_bad_config_keeps_running_and_joins_a_valid_one(mosqu
             good.model_copy(update={"run_id": "bad3", "input_shape": [3, 32, 32]}),  # not this device's data
             good.model_copy(update={"run_id": "bad4", "initial": initial[:-1]}),  # not the model's size
         ]
+        coordinator = Identity.generate("coordinator")
         for msg in [*bad, good]:
-            peer.publish("fleet/config", to_frame(msg, fleet="cfg", sender="coordinator", round=0))
+            peer.publish("fleet/config", to_frame(msg, fleet="cfg", sender="coordinator", round=0, signer=coordinator))
         wait_for(lambda: hellos, timeout=60)
         assert [h.run_id for h in hellos] == ["good"]
         assert thread.is_alive()
@@ -504,43 +522,41 @@ def test_an_agent_rejects_a_bad_config_keeps_running_and_joins_a_valid_one(mosqu
         peer.stop()
 
 
-def test_the_key_server_checks_an_aggregate_completely_before_decrypting(mosquitto, keyserver):
+def test_the_key_server_checks_an_aggregate_completely_before_decrypting(mosquitto, tmp_path):
     """Wrong model size, a ciphertext with fewer blocks than the union mask, a truncated
     ciphertext, weights above the total: rejected without an answer; a good one still works."""
-    from senseshield.engine.aggregation import aggregate_updates, protect_update
-    from senseshield.he import SCHEMES
-    from senseshield.runtime.protocol.messages import AggregateResult, PublicKeyAnnouncement, aggregate_to_message
-    from tests.test_keyserver import Peer, _config
+    from senseshield.runtime.protocol.messages import AggregateResult
+    from tests.test_keyserver import Harness
 
-    peer = Peer(mosquitto.url)
-    size = 650
-    peer.send("fleet/config", _config("sensecrypt", size))
-    announcement, _ = peer.wait(PublicKeyAnnouncement)
-    public = SCHEMES.get(announcement.scheme).public_key_from_bytes(announcement.key)
-    rng = np.random.default_rng(1)
-
-    def request(round: int, blocks: int = 2, size: int = size):  # noqa: ANN202
-        mask = np.zeros(size, bool)
-        mask[: blocks * public.block_size] = True
-        updates = [protect_update(rng.normal(size=size) * 0.01, mask, public, client_id=c, round=round, cluster=0,
-                                  n_samples=10) for c in ("a", "b")]
-        return aggregate_to_message(aggregate_updates(updates, public, round=round, cluster=0), public, run_id="run-1")
-
-    good = request(1)
-    short = request(1, blocks=1)
-    bad = {
-        "has 651 parameters": request(1, size=651),
-        "does not match its union mask": good.model_copy(update={"ciphertext": short.ciphertext}),
-        "bytes; its header announces": good.model_copy(update={"ciphertext": good.ciphertext[:-5]}),
-        "position weights must be integers": good.model_copy(update={"position_weight": np.full(size, 99.0)}),
-    }
-    for msg in bad.values():
-        peer.send("keyserver/requests", msg, round=1)
-    peer.send("keyserver/requests", good, round=1)
-    result, r = peer.wait(AggregateResult)
-    assert result.accepted and r == 1
-    reasons = " | ".join(keyserver.rejected)
-    for needle in bad:
-        assert needle in reasons, needle
-    assert not any(isinstance(m, AggregateResult) for _, m, _ in peer.got)  # no answer to the bad ones
-    peer.link.stop()
+    h = Harness(mosquitto.url, tmp_path / "keys")
+    try:
+        h.start_run()
+        h.open_round(1, {0: ["a", "b"]})
+        parts = [h.contribution(x, 1, 0) for x in "ab"]
+        good = h.request(1, 0, parts)
+        mask = np.zeros(650, bool)
+        mask[: h.public.block_size] = True
+        one_block = [(protect_update(np.zeros(650), mask, h.public, client_id=x, round=1, cluster=0, n_samples=10), rc)
+                     for x, (_, rc) in zip("ab", parts)]
+        short = h.request(1, 0, one_block)
+        bad = {
+            "does not match its union mask": good.model_copy(update={"ciphertext": short.ciphertext}),
+            "bytes; its header announces": good.model_copy(update={"ciphertext": good.ciphertext[:-5]}),
+            "position weights must be integers": good.model_copy(update={"position_weight": np.full(650, 99.0)}),
+            "has 651 parameters": good.model_copy(update={"size": 651, "union_mask": pack_mask(np.r_[
+                np.repeat(True, 4 * h.public.block_size), np.zeros(651 - 4 * h.public.block_size, bool)]),
+                "plain_sum": np.zeros(651 - 4 * h.public.block_size)}),
+        }
+        for msg in bad.values():
+            h.send("keyserver/requests", msg, round=1)
+        h.send("keyserver/requests", good, round=1)
+        result, r = h.wait(AggregateResult)
+        h.got.append(("", result, r))
+        time.sleep(0.5)
+        results = [m for _, m, _ in h.got if isinstance(m, AggregateResult)]
+        assert len(results) == 1 and results[0].accepted, [m.reason for m in results]  # no answer to the bad ones
+        reasons = " | ".join(h.server.rejected)
+        for needle in bad:
+            assert needle in reasons, needle
+    finally:
+        h.stop()

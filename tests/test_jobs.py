@@ -45,7 +45,7 @@ def test_two_jobs_in_a_row_without_restarting_an_agent_and_a_device_that_refuses
     second = with_shape(base.model_copy(update={"strategy": "paillier-full", "key_bits": 1024, "name": "second"}))
     with Fleet(base, options) as fleet:
         fleet.start()
-        with JobClient(mosquitto.url, fleet="jobs") as client:
+        with fleet.job_client() as client:
             records = []
             for job in (first, second):
                 job_id = client.submit(job)
@@ -82,7 +82,7 @@ def test_a_device_that_joins_mid_job_takes_part_from_the_next_round(mosquitto, t
         late = fleet.processes["c003"]
         wait_for(lambda: "waiting for a job" in (tmp_path / "run" / "logs" / "c003.log").read_text(), 60, "c003 up")
         os.kill(late.pid, signal.SIGSTOP)
-        with JobClient(mosquitto.url, fleet="late") as client:
+        with fleet.job_client() as client:
             job_id = client.submit(job)
             wait_for(lambda: client.record(job_id)["round"] >= 1, 180, "round 1")
             os.kill(late.pid, signal.SIGCONT)
@@ -111,7 +111,7 @@ def test_a_device_that_leaves_and_returns(mosquitto, tmp_path):
     events = lambda client: " | ".join(client.record(job_id)["events"])  # noqa: E731
     with Fleet(job, options) as fleet:
         fleet.start()
-        with JobClient(mosquitto.url, fleet="away") as client:
+        with fleet.job_client() as client:
             job_id = client.submit(job)
             wait_for(lambda: client.record(job_id)["round"] >= 2, 180, "round 2")
             fleet.processes["c001"].send_signal(signal.SIGTERM)
@@ -153,18 +153,19 @@ def test_job_cli_submit_list_status_cancel_and_bad_files(mosquitto, tmp_path):
     common = ["--broker", mosquitto.url, "--fleet", "cli"]
     with Fleet(job, options) as fleet:
         fleet.start()
+        common += fleet.operator_args
         result = runner.invoke(app, ["job", "submit", str(path), *common])
         assert result.exit_code == 0, result.output
         job_id = result.stdout.strip().splitlines()[-1]
         queued = runner.invoke(app, ["job", "submit", str(path), *common])
         second = queued.stdout.strip().splitlines()[-1]
-        with JobClient(mosquitto.url, fleet="cli") as client:
+        with fleet.job_client() as client:
             wait_for(lambda: client.record(job_id)["round"] >= 1, 120, "round 1")
         listing = runner.invoke(app, ["job", "list", *common])
         assert job_id in listing.stdout and "running" in listing.stdout and "queued" in listing.stdout
         assert runner.invoke(app, ["job", "cancel", second, *common]).exit_code == 0
         assert runner.invoke(app, ["job", "cancel", job_id, *common]).exit_code == 0
-        with JobClient(mosquitto.url, fleet="cli") as client:
+        with fleet.job_client() as client:
             wait_for(lambda: client.record(job_id)["state"] == "cancelled", 60, "cancelled")
             assert client.record(second)["state"] == "cancelled"
         status = runner.invoke(app, ["job", "status", job_id, *common])
@@ -181,5 +182,5 @@ def test_job_cli_submit_list_status_cancel_and_bad_files(mosquitto, tmp_path):
             assert "Traceback" not in result.output
         missing = runner.invoke(app, ["job", "status", "j-nope", *common])
         assert missing.exit_code == 2 and "No job 'j-nope'" in missing.output
-        with JobClient(mosquitto.url, fleet="cli") as client:
+        with fleet.job_client() as client:
             assert len(client.board()) == 2

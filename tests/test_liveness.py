@@ -67,7 +67,7 @@ def test_a_key_server_restart_costs_less_than_one_round(mosquitto, tmp_path):
     keyserver_log = (tmp_path / "logs" / "keyserver.log").read_text()
     assert "fault drill: killing myself (SIGKILL) after applying round 3" in keyserver_log
     assert "round 3 cluster 0: re-sent request; answering with the recorded verdict" in keyserver_log
-    assert keyserver_log.count("round 3 cluster 0: 3 contributors, decrypted") == 1  # applied once
+    assert keyserver_log.count("round 3 cluster 0: 3 verified contributors") == 1  # applied once
 
 
 def _free_port() -> int:

@@ -122,7 +122,7 @@ def test_public_key_announcement_carries_no_secret(keys):
         (dict(schema="status", version=0, fields={"online": True}), "the sender is out of date"),
         (dict(schema="status", version=1, fields={}), "field 'online'"),
         (dict(schema="status", version=1, fields={"online": True, "evil": 1}), "field 'evil'"),
-        (dict(schema="hello", version=1, fields={"run_id": "r", "agent_id": "a", "n_samples": 0, "bandwidth": 1, "cpu_speed": 1}), "n_samples"),
+        (dict(schema="hello", version=2, fields={"run_id": "r", "agent_id": "a", "n_samples": 0, "bandwidth": 1, "cpu_speed": 1}), "n_samples"),
         (dict(schema="cluster-model", version=1, fields={"cluster": 0, "model": "mlp"}), "expected ['weights']"),
     ],
 )

@@ -411,14 +411,14 @@ def _print_phases(report: dict) -> None:
     """Mean seconds per agent and round of each phase, plus the server's."""
     import numpy as np
 
-    phases = ("train", "sensitivity", "mask", "noise", "encrypt", "serialize", "upload", "wait")
+    phases = ("train", "sensitivity", "mask", "noise", "encrypt", "receipt", "serialize", "upload", "wait")
     values: dict[str, list[float]] = {p: [] for p in phases}
     for agent in report["agents"]:
         for rec in agent["rounds"].values():
             for p in phases:
                 if p in rec["phases"]:
                     values[p].append(rec["phases"][p])
-    server = {"aggregate": [], "decrypt": []}
+    server = {"aggregate": [], "verify": [], "decrypt": []}
     for rec in report["server"]:
         for c in rec["clusters"].values():
             for p in server:

@@ -177,6 +177,18 @@ class Fleet:
         self.trust = Trust.for_identities(self.identities, fleet=self.options.fleet)
         self.trust_file = self.trust.save(self.out / "trust.json")
 
+    @property
+    def operator_args(self) -> list[str]:
+        """The flags of `senseshield job ...` for this fleet's operator identity and trust."""
+        return ["--identity", str(self.identity_file("operator")), "--trust", str(self.trust_file)]
+
+    def job_client(self, **kwargs):  # noqa: ANN003, ANN201
+        """A :class:`~senseshield.runtime.jobs.JobClient` speaking as this fleet's operator."""
+        from senseshield.runtime.jobs import JobClient
+
+        return JobClient(self.url, fleet=self.options.fleet, protocol=self.mqtt, identity=self.identities["operator"][0],
+                         trust=self.trust, **kwargs)
+
     def _profiles(self) -> list[Path]:
         """One profile file per agent with the simulator's bandwidth and CPU speed for it
         (or the files of ``options.agent_profiles``)."""
