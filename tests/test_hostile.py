@@ -17,6 +17,7 @@ import random
 import struct
 import threading
 import time
+import warnings
 from collections import Counter
 
 import numpy as np
@@ -560,3 +561,53 @@ def test_the_key_server_checks_an_aggregate_completely_before_decrypting(mosquit
             assert needle in reasons, needle
     finally:
         h.stop()
+
+
+def test_forged_keys_models_configs_and_impersonated_updates_are_rejected(mosquitto, tmp_path):
+    """Issue 14 against a live SenseCrypt fleet: an attacker's public key announced as the key
+    server (unsigned, then signed with its own key), a cluster model signed with an agent's key
+    under the key server's name, an unsigned fleet/config, and an update signed by c000 but sent
+    as c001: each rejected with its reason where it arrives; the run goes on and ends with the
+    simulator's result."""
+    from senseshield.he import SCHEMES
+    from senseshield.runtime.protocol.messages import ClusterModel, FleetConfig, PublicKeyAnnouncement, to_frame
+
+    config = Job(strategy="sensecrypt", model="mlp", clients=3, rounds=3, key_bits=1024)
+    fleet_name = "forge"
+    options = FleetOptions(agents=3, out=tmp_path, broker=mosquitto.url, fleet=fleet_name, round_deadline=60,
+                           min_contributors=1)
+    wire = Wire(mosquitto.url, fleet_name)
+    attacker = Identity.generate("keyserver")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        evil = SCHEMES.get("packed-paillier").generate(key_bits=1024).public_key
+    with Fleet(config, options) as fleet:
+        fleet.start()
+        load_signers(fleet)
+        wait_for(lambda: wire.newest_plan >= 1, timeout=240)
+        _, _, real_config = wire.pick(random.Random(0), "fleet-config")
+        run_id = real_config.fields["run_id"]
+        announce = PublicKeyAnnouncement(scheme="packed-paillier", key_id=evil.key_id, key=evil.to_bytes(), run_id=run_id)
+        wire.publish("keys/public", to_frame(announce, fleet=fleet_name, sender="keyserver", round=0))
+        wire.publish("keys/public", to_frame(announce, fleet=fleet_name, sender="keyserver", round=0, signer=attacker))
+        model = ClusterModel(run_id=run_id, cluster=0, model="mlp", weights=np.zeros(real_config.sections["initial"].size, np.float32))
+        wire.publish("clusters/0/model", to_frame(model, fleet=fleet_name, sender="keyserver", round=9, signer=SIGNERS["c000"]))
+        forged = FleetConfig(**{**real_config.fields, "run_id": "forged"}, initial=real_config.sections["initial"])
+        wire.publish("fleet/config", to_frame(forged, fleet=fleet_name, sender="coordinator", round=0))
+        wait_for(lambda: wire.frames.get("update"), timeout=120)
+        _, _, update = wire.pick(random.Random(1), "update")
+        other = "c001" if update.sender != "c001" else "c000"
+        wire.publish(f"agents/{other}/update", reframe(update, sender=other))  # signed by update.sender's key
+        report = fleet.wait(timeout=300)
+    wire.stop()
+    assert fleet.exit_codes == {name: 0 for name in fleet.exit_codes}
+    for agent in agent_ids(3):
+        log = (tmp_path / "logs" / f"{agent}.log").read_text()
+        assert "Unsigned 'public-key' frame from 'keyserver'" in log, agent
+        assert "Frame from 'keyserver' is signed with key" in log and "not its pinned key" in log, agent
+        assert "Unsigned 'fleet-config' frame from 'coordinator'" in log, agent
+        assert "Traceback" not in log
+    coordinator_log = (tmp_path / "logs" / "coordinator.log").read_text()
+    assert f"Frame from '{other}' is signed with key" in coordinator_log
+    sim = run_simulation(config)
+    assert [r["accuracy"] for r in report["rounds"]] == pytest.approx([r.accuracy for r in sim.rounds], abs=1e-9)

@@ -41,6 +41,9 @@ from senseshield.cli.job import job_app  # noqa: E402
 
 app.add_typer(check_app, name="check")
 app.add_typer(job_app, name="job")
+from senseshield.cli.trust import identity_app  # noqa: E402
+
+app.add_typer(identity_app, name="identity")
 from senseshield.cli import run as _run  # noqa: E402
 from senseshield.cli.common import console, out  # noqa: E402
 from senseshield.cli.common import fail as _fail  # noqa: E402

@@ -1,0 +1,73 @@
+"""``senseshield identity`` and ``senseshield trust``: the keys of a fleet's principals.
+
+Each host makes its own identity (``senseshield identity --name pi-7 --role agent --identity
+/var/lib/senseshield/identity.key``: the secret half never leaves the host) and prints its
+public entry; the operator collects the entries into the fleet's trust file
+(``senseshield trust build --fleet lab entries/*.json --out trust.json``) and gives that
+file to every process (``--trust``). ``deploy/ansible`` does exactly this.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from senseshield.cli.common import fail, out
+from senseshield.errors import ConfigError
+
+identity_app = typer.Typer(help="Identity keys and trust files of a fleet (signed frames, docs/security.md).",
+                           no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+
+
+@identity_app.command("show")
+def show(
+    name: Annotated[str, typer.Option(help="The principal's name: keyserver, coordinator, operator or the agent id.")],
+    identity: Annotated[Path, typer.Option("--identity", help="The identity key file (0600; created if missing).")],
+    role: Annotated[str, typer.Option(help="keyserver | coordinator | agent | operator (default: from the name).")] = "",
+) -> None:
+    """Print this principal's public trust entry (JSON), creating its identity if missing."""
+    from senseshield.runtime.identity import ROLES, Identity, role_of_name
+
+    try:
+        role = role or role_of_name(name)
+        if role not in ROLES or role != role_of_name(name):
+            raise ConfigError(f"--role {role!r} does not fit the name {name!r}; the key server and the coordinator are "
+                              "named after their roles, operators 'operator[-...]', agents anything else.")
+        me = Identity.load_or_create(name, identity)
+    except ConfigError as exc:
+        fail(str(exc))
+    entry = {"name": name, **me.principal(role).as_dict(), "fingerprint": me.fingerprint}
+    out.print_json(json.dumps(entry))
+
+
+@identity_app.command("build")
+def build(
+    entries: Annotated[list[Path], typer.Argument(help="Entries printed by `senseshield identity show` (JSON files).")],
+    fleet: Annotated[str, typer.Option(help="The fleet the trust file is for.")],
+    out_file: Annotated[Path, typer.Option("--out", help="Where to write the trust file (JSON).")] = Path("trust.json"),
+) -> None:
+    """Collect identity entries into the fleet's trust file (name -> role and public keys)."""
+    from senseshield.runtime.identity import Principal, Trust, fingerprint, unb64
+
+    principals = {}
+    try:
+        for path in entries:
+            try:
+                entry = json.loads(path.read_text())
+            except (OSError, ValueError):
+                raise ConfigError(f"{path} is not an entry of `senseshield identity show` (JSON).") from None
+            name = entry.get("name")
+            if not isinstance(name, str) or name in principals:
+                raise ConfigError(f"{path}: the entry has no name, or names {name!r} twice.")
+            sign = unb64(entry.get("sign", ""), f"{path}: sign")
+            box = unb64(entry["box"], f"{path}: box") if entry.get("box") else None
+            principals[name] = Principal(name, entry.get("role", ""), sign, box, fingerprint(sign))
+        trust = Trust(principals, fleet=fleet)
+        trust.save(out_file)
+        Trust.load(out_file, fleet=fleet)  # the same checks as every service applies
+    except ConfigError as exc:
+        fail(str(exc))
+    out.print(f"wrote {out_file}: {len(principals)} principals of fleet {fleet!r}")
