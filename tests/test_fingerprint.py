@@ -144,3 +144,13 @@ def test_ckks_is_not_verifiable_and_says_so():
     assert not public.verifiable
     with pytest.raises(NotImplementedError, match="cannot be verified"):
         public.fingerprint(None, bytes(32))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 2**64), st.integers(0, 2**130)), min_size=0, max_size=40),
+       st.integers(3, 2**70))
+def test_multi_power_is_the_product_of_powers(terms, modulus):
+    expected = 1
+    for c, e in terms:
+        expected = expected * pow(c, e, modulus) % modulus
+    assert fp.multi_power([(gmpy2.mpz(c), e) for c, e in terms], gmpy2.mpz(modulus)) % modulus == expected % modulus

@@ -61,16 +61,41 @@ def exponents(seed: bytes, units: Sequence[int]) -> list[int]:
 
 
 def multi_power(terms: Sequence[tuple[Any, int]], modulus: Any) -> Any:
-    """``prod_i c_i^{e_i} mod modulus`` with one shared chain of squarings (Straus)."""
+    """``prod_i c_i^{e_i} mod modulus`` by Pippenger's bucket method: the exponents are cut
+    into ``w``-bit windows; per window every base is multiplied into the bucket of its digit
+    and the buckets are combined with two running products, so the cost is about
+    ``(bits / w) * (K + 2^(w+1))`` multiplications for ``K`` bases instead of ``K * bits / 2``
+    plus ``bits`` squarings (Straus); ``w`` grows with ``log2 K``."""
+    terms = [(c, int(e)) for c, e in terms if e]
     if not terms:
         return gmpy2.mpz(1)
-    acc = gmpy2.mpz(1)
-    for bit in range(max(e for _, e in terms).bit_length() - 1, -1, -1):
-        acc = acc * acc % modulus
+    if any(e < 0 for _, e in terms):
+        raise ValueError("multi_power takes non-negative exponents.")
+    bits = max(e for _, e in terms).bit_length()
+    w = max(1, min(12, len(terms).bit_length() - 2))
+    mask = (1 << w) - 1
+    one = gmpy2.mpz(1)
+    result = one
+    for shift in range(((bits + w - 1) // w - 1) * w, -1, -w):
+        if result != 1:
+            for _ in range(w):
+                result = result * result % modulus
+        buckets: dict[int, Any] = {}
         for c, e in terms:
-            if e >> bit & 1:
-                acc = acc * c % modulus
-    return acc
+            d = (e >> shift) & mask
+            if d:
+                b = buckets.get(d)
+                buckets[d] = c if b is None else b * c % modulus
+        if not buckets:
+            continue
+        running, total = one, one
+        for d in range(max(buckets), 0, -1):
+            b = buckets.get(d)
+            if b is not None:
+                running = running * b % modulus
+            total = total * running % modulus
+        result = result * total % modulus
+    return result
 
 
 def fingerprint(ciphertexts: Sequence[int], units: Sequence[int], seed: bytes, nsquare: int) -> int:
@@ -81,13 +106,16 @@ def fingerprint(ciphertexts: Sequence[int], units: Sequence[int], seed: bytes, n
 
 
 def fingerprint_from_openings(plaintexts: Sequence[int], randomness: Sequence[int], units: Sequence[int],
-                              seed: bytes, n: int, base: int) -> int:
-    """The same value for ciphertexts ``(1 + m_u n) base^{r_u} mod n^2``, from their openings."""
+                              seed: bytes, n: int, base: int, power: Any = None) -> int:
+    """The same value for ciphertexts ``(1 + m_u n) base^{r_u} mod n^2``, from their openings:
+    ``(1 + n (sum a_u m_u mod n)) * base^(sum a_u r_u)``. ``power(x)``, if given, computes
+    ``base^x mod n^2`` (e.g. from a fixed-base table)."""
     a = exponents(seed, units)
     nsquare = gmpy2.mpz(n) * n
     m = sum(e * int(p) for e, p in zip(a, plaintexts)) % n
     r = sum(e * int(x) for e, x in zip(a, randomness))
-    return int((1 + gmpy2.mpz(m) * n) * gmpy2.powmod(base, r, nsquare) % nsquare)
+    obfuscator = power(r) if power is not None else gmpy2.powmod(base, r, nsquare)
+    return int((1 + gmpy2.mpz(m) * n) * obfuscator % nsquare)
 
 
 def check(aggregate: Sequence[int], units: Sequence[int], seed: bytes, n: int,

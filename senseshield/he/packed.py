@@ -842,10 +842,24 @@ class PackedPaillierPublicKey(PublicKey):
         units = blocks.tolist()
         opened = vector.meta.get("openings")
         if opened is not None and len(opened[0]) == len(units):
-            value = fingerprint_from_openings(opened[0], opened[1], units, seed, self._n, self._hs)
+            value = fingerprint_from_openings(opened[0], opened[1], units, seed, self._n, self._hs, self._hs_power)
         else:
             value = fingerprint(payload.ciphertexts, units, seed, int(self._nsquare))
         return int_bytes(value, 2 * self._key_bytes)
+
+    def _hs_power(self, exponent: int) -> Any:
+        """``h_s^exponent mod n^2`` for an exponent longer than the fixed-base table's: the
+        table for the low ``exponent_bits`` bits, one short powmod of ``h_s^(2^bits)`` for the rest."""
+        table = self.obfuscator_table()
+        bits = table.exponent_bits
+        low, high = exponent & ((1 << bits) - 1), exponent >> bits
+        result = table.pow(low)
+        if high:
+            top = getattr(self, "_hs_top", None)
+            if top is None:
+                top = self._hs_top = gmpy2.powmod(self._hs, 1 << bits, self._nsquare)
+            result = result * gmpy2.powmod(top, high, self._nsquare) % self._nsquare
+        return result
 
     def plain_fold(self, aggregate: EncryptedVector) -> bytes:
         plain = aggregate.meta.get("plain") or [0] * len(aggregate.payload.ciphertexts)
