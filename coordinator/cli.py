@@ -90,6 +90,11 @@ def serve(
         fail(str(exc))
     security = mqtt_security(broker, ca_file=ca_file, username=username, password_file=password_file)
     try:
+        from senseshield.runtime.keyfiles import writable_dir
+
+        for flag, folder in (("--state-dir", state_dir), ("--out", out)):
+            if folder is not None:  # named as such, before the identity inside it
+                writable_dir(folder, flag)
         home = state_dir if state_dir is not None else Path.home() / ".senseshield" / fleet
         me, trusted = identity_and_trust("coordinator", identity, home / "identity" / "coordinator.key", trust, fleet)
         server = Coordinator(
