@@ -856,9 +856,10 @@ class PackedPaillierPublicKey(PublicKey):
         result = table.pow(low)
         if high:
             top = getattr(self, "_hs_top", None)
-            if top is None:
-                top = self._hs_top = gmpy2.powmod(self._hs, 1 << bits, self._nsquare)
-            result = result * gmpy2.powmod(top, high, self._nsquare) % self._nsquare
+            if top is None:  # a small second table: h_s^(2^bits)^x for x < 2^192 (~1.3 MB, built once)
+                top = self._hs_top = FixedBaseTable(gmpy2.powmod(self._hs, 1 << bits, self._nsquare),
+                                                    int(self._nsquare), 192, 6)
+            result = result * top.pow(high) % self._nsquare
         return result
 
     def plain_fold(self, aggregate: EncryptedVector) -> bytes:
