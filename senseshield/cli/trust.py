@@ -15,6 +15,7 @@ from typing import Annotated
 
 import typer
 
+from senseshield import defaults
 from senseshield.cli.common import fail, out
 from senseshield.errors import ConfigError
 
@@ -46,7 +47,7 @@ def show(
 @identity_app.command("build")
 def build(
     entries: Annotated[list[Path], typer.Argument(help="Entries printed by `senseshield identity show` (JSON files).")],
-    fleet: Annotated[str, typer.Option(help="The fleet the trust file is for.")],
+    fleet: Annotated[str, typer.Option(help="The fleet the trust file is for.")] = defaults.FLEET,
     out_file: Annotated[Path, typer.Option("--out", help="Where to write the trust file (JSON).")] = Path("trust.json"),
 ) -> None:
     """Collect identity entries into the fleet's trust file (name -> role and public keys)."""
