@@ -36,6 +36,7 @@ import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
 from senseshield.errors import ConfigError
+from senseshield.runtime.identity import Identity, Trust
 from senseshield.runtime.jobs import JobClient
 from senseshield.runtime.transport import Link, check_security, parse_broker
 from tests.broker import free_port, mosquitto_binary
@@ -270,7 +271,9 @@ def test_the_rendered_fleet_runs_submitted_jobs_over_tls(sandbox, tmp_path):
     coordinator = sandbox.spawn("sandbox-coordinator", "senseshield-coordinator", "coordinator.log")
     agents = [sandbox.spawn(a, "senseshield-edge-agent", f"{a}.log") for a in AGENTS]
     services = [keyserver, coordinator, *agents]
-    operator = {"ca_file": sandbox.ca, "username": "operator", "password": sandbox.password("operator")}
+    operator = {"ca_file": sandbox.ca, "username": "operator", "password": sandbox.password("operator"),
+                "identity": Identity.load_or_create("operator", sandbox.root / "pki/identities/operator.key"),
+                "trust": Trust.load(sandbox.root / "pki/trust.json", fleet=FLEET)}
     logs = lambda: {p.stem: p.read_text(errors="replace") for p in (sandbox.root / "logs").glob("*.log")}  # noqa: E731
     digits = {"dataset": "digits", "input_shape": [1, 8, 8], "num_classes": 10, "strategy": "plaintext",
               "min_devices": 2, "round_deadline": 60}
@@ -292,7 +295,9 @@ def test_the_rendered_fleet_runs_submitted_jobs_over_tls(sandbox, tmp_path):
                            select={"labels": {"site": "sandbox"}, "device_class": ["rpi4", "jetson-orin-nano"]}, **digits)
         proc = subprocess.run([str(BIN / "senseshield"), "job", "submit", str(second), "--broker", sandbox.url,
                                "--fleet", FLEET, "--ca-file", str(sandbox.ca), "--username", "operator",
-                               "--password-file", str(sandbox.root / "pki/credentials/operator"), "--follow"],
+                               "--password-file", str(sandbox.root / "pki/credentials/operator"), "--follow",
+                               "--identity", str(sandbox.root / "pki/identities/operator.key"),
+                               "--trust", str(sandbox.root / "pki/trust.json")],
                               capture_output=True, text=True, timeout=300, env=ansible_env())
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:] + logs()["coordinator"][-2000:]
         second_id = proc.stdout.split()[0]
@@ -312,6 +317,10 @@ def test_the_rendered_fleet_runs_submitted_jobs_over_tls(sandbox, tmp_path):
         codes = [proc.wait(60) for proc in services]
     text = logs()
     assert codes[1:] == [0, 0, 0], {name: text[name][-1500:] for name in ("coordinator", *AGENTS)}
+    # every service ran with the fleet's trust file (no trust on first use), keys made once on the controller
+    assert not [name for name, log in text.items() if "no --trust file" in log or "on first use" in log]
+    trust = json.loads((sandbox.root / "pki/trust.json").read_text())
+    assert sorted(trust["principals"]) == sorted(["keyserver", "coordinator", "operator", *AGENTS])
     reports = {job_id: json.loads((out / job_id / "report.json").read_text()) for job_id in (first_id, second_id)}
     assert [r["round"] for r in reports[first_id]["rounds"]] == [1, 2]
     assert reports[first_id]["rounds"][-1]["accuracy"] > 0.5
