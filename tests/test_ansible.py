@@ -513,6 +513,11 @@ BAD_INVENTORIES = {
                    r"Host agent-x: edge_agent_profile is not set"),
     "unknown-profile": ("all:\n  children:\n    edge_agents:\n      hosts:\n        agent-y: {edge_agent_profile: rpi9}\n",
                         r"Host agent-y: edge_agent_profile 'rpi9' names no profile: .*rpi9\.yaml does not exist"),
+    # the key server and the coordinator on one machine: refused (senseshield_allow_colocated_keyserver)
+    "colocated": ("all:\n  hosts:\n    sandbox-keyserver: {ansible_host: 10.0.0.5}\n"
+                  "    sandbox-coordinator: {ansible_host: 10.0.0.5}\n",
+                  r"The key server \(sandbox-keyserver\) and the coordinator \(sandbox-coordinator\) are on one host; "
+                  r".* senseshield_allow_colocated_keyserver: true"),
 }
 
 
