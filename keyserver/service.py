@@ -64,8 +64,8 @@ def load_or_generate(key_dir: Path, scheme: str, key_bits: int) -> SecretKey:
     factory = SCHEMES.get(scheme)
     has_bits = "key_bits" in factory.info().params
     path = key_dir / (f"{scheme}-{key_bits}.key" if has_bits else f"{scheme}.key")
-    if path.exists():
-        check_private(path)
+    if path.is_symlink() or path.exists():
+        check_private(path)  # a regular 0600 file of this user, not a link
         secret = factory.secret_key_from_bytes(path.read_bytes())
         log.info("loaded %s key %s from %s", scheme, secret.public_key.key_id, path)
         return secret

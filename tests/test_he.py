@@ -347,3 +347,25 @@ def test_bad_parameters_are_config_errors() -> None:
     with pytest.raises(ConfigError):
         generate_keys("ckks", poly_modulus_degree=1000)
     assert SCHEMES.get("paillier").ragged_masks and not SCHEMES.get("ckks").ragged_masks
+
+
+@pytest.mark.parametrize("scheme", ["paillier", "packed-paillier", "ckks"])
+def test_the_public_key_parser_refuses_a_secret_key(scheme):
+    """A secret key published by mistake is never taken for a public key (issue 14)."""
+    import warnings
+
+    from senseshield.errors import ProtocolError
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        factory = SCHEMES.get(scheme)
+        secret = factory.generate(key_bits=1024) if "key_bits" in factory.info().params else factory.generate()
+        with pytest.raises(ProtocolError, match="secret"):
+            factory.public_key_from_bytes(secret.to_bytes(include_secret=True))
+        assert factory.public_key_from_bytes(secret.public_key.to_bytes()).key_id == secret.public_key.key_id
+    if scheme != "ckks":
+        import json
+
+        extra = dict(json.loads(secret.public_key.to_bytes()), comment="hi")
+        with pytest.raises(ProtocolError, match=r"unknown field\(s\) \['comment'\]"):
+            factory.public_key_from_bytes(json.dumps(extra).encode())

@@ -271,6 +271,26 @@ def check_values(values: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray,
     return values, positions
 
 
+SECRET_FIELDS = frozenset({"p", "q", "lambda", "lam", "mu", "phi", "hp", "hq", "alpha", "private", "private_key",
+                           "secret", "secret_key", "sk"})
+"""Field names that hold secret-key material in any scheme's serialisation."""
+
+
+def check_public_fields(obj: dict, allowed: set[str], what: str) -> None:
+    """A public key's parsed fields: :class:`ProtocolError` if it carries secret material
+    (a secret key serialised by mistake must never be taken, or re-published, as a public
+    key) or fields the format does not have."""
+    secret = sorted(set(obj) & SECRET_FIELDS)
+    if secret:
+        raise ProtocolError(
+            f"The {what} holds secret field(s) {secret}; a public key must not (publish "
+            "secret.public_key.to_bytes(), never the secret key file)."
+        )
+    unknown = sorted(set(obj) - allowed)
+    if unknown:
+        raise ProtocolError(f"The {what} has unknown field(s) {unknown}; allowed: {sorted(allowed)}.")
+
+
 def int_param(value: Any, name: str) -> int:
     """A key or scheme parameter as a Python int; ``ConfigError`` naming it otherwise."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):

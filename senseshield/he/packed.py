@@ -103,6 +103,7 @@ import numpy as np
 
 from senseshield.errors import ConfigError, KeyMismatchError, ProtocolError, SecretKeyExportError
 from senseshield.he.base import (
+    check_public_fields,
     SCHEMES,
     CipherPart,
     EncryptedVector,
@@ -905,6 +906,8 @@ class PackedPaillierPublicKey(PublicKey):
             obj = json.loads(bytes(data).decode())
             if not isinstance(obj, dict) or obj.get("scheme") != SCHEME_NAME:
                 raise ValueError("not a packed-Paillier public key")
+            check_public_fields(obj, {"scheme", "n", "hs", "value_bits", "clip", "max_total_weight", "exponent_bits"},
+                                "packed-Paillier public key")
             return cls(
                 int(obj["n"], 16),
                 int(obj["hs"], 16),

@@ -69,6 +69,7 @@ from phe import paillier as _phe
 from senseshield.errors import ConfigError, KeyMismatchError, ProtocolError, SecretKeyExportError
 from senseshield.he.fingerprint import bytes_ints, check, fingerprint, int_bytes, ints_bytes
 from senseshield.he.base import (
+    check_public_fields,
     SCHEMES,
     CipherPart,
     EncryptedVector,
@@ -431,6 +432,7 @@ class PaillierPublicKey(PublicKey):
             obj = json.loads(bytes(data).decode())
             if not isinstance(obj, dict) or obj.get("scheme") != cls.scheme:
                 raise ValueError("not a Paillier public key")
+            check_public_fields(obj, {"scheme", "n", "precision_bits"}, "Paillier public key")
             n = int(obj["n"], 16)
             precision_bits = obj.get("precision_bits", DEFAULT_PRECISION_BITS)
             return cls(n, precision_bits)

@@ -42,6 +42,12 @@ def secure_dir(path: Path, flag: str = "--key-dir") -> Path:
     """Create ``path`` (mode 0700) or tighten an existing one to 0700; :class:`ConfigError`
     if it is a file, cannot be written, or holds a key file others may read."""
     path = Path(path)
+    if path.is_symlink():
+        raise ConfigError(f"{flag} {str(path)!r} is a symbolic link; give the directory itself (a link could be "
+                          "pointed elsewhere by whoever owns it).")
+    if path.is_dir() and path.stat().st_uid != os.geteuid():
+        raise ConfigError(f"{flag} {str(path)!r} belongs to user id {path.stat().st_uid}, not this process's "
+                          f"({os.geteuid()}); a key directory must be the service user's own.")
     before = stat.S_IMODE(path.stat().st_mode) if path.is_dir() else None
     writable_dir(path, flag, mode=0o700)
     if before is not None and before & 0o077:
@@ -52,7 +58,12 @@ def secure_dir(path: Path, flag: str = "--key-dir") -> Path:
 
 
 def check_private(path: Path) -> None:
-    """A secret key file must be readable by its owner only."""
+    """A secret key file must be a regular file of this user, readable by its owner only."""
+    if path.is_symlink():
+        raise ConfigError(f"Secret key file {path} is a symbolic link; give the file itself.")
+    if path.stat().st_uid != os.geteuid():
+        raise ConfigError(f"Secret key file {path} belongs to user id {path.stat().st_uid}, not this process's "
+                          f"({os.geteuid()}).")
     mode = stat.S_IMODE(path.stat().st_mode)
     if mode & 0o077:
         raise ConfigError(f"Secret key file {path} has mode {mode:o}; it must be 0600 (chmod 600 {path}).")
