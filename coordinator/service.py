@@ -124,7 +124,7 @@ class CoordinatorMetrics:
     * ``senseshield_straggling_events``, ``senseshield_rejected_messages``.
     """
 
-    def __init__(self, port: int, host: str = "0.0.0.0") -> None:
+    def __init__(self, port: int, host: str = "127.0.0.1") -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
         self.registry = registry = CollectorRegistry()
@@ -235,6 +235,7 @@ class Coordinator(Service):
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         progress: Progress | None = None,
         metrics_port: int | None = None,
+        metrics_host: str = "127.0.0.1",
         identity: Identity | None = None,
         trust: Trust | None = None,
     ) -> None:
@@ -266,7 +267,8 @@ class Coordinator(Service):
         self.replies: dict[str, JobReply] = {}  # request id -> answer (a repeated request gets the same)
         if metrics_port is None and os.environ.get(METRICS_PORT_ENV):
             metrics_port = int(os.environ[METRICS_PORT_ENV])
-        self.metrics_server = CoordinatorMetrics(metrics_port) if metrics_port is not None else None
+        # localhost unless told otherwise: the metrics name every agent and its timings
+        self.metrics_server = CoordinatorMetrics(metrics_port, metrics_host) if metrics_port is not None else None
         for cls, handler in {
             PublicKeyAnnouncement: self._on_key,
             Hello: self._on_hello,

@@ -115,7 +115,8 @@ def test_report_bad_directory_is_one_sentence(tmp_path: Path) -> None:
 def test_prometheus_endpoint_of_the_coordinator() -> None:
     from coordinator.service import CoordinatorMetrics
 
-    metrics = CoordinatorMetrics(0, host="127.0.0.1")
+    metrics = CoordinatorMetrics(0)  # the default address: localhost only (issue 14)
+    assert metrics.server_handle.server_address[0] == "127.0.0.1"
     try:
         metrics.agent_round("c000", 1, {"train": 0.5, "encrypt": 1.25, "plan_received_at": 1e9, "bytes_down": 9.0})
         record = {"seconds": 3.5, "clusters": {0: {"timings": {"aggregate": 0.1, "decrypt": 0.9}}}}
