@@ -44,6 +44,8 @@ def join(
     password_file: PasswordFile = None,
     identity: IdentityFile = None,
     trust: TrustFile = None,
+    min_he_ratio: Annotated[Optional[float], typer.Option(help="In a job that encrypts, encrypt at least this fraction of the parameters whatever budget the coordinator assigns, and never send an update that encrypts less (0..1; default: the profile's min_he_ratio, else 0).")] = None,
+    require_he: Annotated[bool, typer.Option("--require-he", help="Decline jobs whose strategy encrypts nothing (default: take them, with a warning).")] = False,
     log_level: LogLevel = defaults.LOG_LEVEL,
     once: Annotated[bool, typer.Option("--once", help="Exit when the first job ends (default: stay connected and take every job).")] = False,
     device_class: Annotated[Optional[str], typer.Option(help="What a job's select.device_class matches (default: the declared profile's name, else the board).")] = None,
@@ -63,6 +65,8 @@ def join(
     try:
         if index is not None and index < 0:
             raise ConfigError(f"--index {index} is not allowed; use 0 or more.")
+        if min_he_ratio is not None and not 0.0 <= min_he_ratio <= 1.0:
+            raise ConfigError(f"--min-he-ratio {min_he_ratio} is not allowed; give a fraction of the parameters in 0..1.")
         spec = DataSpec(dataset=dataset, shard=DataSpec.parse_shard(shard), partition=partition,
                         sources=DataSpec.parse_sources(data), index=index)
         if spec.sources and (dataset is not None or shard is not None):
@@ -92,7 +96,8 @@ def join(
         agent = EdgeAgent(
             broker, fleet=fleet, agent_id=name, identity=me, trust=trusted, bandwidth=device.bandwidth, cpu_speed=device.cpu_speed, profile=device.model_dump(mode="json"), data=spec, threads=threads,
             protocol=check_mqtt(mqtt), kill_at_round=kill_at_round, model_dir=model_dir, once=once,
-            device_class=device_class, labels=labels,
+            device_class=device_class, labels=labels, require_he=require_he,
+            min_he_ratio=min_he_ratio if min_he_ratio is not None else (device.min_he_ratio or 0.0),
         )
         agent.link.secure(**security)
         agent.install_signal_handlers()

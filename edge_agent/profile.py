@@ -185,6 +185,11 @@ class DeviceProfile(BaseModel):
     )
     local_epochs: Optional[int] = Field(None, ge=1, description="Default local epochs per round for this device class.")
     batch_size: Optional[int] = Field(None, ge=1, description="Default local minibatch size for this device class.")
+    min_he_ratio: Optional[float] = Field(
+        None, ge=0, le=1,
+        description="Least fraction of its parameters this device encrypts in a job that encrypts "
+                    "(edge-agent join --min-he-ratio overrides; None: 0, no floor).",
+    )
     inference_ms: Optional[dict[str, float]] = Field(
         None,
         description="onnxruntime latency of the fleet's model (with --model): p50/p95 ms at batch 1 and 32.",

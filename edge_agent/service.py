@@ -195,17 +195,25 @@ class EdgeAgent(Service):
         labels: dict[str, str] | None = None,
         identity: Identity | None = None,
         trust: Trust | None = None,
+        min_he_ratio: float = 0.0,
+        require_he: bool = False,
     ) -> None:
-        """``once``: exit when the first job ends (``fleet up``); otherwise the agent stays
+        """``min_he_ratio``: in a job that encrypts, this agent encrypts at least this fraction
+        of its parameters whatever budget the coordinator assigns (the budget is raised to it)
+        and never sends an update that encrypts less; ``require_he``: decline jobs that encrypt
+        nothing (otherwise they are taken with a warning). ``once``: exit when the first job ends (``fleet up``); otherwise the agent stays
         connected and takes every job the coordinator runs. ``device_class`` and ``labels``
         are what a job's ``select`` matches."""
         if not agent_id or any(c in agent_id for c in "/+#"):
             raise ConfigError(f"Agent id {agent_id!r} is not allowed; use letters, digits, '-' or '_'.")
+        if not 0.0 <= min_he_ratio <= 1.0:
+            raise ConfigError(f"--min-he-ratio {min_he_ratio} is not allowed; give a fraction of the parameters in 0..1.")
         super().__init__(
             broker, fleet=fleet, client_id=agent_id, logger=log, protocol=protocol,
             status_topic=f"agents/{agent_id}/status", identity=identity, trust=trust, role="agent",
         )
         self.agent_id = agent_id
+        self.min_he_ratio, self.require_he = float(min_he_ratio), require_he
         self.model_dir = Path(model_dir) if model_dir is not None else Path.home() / ".senseshield" / fleet / agent_id
         self.model_dir.mkdir(parents=True, exist_ok=True)
         if model_dir is None:
@@ -255,7 +263,17 @@ class EdgeAgent(Service):
             return
         if msg.run_id in self.declined or (self.pending_config is not None and self.pending_config.msg.run_id == msg.run_id):
             return
-        config, _, _ = announced_run(msg.config)  # a forged or broken config is rejected here
+        config, _, scheme = announced_run(msg.config)  # a forged or broken config is rejected here
+        if scheme is None and (self.min_he_ratio > 0 or self.require_he) and msg.run_id not in self.declined:
+            if self.require_he:
+                self.declined.add(msg.run_id)
+                reason = (f"job {msg.run_id} ({config.strategy}) encrypts nothing and this device requires "
+                          "encryption (--require-he)")
+                self.log.warning("not taking %s", reason)
+                self.send(f"agents/{self.agent_id}/decline", Decline(run_id=msg.run_id, reason=reason, selected=True))
+                return
+            self.log.warning("job %s (%s) encrypts nothing: this device's updates leave it unencrypted "
+                             "(--require-he declines such jobs)", msg.run_id, config.strategy)
         if self.run is not None:
             self.log.info("job %s replaces job %s", msg.run_id, self.run.run_id)
             self._leave_run()
@@ -629,14 +647,30 @@ class EdgeAgent(Service):
             decision = self.decisions.pop(r)
             shared = unpack_mask(decision.shared_mask, decision.size)
             tm["negotiate"] = time.time() - t
+        budget = plan.encryption_budget
+        if self.public is not None and budget < self.min_he_ratio:
+            self.log.warning("round %d: the coordinator's encryption budget %.4f is below this device's minimum "
+                             "%.4f (--min-he-ratio); encrypting at least the minimum", r, budget, self.min_he_ratio)
+            budget = self.min_he_ratio
         context = ClientContext(
-            self.agent_id, r, plan.cluster, plan.encryption_budget, shared, plan.block_size,
+            self.agent_id, r, plan.cluster, budget, shared, plan.block_size,
             participants=plan.participants, noise_multiplier=plan.noise_multiplier,
         )
         update, choice = protect_local(
             strategy, context, local, self.public, n_samples=run.data.n_train,
-            rng=protect_rng(config.seed, r, run.index),
+            rng=protect_rng(config.seed, r, run.index), min_encrypted=self.min_he_ratio if self.public else 0.0,
         )
+        if "topped_up" in choice.info:
+            before, after = choice.info["topped_up"]
+            self.log.warning("round %d: the mask encrypted %.4f; topped up to %.4f with the most sensitive blocks "
+                             "(--min-he-ratio %.4f)", r, before, after, self.min_he_ratio)
+        encrypted = float(update.mask.mean())
+        if self.public is not None and encrypted + plan.block_size / update.size < self.min_he_ratio:
+            self.log.warning("round %d: the job's strategy encrypts %.4f of this update, below this device's minimum "
+                             "%.4f (--min-he-ratio), and its scheme needs the cluster's common mask; the update "
+                             "is not sent", r, encrypted, self.min_he_ratio)
+            run.done_rounds.add(r)
+            return
         keep_personal(run.client, local, choice.withheld)
         t = time.perf_counter()
         message = update_to_message(update, self.public, report=choice_report(choice))

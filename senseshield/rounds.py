@@ -28,6 +28,7 @@ import torch
 from senseshield.engine.aggregation import ProtectedUpdate, protect_update
 from senseshield.engine.budgets import sigma_for_epsilon
 from senseshield.engine.clustering import noisy_mean, normalise_rows
+from senseshield.engine.masks import top_up_mask
 from senseshield.engine.sensitivity import SCORES, Score
 from senseshield.data.shards import LocalData  # a device's data; importable from here too
 from senseshield.errors import ConfigError
@@ -246,14 +247,25 @@ def protect_local(
     *,
     n_samples: int,
     rng: np.random.Generator | None = None,
+    min_encrypted: float = 0.0,
 ) -> tuple[ProtectedUpdate, MaskChoice]:
     """Choose this round's mask, privatise what is sent, encrypt (Alg. 1 lines 9-10).
 
     The strategy's :meth:`~Strategy.privatise` adds its client-side DP noise (only on
     values that travel in plaintext) and ``choice.withheld`` marks positions never sent.
+    ``min_encrypted``: the device's own floor (``--min-he-ratio``); with a scheme that lets
+    each client choose its blocks, a mask below it is topped up with the most sensitive
+    blocks (:func:`~senseshield.engine.masks.top_up_mask`) and ``choice.info["topped_up"]``
+    says by how much.
     """
     t = time.perf_counter()
     choice = strategy.select_mask(context, sensitivity=local.sensitivity, weights=local.weights)
+    if (min_encrypted > 0 and public_key is not None and public_key.ragged_masks
+            and choice.mask.mean() < min_encrypted):
+        before = float(choice.mask.mean())
+        choice.mask = top_up_mask(choice.mask, local.sensitivity, fraction=min_encrypted,
+                                  block_size=public_key.block_size, exclude=choice.withheld)
+        choice.info["topped_up"] = [before, float(choice.mask.mean())]
     t_mask = time.perf_counter() - t
     t = time.perf_counter()
     rng = rng if rng is not None else np.random.default_rng()

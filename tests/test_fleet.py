@@ -320,3 +320,21 @@ def test_an_agent_exits_cleanly_on_sigterm(mosquitto, tmp_path):
     time.sleep(0.3)
     assert statuses[-1] is False
     watcher.stop()
+
+
+def test_an_agent_encrypts_at_least_its_own_minimum_whatever_the_budget(mosquitto, tmp_path):
+    """Issue 14: c001 (the slow device) joins with --min-he-ratio 0.5; SenseCrypt's planner gives it far less, so
+    it raises its own budget (and says so) and encrypts at least half of every update; the
+    others keep the planner's budgets and the run goes on."""
+    config = Job(strategy="sensecrypt", model="mlp", clients=3, rounds=2, key_bits=1024, bandwidth=[50, 5],
+                 cpu=[24, 2])
+    report = fleet_up(config, FleetOptions(agents=3, out=tmp_path, broker=mosquitto.url, fleet="floor",
+                                           round_deadline=120, min_contributors=1,
+                                           extra_agent_args={"c001": ["--min-he-ratio", "0.5"]}), timeout=300)
+    ratios = {c["id"]: c["he_ratio"] for c in report["clients"]}
+    budgets = {c["id"]: c["encryption_budget"] for c in report["clients"]}
+    assert budgets["c001"] < 0.5 and ratios["c001"] >= 0.5 - 0.02, (budgets, ratios)
+    log = (tmp_path / "logs" / "c001.log").read_text()
+    assert "is below this device's minimum 0.5000 (--min-he-ratio); encrypting at least the minimum" in log
+    assert "topped up to 0.5" in log or "budget" in log
+    assert len(report["rounds"]) == 2 and report["exit_codes"] == {n: 0 for n in report["exit_codes"]}

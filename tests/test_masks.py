@@ -452,3 +452,35 @@ def test_huge_values_do_not_overflow() -> None:
     g = np.array([1e308, 1e308, 1.0, 0.0])
     sol = solve_mask(g, alpha=1.0, eta_mi=None)
     assert sol.feasible and sol.count == 2
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 120), st.integers(1, 9), st.floats(0, 1), st.integers(0, 2**31))
+def test_top_up_mask_adds_the_most_sensitive_whole_blocks_until_the_floor(n, block, fraction, seed):
+    from senseshield.engine.masks import top_up_mask
+
+    rng = np.random.default_rng(seed)
+    scores = rng.random(n)
+    blocks = [np.arange(s, min(s + block, n)) for s in range(0, n, block)]
+    mask = np.zeros(n, bool)
+    for b in blocks:
+        if rng.random() < 0.3:
+            mask[b] = True
+    exclude = np.zeros(n, bool)
+    exclude[blocks[-1]] = rng.random() < 0.3
+    out = top_up_mask(mask, scores, fraction=fraction, block_size=block, exclude=exclude)
+    assert np.all(out[mask])  # nothing removed
+    added = [b for b in blocks if out[b].all() and not mask[b].any()]
+    assert all(out[b].all() or not out[b].any() for b in blocks if not mask[b].any())  # whole blocks
+    assert not any(exclude[b].any() for b in added)
+    allowed = [b for b in blocks if not mask[b].any() and not exclude[b].any()]
+    if out.sum() < np.ceil(fraction * n - 1e-9):
+        assert len(added) == len(allowed)  # only short when every allowed block is taken
+    if added and mask.sum() < fraction * n:
+        # brute force: the added blocks are the best-scoring allowed ones, and the last was needed
+        best = sorted(allowed, key=lambda b: (-scores[b].sum(), b[0]))[: len(added)]
+        assert sorted(b[0] for b in best) == sorted(b[0] for b in added)
+        weakest = min(added, key=lambda b: (scores[b].sum(), -b[0]))
+        assert out.sum() - weakest.size < np.ceil(fraction * n - 1e-9)
+    if mask.sum() >= fraction * n:
+        assert np.array_equal(out, mask)

@@ -779,3 +779,46 @@ def top_fraction_block_mask(scores: np.ndarray, *, ratio: float, block_size: int
         return top_fraction_mask(s, ratio=ratio)
     blocks = top_fraction_mask(block_scores(s, block_size=block_size), ratio=ratio)
     return expand_block_mask(blocks, block_size=block_size, n=s.size)
+
+
+def top_up_mask(mask: np.ndarray, scores: np.ndarray, *, fraction: float, block_size: int = 1,
+                exclude: np.ndarray | None = None) -> np.ndarray:
+    """``mask`` plus the highest-scoring whole blocks it lacks, until at least ``fraction`` of
+    the positions are selected (a device's own minimum protection, ``--min-he-ratio``).
+
+    Blocks are ``[k * block_size, (k + 1) * block_size)`` (the last one partial); a block
+    overlapping ``exclude`` (positions never sent) or already selected is not added. Blocks are
+    added in decreasing block score (ties: lower index first), one at a time, so removing the
+    last one added would leave the mask below ``fraction``. If every allowed block is taken and
+    the fraction is still not reached, that is returned (the caller checks). ``mask`` itself
+    is returned unchanged when it already reaches ``fraction``.
+    """
+    m = np.asarray(mask, dtype=bool)
+    r = _alpha(fraction, "fraction")
+    n = m.size
+    if n == 0 or m.sum() >= r * n:
+        return m
+    size = _positive_int("block_size", block_size)
+    s = _score_vector("scores", scores, non_negative=False)
+    if s.size != n:
+        raise ConfigError(f"scores has {s.size} entries; the mask has {n}.")
+    starts = np.arange(0, n, size)
+    taken = np.logical_or.reduceat(m, starts)
+    blocked = taken.copy()
+    if exclude is not None:
+        ex = np.asarray(exclude, dtype=bool)
+        if ex.size != n:
+            raise ConfigError(f"exclude has {ex.size} entries; the mask has {n}.")
+        blocked |= np.logical_or.reduceat(ex, starts)
+    order = np.lexsort((np.arange(starts.size), -np.add.reduceat(s, starts)))
+    out = m.copy()
+    need = int(np.ceil(r * n - 1e-9)) - int(out.sum())
+    for b in order:
+        if need <= 0:
+            break
+        if blocked[b]:
+            continue
+        lo, hi = int(starts[b]), min(int(starts[b]) + size, n)
+        out[lo:hi] = True
+        need -= hi - lo
+    return out
