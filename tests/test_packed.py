@@ -49,9 +49,10 @@ def _generate(**params: object) -> PackedPaillierSecretKey:
     return key
 
 
-@pytest.fixture(scope="module")
-def key() -> PackedPaillierSecretKey:
-    return _generate()
+@pytest.fixture(scope="module", params=["subgroup", "standard"])
+def key(request) -> PackedPaillierSecretKey:  # noqa: ANN001
+    """Every property holds for both key structures (short subgroup exponents, and standard)."""
+    return _generate(structure=request.param)
 
 
 @pytest.fixture(scope="module")
@@ -552,3 +553,34 @@ def test_default_2048_bit_key() -> None:
     q = public.layout.quantise(values)[0]
     np.testing.assert_array_equal(secret.decrypt_integers(agg), 72 * q)
     assert gmpy2.is_prime(secret._PackedPaillierSecretKey__primes.p)  # type: ignore[attr-defined]
+
+
+def test_the_subgroup_key_decrypts_with_short_exponents_and_refuses_to_mix():
+    """The subgroup key's obfuscator base has the secret prime orders (h_s^alpha = 1 mod p^2
+    and q^2), decryption agrees with the standard formula, and a standard key's primes cannot
+    be combined with subgroup orders (the key refuses)."""
+    sub, std = _generate(structure="subgroup"), _generate(structure="standard")
+    assert (sub.structure, std.structure) == ("subgroup", "standard")
+    exported = json.loads(sub.to_bytes(include_secret=True))
+    p, q = int(exported["p"], 16), int(exported["q"], 16)
+    a_p, a_q = int(exported["alpha_p"], 16), int(exported["alpha_q"], 16)
+    assert (p - 1) % a_p == 0 and (q - 1) % a_q == 0 and a_p.bit_length() == TEST_KEY_BITS // 4
+    hs = sub.public_key.hs
+    assert pow(hs, a_p, p * p) == 1 and pow(hs, a_q, q * q) == 1 and pow(hs, a_p, q * q) != 1
+    # the same ciphertexts decrypt alike with the subgroup exponents and with p - 1, q - 1
+    public = sub.public_key
+    positions = np.arange(3 * public.block_size)
+    values = np.random.default_rng(3).uniform(-0.9, 0.9, positions.size)
+    vector = public.encrypt(values, positions)
+    as_standard = PackedPaillierSecretKey(p, q, public)
+    assert np.array_equal(sub.decrypt(vector), as_standard.decrypt(vector))
+    assert np.array_equal(sub.decrypt(vector, threads=2), sub.decrypt(vector))
+    # a standard key with claimed subgroup orders: refused, on construction and on import
+    std_fields = json.loads(std.to_bytes(include_secret=True))
+    with pytest.raises(ConfigError, match="subgroup orders do not fit the key"):
+        PackedPaillierSecretKey(int(std_fields["p"], 16), int(std_fields["q"], 16), std.public_key, (a_p, a_q))
+    forged = dict(std_fields, alpha_p=exported["alpha_p"], alpha_q=exported["alpha_q"])
+    with pytest.raises(ProtocolError, match="subgroup orders do not fit"):
+        PackedPaillierScheme.secret_key_from_bytes(json.dumps(forged).encode())
+    with pytest.raises(ConfigError, match="structure='tiny' is not allowed"):
+        PackedPaillierScheme.generate(key_bits=1024, structure="tiny")

@@ -271,7 +271,8 @@ def check_values(values: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray,
     return values, positions
 
 
-SECRET_FIELDS = frozenset({"p", "q", "lambda", "lam", "mu", "phi", "hp", "hq", "alpha", "private", "private_key",
+SECRET_FIELDS = frozenset({"p", "q", "lambda", "lam", "mu", "phi", "hp", "hq", "alpha", "alpha_p", "alpha_q",
+                           "private", "private_key",
                            "secret", "secret_key", "sk"})
 """Field names that hold secret-key material in any scheme's serialisation."""
 
