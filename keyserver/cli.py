@@ -32,6 +32,8 @@ def serve(
     min_contributors: MinContributors = defaults.MIN_CONTRIBUTORS,
     min_fraction: Annotated[float, typer.Option(help="Also refuse an aggregate of fewer than this fraction of its cluster's members in the round (0..1; SenseCrypt Thm. 1: collusion with at most |G|-2 clients).")] = 0.0,
     threads: Threads = None,
+    workers: Annotated[Optional[int], typer.Option(help="Aggregates decrypted at once, each on --threads threads (default: the usable cores, at least 2).")] = None,
+    key_structure: Annotated[str, typer.Option(help="Packed-Paillier key made on first use: subgroup (256-bit decryption exponent, ~4x faster; docs/security.md) or standard. Each has its own key file.")] = "subgroup",
     mqtt: Mqtt = defaults.MQTT,
     ca_file: CaFile = None,
     username: Username = None,
@@ -53,7 +55,7 @@ def serve(
         me, trusted = identity_and_trust("keyserver", identity, key_dir / "identity.key", trust, fleet)
         server = KeyServer(broker, fleet=fleet, key_dir=key_dir, min_contributors=min_contributors, min_fraction=min_fraction,
                            protocol=check_mqtt(mqtt),
-                           threads=threads, kill_after_apply=kill_after_apply, identity=me, trust=trusted)
+                           threads=threads, workers=workers, key_structure=key_structure, kill_after_apply=kill_after_apply, identity=me, trust=trusted)
         server.link.secure(**security)
         server.install_signal_handlers()
         server.run()

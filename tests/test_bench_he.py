@@ -20,7 +20,7 @@ FIELDS = {
     "bytes_per_param",
     "speedup_vs_phe",
 }
-NAMES = ["phe", "packed-paillier", "packed-paillier+pool", "ckks", "ckks-sum"]
+NAMES = ["phe", "packed-paillier", "packed-paillier+pool", "packed-paillier (standard key)", "ckks", "ckks-sum"]
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +54,9 @@ def test_packed_results_are_exact_and_compact(result: dict) -> None:
     by_name = {s["name"]: s for s in result["schemes"]}
     packed = by_name["packed-paillier"]
     assert packed["details"]["exact_sum_of_quantised"] is True
+    standard = by_name["packed-paillier (standard key)"]
+    assert standard["details"]["exact_sum_of_quantised"] is True
+    assert (packed["details"]["structure"], standard["details"]["structure"]) == ("subgroup", "standard")
     assert packed["bytes_per_param"] < by_name["phe"]["bytes_per_param"] / 10
     assert by_name["packed-paillier+pool"]["details"]["pool_misses"] == 0
     assert by_name["ckks-sum"]["details"]["max_abs_error_of_mean"] < 1e-6

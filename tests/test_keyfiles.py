@@ -63,3 +63,15 @@ def test_a_directory_or_key_of_another_user_is_refused(tmp_path):
     os.chown(mine / "a.key", OTHER_UID, OTHER_UID)
     with pytest.raises(ConfigError, match=f"a.key belongs to user id {OTHER_UID}"):
         check_private(mine / "a.key")
+
+
+def test_each_key_structure_has_its_own_key_file_and_is_reloaded_as_made(tmp_path):
+    keys = secure_dir(tmp_path / "keys")
+    with pytest.warns(Warning):  # a 1024-bit test key
+        fast = load_or_generate(keys, "packed-paillier", 1024)
+        classic = load_or_generate(keys, "packed-paillier", 1024, "standard")
+    assert (fast.structure, classic.structure) == ("subgroup", "standard")
+    assert sorted(p.name for p in keys.glob("*.key")) == ["packed-paillier-1024-standard.key", "packed-paillier-1024.key"]
+    with pytest.warns(Warning):
+        again = load_or_generate(keys, "packed-paillier", 1024, "standard")
+    assert again.public_key.key_id == classic.public_key.key_id and again.structure == "standard"

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from keyserver.service import KeyServer
-from senseshield.engine.aggregation import aggregate_updates, protect_update
+from senseshield.engine.aggregation import aggregate_updates, decrypt_aggregate, protect_update
+from senseshield.rounds import apply_mean
 from senseshield.errors import ConfigError
 from senseshield.he import SCHEMES
 from senseshield.job import Job
@@ -46,12 +47,14 @@ class Harness:
     """A key server with a trust file pinning the coordinator and five agents; the test holds
     their identities (so it can be an honest agent or a deviating coordinator)."""
 
-    def __init__(self, url: str, key_dir, *, min_contributors: int = 2, min_fraction: float = 0.0) -> None:  # noqa: ANN001
+    def __init__(self, url: str, key_dir, *, min_contributors: int = 2, min_fraction: float = 0.0,  # noqa: ANN001
+                 workers: int | None = None) -> None:
         self.ids = {n: Identity.generate(n) for n in ["keyserver", "coordinator", *AGENTS]}
         roles = {n: ("agent" if n in AGENTS else n) for n in self.ids}
         self.trust = Trust.for_identities({n: (i, roles[n]) for n, i in self.ids.items()}, fleet=FLEET)
         self.server = KeyServer(url, fleet=FLEET, key_dir=key_dir, min_contributors=min_contributors,
-                                min_fraction=min_fraction, identity=self.ids["keyserver"], trust=self.trust)
+                                min_fraction=min_fraction, identity=self.ids["keyserver"], trust=self.trust,
+                                workers=workers)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         self.got: list[tuple[str, object, int]] = []
@@ -238,6 +241,47 @@ def test_a_contribution_enters_one_decrypted_aggregate_per_round_even_after_a_re
         assert again.spent[1] == {"a": 0, "b": 0} and again.plans[1] == {0: ["a", "b"], 1: ["c", "d"]}
         # the re-sent request of round 1 cluster 0 gets the recorded verdict, not a second decryption
         assert h.verdict(1, h.request(1, 0, [a, b])).accepted
+    finally:
+        h.stop()
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_clusters_decrypted_concurrently_give_the_models_of_a_serial_decryption(mosquitto, tmp_path, workers):
+    """Three clusters' aggregates sent at once: the key server decrypts them on its workers
+    while it keeps answering; every published model is bit for bit the serial computation
+    (decrypt, then W + eta * mean) with the secret key from its key file."""
+    h = Harness(mosquitto.url, tmp_path / "keys", workers=workers)
+    try:
+        h.start_run()
+        plan = {0: ["a", "b"], 1: ["c", "d"], 2: ["e"]}
+        h.open_round(1, plan)
+        parts = {k: [h.contribution(x, 1, k) for x in v] for k, v in plan.items()}
+        requests = {k: h.request(1, k, p) for k, p in parts.items()}
+        for k in (0, 1, 0, 2):  # cluster 0's twice: a re-send is answered, never decrypted twice
+            h.send("keyserver/requests", requests[k], round=1)
+        verdicts: dict[int, list[AggregateResult]] = {}
+        while set(verdicts) != {0, 1, 2}:
+            result, _ = h.wait(AggregateResult)
+            verdicts.setdefault(result.cluster, []).append(result)
+        time.sleep(0.5)
+        verdicts[0] += [m for _, m, _ in h.got if isinstance(m, AggregateResult)]
+        assert all(v.accepted for v in verdicts[0] + verdicts[1])
+        assert all(v == verdicts[0][0] for v in verdicts[0])  # the re-send: the recorded verdict
+        assert not verdicts[2][0].accepted and "fewer than the minimum 2" in verdicts[2][0].reason
+        models: dict[int, list[np.ndarray]] = {}
+        for _, m, r in h.got:
+            if isinstance(m, ClusterModel):
+                models.setdefault(m.cluster, []).append(m.weights)
+        assert sorted(models) == [0, 1]
+        (key_file,) = (tmp_path / "keys").glob("packed-paillier-*.key")
+        secret = SCHEMES.get("packed-paillier").secret_key_from_bytes(key_file.read_bytes())
+        assert secret.structure == "subgroup"
+        for k in (0, 1):
+            aggregate = aggregate_updates([u for u, _ in parts[k]], h.public, round=1, cluster=k)
+            serial = apply_mean(np.zeros(SIZE), decrypt_aggregate(aggregate, secret, threads=1), server_lr=1.0)
+            assert all(np.array_equal(w, serial.astype(np.float32)) for w in models[k])
+        assert h.server.spent == {1: {"a": 0, "b": 0, "c": 1, "d": 1}} and h.server.reserved == {1: {}}
+        assert not h.server.pending and h.server.models[0][0] == 1
     finally:
         h.stop()
 

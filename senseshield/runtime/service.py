@@ -106,6 +106,14 @@ class Inbound:
 _RECONNECTED = object()
 
 
+@dataclass(frozen=True)
+class _Call:
+    """Work a background thread hands back to the service's thread (:meth:`Service.call_soon`)."""
+
+    where: str
+    fn: Callable[[], None]
+
+
 class Service:
     """Base of the key server, the coordinator and the edge agent."""
 
@@ -223,6 +231,9 @@ class Service:
             return False
         if item is None:
             return False
+        if isinstance(item, _Call):
+            self.guard(item.where, item.fn)
+            return True
         if item is _RECONNECTED:
             self.log.info("%s: reconnected to the broker; re-sending state", self.name)
             self.guard("reconnect", self.on_reconnect)
@@ -260,6 +271,11 @@ class Service:
         """Handle everything already queued without waiting."""
         while self.pump(0):
             pass
+
+    def call_soon(self, where: str, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the service's thread, in turn with the messages, under :meth:`guard`
+        (thread-safe: background work hands its result back this way)."""
+        self._queue.put(_Call(where, fn))
 
     def on_reconnect(self) -> None:
         """Re-send what the broker may have lost (subclasses)."""
