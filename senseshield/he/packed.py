@@ -104,6 +104,7 @@ import numpy as np
 from senseshield.errors import ConfigError, KeyMismatchError, ProtocolError, SecretKeyExportError
 from senseshield.he.base import (
     check_public_fields,
+    Accumulator,
     SCHEMES,
     CipherPart,
     EncryptedVector,
@@ -822,6 +823,11 @@ class PackedPaillierPublicKey(PublicKey):
             nbytes=nb * self.ciphertext_nbytes,
         )
 
+    def accumulator(self, size: int) -> "PackedAccumulator":
+        """An exact running aggregate (:class:`PackedAccumulator`): memory grows with the
+        model, not with the parts."""
+        return PackedAccumulator(self, size)
+
     def _raise_headroom(self, block: int, total: int) -> None:
         lay = self._layout
         limit = lay.max_total_weight
@@ -1017,6 +1023,140 @@ class PackedPaillierPublicKey(PublicKey):
             positions=positions,
             payload=PackedPayload(blocks=blocks, ciphertexts=ciphertexts, weights=weights),
             nbytes=count * width,
+        )
+
+
+class PackedAccumulator(Accumulator):
+    """Streaming :meth:`PackedPaillierPublicKey.aggregate`: each ciphertext part is multiplied
+    into a running product per block as it arrives; each plaintext part is quantised and
+    added to an int64 sum per position (with the weight per block and the clip count), and
+    :meth:`result` folds the sums of the union's blocks in. The result equals the batch
+    aggregate of the same parts in any order, integer for integer (modular products and
+    integer sums commute); the memory is the model's, not the parts'."""
+
+    def __init__(self, public: PackedPaillierPublicKey, size: int) -> None:
+        self.public = public
+        B = public.block_size
+        nblocks = -(-int(size) // B)
+        self.size = int(size)
+        self.products: dict[int, Any] = {}  # block -> running product of the ciphertext parts
+        self.lengths: dict[int, int] = {}  # block -> positions its ciphertexts cover
+        self.cipher_weight = np.zeros(nblocks, dtype=np.int64)
+        self.cipher_clipped = 0
+        self.plain = np.zeros(self.size, dtype=np.int64)  # sum of weight * (q + offset)
+        self.plain_clipped = np.zeros(self.size, dtype=np.int32)
+        self.plain_weight = np.zeros(nblocks, dtype=np.int64)  # per block: weights of the parts touching it
+        # per block: the fewest and most positions a plaintext part covered (whole-block check)
+        self.plain_min = np.full(nblocks, B + 1, dtype=np.int64)
+        self.plain_max = np.zeros(nblocks, dtype=np.int64)
+        self.parts = 0
+
+    def add(self, part: CipherPart | PlainPart, key: str = "") -> None:
+        pk, lay, k = self.public, self.public.layout, self.parts
+        limit = lay.max_total_weight
+        if isinstance(part, CipherPart):
+            weight = check_weight(part.weight, k, limit=limit, why="the key's max_total_weight")
+            payload, _, vblocks, vlengths = pk._check_payload(part.vector, f"Ciphertext part {k}")
+            if vblocks.size and int(vblocks[-1]) >= self.cipher_weight.size:
+                raise ProtocolError(f"Ciphertext part {k} encrypts block {int(vblocks[-1])}, beyond the model's "
+                                    f"{self.size} parameters.")
+            for b, length in zip(vblocks.tolist(), vlengths.tolist()):
+                if self.lengths.get(b, length) != length:
+                    raise ProtocolError(f"Ciphertext part {k} covers a partial block that differs from the "
+                                        "aggregate's; all contributors must use the same model size.")
+            bweights = np.asarray(payload.weights, dtype=np.int64)
+            after = self.cipher_weight[vblocks] + weight * bweights
+            if np.any(after > limit):
+                j = int(np.argmax(after > limit))
+                pk._raise_headroom(int(vblocks[j]), int(after[j]))
+            nsquare, mpz = pk._nsquare, gmpy2.mpz
+            for b, length, c in zip(vblocks.tolist(), vlengths.tolist(), payload.ciphertexts):
+                term = mpz(c) if weight == 1 else gmpy2.powmod(mpz(c), weight, nsquare)
+                acc = self.products.get(b)
+                self.products[b] = term if acc is None else acc * term % nsquare
+                self.lengths[b] = length
+            self.cipher_weight[vblocks] = after
+            self.cipher_clipped += int(payload.clipped)
+        elif isinstance(part, PlainPart):
+            weight = check_weight(part.weight, k, limit=limit, why="the key's max_total_weight")
+            ppos = np.asarray(part.positions, dtype=np.int64).ravel()
+            pvals = np.asarray(part.values, dtype=np.float64).ravel()
+            if ppos.shape != pvals.shape:
+                raise ProtocolError(f"Plaintext part {k} has {pvals.size} values for {ppos.size} positions.")
+            if ppos.size and (ppos.min() < 0 or ppos.max() >= self.size):
+                raise ProtocolError(f"Plaintext part {k} has positions outside the model's 0..{self.size - 1}.")
+            if np.unique(ppos).size != ppos.size:
+                raise ProtocolError(f"Plaintext part {k} repeats a position.")
+            bad = np.flatnonzero(~np.isfinite(pvals))
+            if bad.size:
+                raise ProtocolError(f"Plaintext part {k} has value {pvals[bad[0]]} at position "
+                                    f"{int(ppos[bad[0]])}; only finite values can be aggregated.")
+            q, _ = lay.quantise(pvals)
+            self.plain[ppos] += (q + lay.offset) * weight
+            self.plain_clipped[ppos] += (np.abs(pvals) > lay.clip).astype(np.int32)
+            blocks, counts = np.unique(ppos // pk.block_size, return_counts=True)
+            self.plain_weight[blocks] += weight
+            self.plain_min[blocks] = np.minimum(self.plain_min[blocks], counts)
+            self.plain_max[blocks] = np.maximum(self.plain_max[blocks], counts)
+        else:
+            raise ProtocolError(f"Part {k} is a {type(part).__name__}, not a CipherPart or PlainPart.")
+        self.parts += 1
+
+    def result(self, positions: np.ndarray) -> EncryptedVector:
+        pk, lay, B = self.public, self.public.layout, self.public.block_size
+        union = np.asarray(positions, dtype=np.int64).ravel()
+        if union.size and (union[0] < 0 or np.any(np.diff(union) <= 0)):
+            raise ProtocolError("Aggregate positions must be sorted, unique and non-negative.")
+        try:
+            ublocks, ulengths = _block_layout(union, B)
+        except ValueError as exc:
+            raise ProtocolError(f"Aggregate positions: {exc}") from None
+        for b, length in zip(ublocks.tolist(), ulengths.tolist()):
+            if b not in self.products:
+                raise ProtocolError(f"Block {b} (positions {b * B}..) is not covered by any ciphertext part; every "
+                                    "aggregated block needs at least one (a plaintext-only sum would be public).")
+            if self.lengths[b] != length:
+                raise ProtocolError("A ciphertext part covers a partial block that differs from the aggregate's; "
+                                    "all contributors must use the same model size.")
+        extra = sorted(set(self.products) - set(ublocks.tolist()))
+        if extra:
+            b = extra[0]
+            raise ProtocolError(f"A ciphertext part encrypts block {b} (positions {b * B}..), which is outside "
+                                "the aggregate's positions.")
+        touched = self.plain_weight[ublocks] > 0
+        short = np.flatnonzero(touched & ((self.plain_min[ublocks] != ulengths) | (self.plain_max[ublocks] != ulengths)))
+        if short.size:
+            b = int(ublocks[short[0]])
+            raise ProtocolError(f"A plaintext part covers part of the {int(ulengths[short[0]])} aggregated positions "
+                                f"of block {b}; plaintext parts must cover whole blocks of the aggregate.")
+        total = self.cipher_weight[ublocks] + self.plain_weight[ublocks]
+        if np.any(total > lay.max_total_weight):
+            j = int(np.argmax(total > lay.max_total_weight))
+            pk._raise_headroom(int(ublocks[j]), int(total[j]))
+        clipped = int(self.plain_clipped[union].sum())
+        if clipped:
+            warnings.warn(f"{clipped} plaintext values outside the clip range [-{lay.clip:g}, {lay.clip:g}] were "
+                          "clipped before aggregation.", ClippingWarning, stacklevel=2)
+        nsquare, n = pk._nsquare, pk._n_mpz
+        acc = [self.products[b] for b in ublocks.tolist()]
+        plain = [0] * ublocks.size
+        rows = np.flatnonzero(touched)
+        if rows.size:
+            sums = np.zeros((rows.size, B), dtype=np.int64)
+            for i, j in enumerate(rows.tolist()):
+                start = int(ublocks[j]) * B
+                sums[i, : ulengths[j]] = self.plain[start : start + ulengths[j]]
+            for j, m in zip(rows.tolist(), _pack(sums, lay.slot_bits)):
+                acc[j] = acc[j] * (1 + m * n) % nsquare
+                plain[j] = int(m)
+        return EncryptedVector(
+            meta={"plain": plain},
+            scheme=pk.scheme,
+            key_id=pk.key_id,
+            positions=union.copy(),
+            payload=PackedPayload(blocks=ublocks, ciphertexts=[int(a) for a in acc], weights=total,
+                                  clipped=self.cipher_clipped + clipped),
+            nbytes=ublocks.size * pk.ciphertext_nbytes,
         )
 
 
