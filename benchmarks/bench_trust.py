@@ -97,7 +97,7 @@ def fingerprints(key_bits: int) -> list[dict]:
             aggregate = public.aggregate([CipherPart(v, 100 + i) for i, v in enumerate(vectors)], pos)
             contributions = [(public.fingerprint(v, seed), 100 + i) for i, v in enumerate(vectors)]
             plain = public.plain_fold(aggregate)
-            check = _best(lambda: public.verify_aggregate(aggregate, seed, contributions, plain), 3)
+            check = _best(lambda: secret.verify_aggregate(aggregate, seed, contributions, plain), 3)
             decrypt = _best(lambda: secret.decrypt(aggregate), 2)
             rows.append({"model": model, "params": size, "budget": budget, "blocks": int(k),
                          "agent_encrypt_s": float(np.median(enc)), "agent_fingerprint_s": float(np.median(fp)),

@@ -346,7 +346,7 @@ class KeyServer(Service):
             if missing:
                 return f"the receipts of {missing} are not under the current key", []
             parts = [(rc.fingerprint, rc.n_samples) for rc in receipts.values() if rc.fingerprint]
-            if not self.public.verify_aggregate(ciphertext, self.seeds[r], parts, msg.plain_fold):
+            if not self.secret.verify_aggregate(ciphertext, self.seeds[r], parts, msg.plain_fold):
                 return ("the aggregate is not the product of the signed contributions under round "
                         f"{r}'s challenge (forged, altered or from another round)"), []
         return None, names

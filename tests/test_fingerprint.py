@@ -70,6 +70,7 @@ def test_honest_aggregates_pass_and_decrypt_to_the_weighted_sum(key, seed, n_age
     contributions = [(public.fingerprint(v, challenge), w) for v, w in zip(vectors, weights) if v is not None]
     plain = public.plain_fold(aggregate)
     assert public.verify_aggregate(aggregate, challenge, contributions, plain)
+    assert key.verify_aggregate(aggregate, challenge, contributions, plain)  # the key server's (CRT for packed)
     # brute force: what the key server then decrypts is the weighted sum of every agent's values
     expected = sum(w * v for w, v in zip(weights, values))
     got = key.decrypt(aggregate)
@@ -122,6 +123,7 @@ def test_every_deviation_without_the_seed_fails(key, seed, attack):
         folded[0] = (folded[0] + 1) % n
         plain = fp.ints_bytes(folded, width)
     assert not public.verify_aggregate(aggregate, challenge, contributions, plain)
+    assert not key.verify_aggregate(aggregate, challenge, contributions, plain)
 
 
 def _first_ct(public, vector):  # noqa: ANN001, ANN202

@@ -226,6 +226,11 @@ class SecretKey(ABC):
         """Return the float64 values of ``vector`` in the order of ``vector.positions``
         (``threads``: decryption threads, where the scheme can use them)."""
 
+    def verify_aggregate(self, aggregate: EncryptedVector, seed: bytes,
+                         contributions: Sequence[tuple[bytes, int]], plain: bytes) -> bool:
+        """:meth:`PublicKey.verify_aggregate`, where the secret may make it faster."""
+        return self.public_key.verify_aggregate(aggregate, seed, contributions, plain)
+
     @abstractmethod
     def _export(self) -> bytes: ...
 

@@ -119,17 +119,24 @@ def fingerprint_from_openings(plaintexts: Sequence[int], randomness: Sequence[in
 
 
 def check(aggregate: Sequence[int], units: Sequence[int], seed: bytes, n: int,
-          contributions: Sequence[tuple[int, int]], plain: Sequence[int] | None) -> bool:
+          contributions: Sequence[tuple[int, int]], plain: Sequence[int] | None,
+          factors: tuple[int, int] | None = None) -> bool:
     """Whether ``aggregate`` (one ciphertext per unit) equals the product of the contributions
-    (fingerprint, weight) and the folded plaintexts ``plain`` (one per unit, or None)."""
+    (fingerprint, weight) and the folded plaintexts ``plain`` (one per unit, or None), modulo
+    ``n^2``. ``factors`` (the key server's ``p, q``): the same equation checked modulo ``p^2``
+    and ``q^2`` (equivalent by the CRT; half-size numbers make it ~1.4x faster)."""
     a = exponents(seed, units)
     nsquare = gmpy2.mpz(n) * n
-    lhs = multi_power([(gmpy2.mpz(c), e) for c, e in zip(aggregate, a)], nsquare)
-    rhs = multi_power([(gmpy2.mpz(f), w) for f, w in contributions], nsquare)
-    if plain is not None:
-        folded = sum(e * int(p) for e, p in zip(a, plain)) % n
-        rhs = rhs * (1 + gmpy2.mpz(folded) * n) % nsquare
-    return lhs == rhs
+    folded = sum(e * int(p) for e, p in zip(a, plain)) % n if plain is not None else None
+    moduli = [nsquare] if factors is None else [gmpy2.mpz(f) * f for f in factors]
+    for m in moduli:
+        lhs = multi_power([(gmpy2.mpz(c) % m, e) for c, e in zip(aggregate, a)], m)
+        rhs = multi_power([(gmpy2.mpz(f) % m, w) for f, w in contributions], m)
+        if folded is not None:
+            rhs = rhs * (1 + gmpy2.mpz(folded) * n) % m
+        if lhs != rhs:
+            return False
+    return True
 
 
 def int_bytes(value: int, width: int) -> bytes:

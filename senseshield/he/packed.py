@@ -874,7 +874,8 @@ class PackedPaillierPublicKey(PublicKey):
         return b"" if not any(plain) else ints_bytes(plain, self._key_bytes)
 
     def verify_aggregate(self, aggregate: EncryptedVector, seed: bytes,
-                         contributions: Sequence[tuple[bytes, int]], plain: bytes) -> bool:
+                         contributions: Sequence[tuple[bytes, int]], plain: bytes,
+                         factors: tuple[int, int] | None = None) -> bool:
         payload, _, blocks, _ = self._check_payload(aggregate, "The aggregate")
         width = 2 * self._key_bytes
         fps = []
@@ -886,7 +887,7 @@ class PackedPaillierPublicKey(PublicKey):
             folded = bytes_ints(plain, self._key_bytes, len(blocks), "The plaintext fold") if plain else None
         except ValueError as exc:
             raise ProtocolError(str(exc)) from None
-        return check(payload.ciphertexts, blocks.tolist(), seed, self._n, fps, folded)
+        return check(payload.ciphertexts, blocks.tolist(), seed, self._n, fps, folded, factors)
 
     # -- serialisation ----------------------------------------------------------------
     def to_bytes(self) -> bytes:
@@ -1219,6 +1220,13 @@ class PackedPaillierSecretKey(SecretKey):
             alphas = (a_p, a_q)
         self._public = public
         self.__primes = _PrimePair(p, q, alphas)
+
+    def verify_aggregate(self, aggregate: EncryptedVector, seed: bytes,
+                         contributions: Sequence[tuple[bytes, int]], plain: bytes) -> bool:
+        """The public check, modulo ``p^2`` and ``q^2`` (CRT)."""
+        primes = self.__primes
+        return self._public.verify_aggregate(aggregate, seed, contributions, plain,
+                                             factors=(int(primes.p), int(primes.q)))
 
     @property
     def structure(self) -> str:
