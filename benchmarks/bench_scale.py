@@ -1,0 +1,414 @@
+"""Scale: N agents per round against a real key server, coordinator and Mosquitto (issue 15).
+
+The key server and the coordinator are the real services as OS processes (``Fleet`` without
+its agent processes). A load generator in this process plays N agents over one MQTT link,
+speaking the real protocol: every frame signed by that agent's own identity (listed in the
+fleet's trust file), hello, bootstrap vector, proposal, update with a signed receipt whose
+fingerprint answers the round's sealed challenge, metrics. Their updates are real: a few
+template clients (one per planted category) train the job's model on their own shard once
+(round 1), and each protected update is encrypted under the announced public key once per
+(template, cluster, budget, shared mask) and replayed by every agent of that template with
+its own id, round and receipt; the key server verifies and decrypts them for real.
+
+For each N and strategy it reports the median round seconds (rounds 2..), the coordinator's
+aggregation seconds per cluster (streamed over the arrivals, and the close), the key
+server's verify and decrypt seconds per cluster, the clusters, the coordinator's and the key
+server's peak RSS, the MB published through the broker, and whether every update sent was
+counted in an accepted aggregate.
+
+    python benchmarks/bench_scale.py [--agents 10,100,300,1000] [--strategies plaintext,maskcrypt,sensecrypt]
+        [--rounds 3] [--key-bits 2048] [--out benchmarks/results/scale.json] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import queue
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from senseshield.data import load_dataset  # noqa: E402
+from senseshield.data.shards import shards  # noqa: E402
+from senseshield.he import SCHEMES  # noqa: E402
+from senseshield.job import Job, announced_run, build_job_model, train_config  # noqa: E402
+from senseshield.rounds import choice_report, client_bootstrap, client_seed, local_update, protect_local, protect_rng  # noqa: E402
+from senseshield.runtime.broker import MosquittoProcess  # noqa: E402
+from senseshield.runtime.fleet import Fleet, FleetOptions, agent_ids  # noqa: E402
+from senseshield.runtime.identity import SEALED_SEED_BYTES, b64, check_frame, unb64  # noqa: E402
+from senseshield.runtime.protocol.messages import (  # noqa: E402
+    BootstrapVector,
+    Challenge,
+    ClusterModel,
+    FleetConfig,
+    Hello,
+    MaskDecision,
+    Metrics,
+    Notice,
+    Proposal,
+    PublicKeyAnnouncement,
+    Receipt,
+    RoundPlan,
+    from_frame,
+    pack_mask,
+    to_frame,
+    unpack_mask,
+    update_to_message,
+)
+from senseshield.runtime.transport import PREFIX, Link  # noqa: E402
+from senseshield.strategies import ClientContext  # noqa: E402
+from senseshield.training import set_vector  # noqa: E402
+
+PROFILES = [(50.0, 24.0), (45.0, 16.0), (40.0, 12.0), (35.0, 10.0), (30.0, 8.0)]  # SenseCrypt: MB/s, CPUs
+TEMPLATES = 3  # template clients, one per planted category (partition categories:3)
+
+
+class ScaleFleet(Fleet):
+    """The fleet's key server and coordinator; its agents are the load generator's."""
+
+    def spawn_agent(self, i: int) -> str:
+        return agent_ids(self.options.agents)[i]
+
+    def _profiles(self) -> list[Path]:
+        self.categories = {}
+        return []
+
+
+class LoadGenerator:
+    """N agents over one MQTT link (see the module docstring)."""
+
+    def __init__(self, fleet: ScaleFleet) -> None:
+        self.fleet = fleet
+        self.name = fleet.options.fleet
+        self.agents = agent_ids(fleet.options.agents)
+        self.ids = {a: fleet.identities[a][0] for a in self.agents}
+        self.trust = fleet.trust
+        self.inbox: queue.Queue = queue.Queue()
+        self.link = Link(fleet.url, client_id="loadgen", fleet=self.name, on_frame=self._on_frame, protocol=fleet.mqtt)
+        for suffix in ("fleet/config", "fleet/control", "keys/public", "keyserver/challenges", "agents/+/inbox",
+                       "clusters/+/model"):
+            self.link.subscribe(suffix)
+        self.sent_updates: dict[int, set[str]] = {}
+        self.bytes_sent = 0
+        self.done = threading.Event()
+        self.run_id: str | None = None
+        self.public = None
+        self.key_seen = False
+        self.seeds: dict[tuple[str, int], bytes] = {}
+        self.waiting: dict[int, list[tuple[str, RoundPlan, np.ndarray | None]]] = {}  # round -> updates awaiting its challenge
+        self.plans: dict[tuple[str, int], RoundPlan] = {}
+        self.cache: dict[tuple, tuple] = {}
+        self.fingerprints: dict[tuple, bytes] = {}
+        self.cluster_of: dict[tuple[str, int], int] = {}
+        self.accuracy: dict[tuple[int, int], float] = {}
+        self.joined = False
+        self.errors: list[str] = []
+
+    # -- wire -----------------------------------------------------------------------------
+    def _on_frame(self, topic: str, frame) -> None:  # noqa: ANN001 - paho thread
+        check_frame(self.trust, frame)
+        self.inbox.put((topic.removeprefix(f"{PREFIX}/{self.name}/"), frame, from_frame(frame)))
+
+    def send(self, agent: str, suffix: str, message, round: int = 0) -> bytes:  # noqa: ANN001
+        frame = to_frame(message, fleet=self.name, sender=agent, round=round, signer=self.ids[agent])
+        self.link.publish(suffix, frame)
+        self.bytes_sent += len(frame)
+        return frame
+
+    def run(self, timeout: float) -> None:
+        self.link.start()
+        end = time.monotonic() + timeout
+        while not self.done.is_set() and time.monotonic() < end:
+            try:
+                suffix, frame, msg = self.inbox.get(timeout=0.5)
+            except queue.Empty:
+                if self.fleet.processes["coordinator"].poll() is not None:
+                    break
+                continue
+            try:
+                self._handle(suffix, frame, msg)
+            except Exception as exc:  # noqa: BLE001 - keep going, report at the end
+                self.errors.append(f"{type(msg).__name__}: {exc}")
+        self.link.stop()
+
+    # -- the agents' side of the protocol ------------------------------------------------
+    def _handle(self, suffix: str, frame, msg) -> None:  # noqa: ANN001
+        if isinstance(msg, FleetConfig):
+            if msg.run_id != self.run_id:
+                self._prepare(msg)
+        elif isinstance(msg, PublicKeyAnnouncement):
+            if msg.run_id == self.run_id or not msg.run_id:
+                self.public = SCHEMES.get(msg.scheme).public_key_from_bytes(msg.key) if msg.scheme else None
+                self.key_seen = True
+        elif isinstance(msg, RoundPlan):
+            agent = suffix.split("/")[1]
+            self.plans[(agent, frame.round)] = msg
+            self.cluster_of[(agent, frame.round)] = msg.cluster
+            if msg.negotiate:
+                t = self.template(agent)
+                proposal = self.strategy.propose(self.local[t].sensitivity, block_size=msg.block_size)
+                self.send(agent, f"agents/{agent}/proposal",
+                          Proposal(cluster=msg.cluster, size=msg.size, proposal=pack_mask(proposal)), frame.round)
+            else:
+                self._update(agent, frame.round, msg, msg.mask())
+        elif isinstance(msg, MaskDecision):
+            agent = suffix.split("/")[1]
+            plan = self.plans.get((agent, frame.round))
+            if plan is not None:
+                self._update(agent, frame.round, plan, unpack_mask(msg.shared_mask, msg.size))
+        elif isinstance(msg, Challenge):
+            if msg.run_id != self.run_id:
+                return
+            context = f"{self.name}/{msg.run_id}/{frame.round}".encode()
+            box = unb64(msg.box_key, "box key")
+            for agent, sealed in msg.sealed.items():
+                if agent in self.ids:
+                    self.seeds[(agent, frame.round)] = self.ids[agent].open(
+                        unb64(sealed, "sealed seed", size=SEALED_SEED_BYTES), box, context)
+            for agent, plan, shared in self.waiting.pop(frame.round, []):
+                self._update(agent, frame.round, plan, shared)
+        elif isinstance(msg, ClusterModel):
+            if msg.run_id == self.run_id:
+                self._metrics(msg.cluster, frame.round, msg.weights)
+        elif isinstance(msg, Notice):
+            if msg.run_id == self.run_id and msg.kind in ("done", "cancelled"):
+                self.done.set()
+        if self.run_id is not None and self.key_seen and not self.joined:
+            self._join()
+
+    def template(self, agent: str) -> int:
+        return self.agents.index(agent) % TEMPLATES
+
+    def _prepare(self, msg: FleetConfig) -> None:
+        """The run's templates: data, one real round-1 training each, bootstrap vectors."""
+        config, strategy, _ = announced_run(msg.config)
+        self.run_id, self.config, self.strategy, self.initial = msg.run_id, config, strategy, msg.initial.astype(np.float64)
+        self.joined = False
+        local_config = config.model_copy(update={"clients": TEMPLATES, "partition": f"categories:{TEMPLATES}"})
+        self.data = [s.data for s in shards(local_config, load_dataset(config.dataset, seed=config.seed))]
+        self.model = build_job_model(config, tuple(msg.input_shape), msg.num_classes)
+        self.vectors, self.local = [], []
+        for t, data in enumerate(self.data):
+            self.vectors.append(client_bootstrap(config, strategy, self.model, self.initial, data, t)
+                                if strategy.needs_bootstrap_sensitivity else None)
+            self.local.append(local_update(strategy, self.model, self.initial, data, train=train_config(config),
+                                           seed=client_seed(config.seed, 1, t), round=1))
+
+    def _join(self) -> None:
+        self.joined = True
+        key_id = self.public.key_id if self.public is not None else None
+        for i, agent in enumerate(self.agents):
+            t = self.template(agent)
+            bandwidth, cpu = PROFILES[(i // TEMPLATES) % len(PROFILES)]
+            self.send(agent, f"agents/{agent}/hello", Hello(
+                run_id=self.run_id, agent_id=agent, n_samples=self.data[t].n_train, bandwidth=bandwidth,
+                cpu_speed=cpu, profile={"board": "load generator"}, key_id=key_id, index=i,
+                box_key=b64(self.ids[agent].box_key)))
+            if self.vectors[t] is not None:
+                self.send(agent, f"agents/{agent}/bootstrap", BootstrapVector(sensitivity=self.vectors[t]))
+
+    def _update(self, agent: str, r: int, plan: RoundPlan, shared: np.ndarray | None) -> None:
+        verifiable = self.public is not None and self.public.verifiable
+        if verifiable and (agent, r) not in self.seeds:
+            self.waiting.setdefault(r, []).append((agent, plan, shared))
+            return
+        t = self.template(agent)
+        digest = hashlib.sha256(np.packbits(shared).tobytes()).hexdigest() if shared is not None else ""
+        key = (t, plan.cluster, plan.encryption_budget, plan.block_size, digest)
+        if key not in self.cache:  # encrypt this template's update once; every agent replays it
+            context = ClientContext(f"template-{t}", 1, plan.cluster, plan.encryption_budget, shared, plan.block_size,
+                                    participants=plan.participants, noise_multiplier=plan.noise_multiplier)
+            update, choice = protect_local(self.strategy, context, self.local[t], self.public,
+                                           n_samples=self.data[t].n_train, rng=protect_rng(self.config.seed, 1, t))
+            self.cache[key] = (update, update_to_message(update, self.public, report=choice_report(choice)))
+        update, message = self.cache[key]
+        fp = b""
+        if verifiable and update.ciphertext is not None:
+            seed = self.seeds[(agent, r)]
+            if (key, seed) not in self.fingerprints:
+                self.fingerprints[(key, seed)] = self.public.fingerprint(update.ciphertext, seed)
+            fp = self.fingerprints[(key, seed)]
+        receipt = Receipt(
+            run_id=self.run_id, cluster=plan.cluster, n_samples=update.n_samples,
+            key_id=self.public.key_id if self.public is not None else "",
+            mask_digest=hashlib.sha256(message.mask.tobytes()).hexdigest(),
+            ciphertext_digest=hashlib.sha256(message.ciphertext).hexdigest() if message.ciphertext else "",
+            fingerprint=fp)
+        signed = to_frame(receipt, fleet=self.name, sender=agent, round=r, signer=self.ids[agent])
+        self.send(agent, f"agents/{agent}/update", message.model_copy(update={"receipt": signed}), r)
+        self.sent_updates.setdefault(r, set()).add(agent)
+
+    def _metrics(self, cluster: int, r: int, weights: np.ndarray) -> None:
+        if (cluster, r) in self.accuracy:
+            return
+        set_vector(self.model, weights.astype(np.float64))
+        data = self.data[0]
+        import torch
+
+        with torch.no_grad():
+            predicted = self.model(torch.as_tensor(data.x_test, dtype=torch.float32)).argmax(1).numpy()
+        accuracy = float(np.mean(predicted == data.y_test)) if len(data.y_test) else 0.0
+        self.accuracy[(cluster, r)] = accuracy
+        for agent in sorted(self.sent_updates.get(r, ())):
+            if self.cluster_of.get((agent, r)) == cluster:
+                self.send(agent, f"agents/{agent}/metrics",
+                          Metrics(cluster=cluster, accuracy=accuracy, n_test=len(data.y_test)), r)
+
+
+class Sampler:
+    """Peak RSS of the key server and coordinator (VmRSS every 0.2 s, and VmHWM), and the bytes
+    of every message published in the fleet's topics (a subscriber sees each once)."""
+
+    def __init__(self, fleet: ScaleFleet) -> None:
+        import paho.mqtt.client as mqtt
+        from paho.mqtt.enums import CallbackAPIVersion
+
+        self.fleet, self.peak = fleet, {"coordinator": 0, "keyserver": 0}
+        self.bytes = 0
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+        host, port = fleet.url.removeprefix("mqtt://").split(":")
+        self.client = mqtt.Client(callback_api_version=CallbackAPIVersion.VERSION2, client_id="scale-sniffer")
+        self.client.on_message = lambda c, u, m: self._count(m)
+        self.client.connect(host, int(port))
+        self.client.subscribe(f"{PREFIX}/{fleet.options.fleet}/#", qos=0)
+        self.client.loop_start()
+        self.thread.start()
+
+    def _count(self, message) -> None:  # noqa: ANN001
+        self.bytes += len(message.payload)
+
+    def _read(self, name: str) -> None:
+        proc = self.fleet.processes.get(name)
+        if proc is None or proc.poll() is not None:
+            return
+        try:
+            text = Path(f"/proc/{proc.pid}/status").read_text()
+        except OSError:
+            return
+        for line in text.splitlines():
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                self.peak[name] = max(self.peak[name], int(line.split()[1]) * 1024)
+
+    def _poll(self) -> None:
+        while not self.stop_event.wait(0.2):
+            for name in self.peak:
+                self._read(name)
+
+    def stop(self) -> None:
+        for name in self.peak:
+            self._read(name)
+        self.stop_event.set()
+        self.thread.join(2)
+        self.client.loop_stop()
+        self.client.disconnect()
+
+
+def run_scale(agents: int, strategy: str, *, rounds: int = 3, key_bits: int = 2048, out: Path,
+              broker_url: str, timeout: float = 3600.0) -> dict:
+    """One (N, strategy) point; returns its summary (see the module docstring)."""
+    config = Job(strategy=strategy, rounds=rounds, dataset="digits", model="linear", partition=f"categories:{TEMPLATES}",
+                 key_bits=key_bits, scheme="packed-paillier" if strategy != "plaintext" else None,
+                 round_deadline=max(120.0, agents * 0.6), clients=agents)
+    options = FleetOptions(agents=agents, out=out, broker=broker_url, fleet=f"scale-{strategy}-{agents}",
+                           join_timeout=timeout, log_level="warning")
+    started = time.time()
+    with ScaleFleet(config, options) as fleet:
+        fleet.start()
+        sampler = Sampler(fleet)
+        load = LoadGenerator(fleet)
+        load.run(timeout)
+        report = fleet.wait(60)
+        sampler.stop()
+    rounds_ = report["rounds"][1:] or report["rounds"]
+    per_cluster = {"aggregate_streamed": [], "aggregate": [], "verify": [], "decrypt": []}
+    counted = True
+    for rec in report["server"]:
+        r = rec["round"]
+        contributors = set()
+        for c in rec["clusters"].values():
+            if c.get("accepted"):
+                contributors |= set(c.get("updates", []))
+            if r > 1 or len(report["server"]) == 1:
+                for p in per_cluster:
+                    if p in c.get("timings", {}):
+                        per_cluster[p].append(c["timings"][p])
+        counted &= contributors == load.sent_updates.get(r, set())
+    return {
+        "agents": agents,
+        "strategy": strategy,
+        "rounds": rounds,
+        "round_s": statistics.median(r["seconds"] for r in rounds_),
+        "clusters": report["num_clusters"],
+        **{f"{p}_s": (float(np.mean(v)) if v else 0.0) for p, v in per_cluster.items()},
+        "coordinator_peak_rss_mb": sampler.peak["coordinator"] / 1e6,
+        "keyserver_peak_rss_mb": sampler.peak["keyserver"] / 1e6,
+        "broker_mb": sampler.bytes / 1e6,
+        "loadgen_mb_sent": load.bytes_sent / 1e6,
+        "updates_sent": sum(len(v) for v in load.sent_updates.values()),
+        "every_update_counted": bool(counted),
+        "he_ratio": float(np.mean([r["he_ratio_mean"] for r in rounds_])),
+        "final_accuracy": report["final_accuracy"],
+        "loadgen_errors": load.errors[:5],
+        "seconds": time.time() - started,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--agents", default="10,100,300,1000")
+    parser.add_argument("--strategies", default="plaintext,maskcrypt,sensecrypt")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--key-bits", type=int, default=2048)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/scale.json")
+    parser.add_argument("--quick", action="store_true", help="N = 6 and 20, 2 rounds, 1024-bit (a smoke run)")
+    args = parser.parse_args()
+    counts = [6, 20] if args.quick else [int(x) for x in args.agents.split(",")]
+    rounds, key_bits = (2, 1024) if args.quick else (args.rounds, args.key_bits)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        broker = MosquittoProcess(Path(tmp) / "broker").start()
+        try:
+            for n in counts:
+                for strategy in args.strategies.split(","):
+                    row = run_scale(n, strategy, rounds=rounds, key_bits=key_bits, out=Path(tmp) / f"{strategy}-{n}",
+                                    broker_url=broker.url)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+        finally:
+            broker.stop()
+    for row in rows:
+        base = next((r["round_s"] for r in rows if r["agents"] == row["agents"] and r["strategy"] == "plaintext"), None)
+        row["round_ratio_to_plaintext"] = row["round_s"] / base if base else None
+    result = {"benchmark": "scale", "date": time.strftime("%Y-%m-%d"),
+              "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                          "python": platform.python_version()},
+              "model": "linear (650 parameters), digits, categories:3", "key_bits": key_bits, "rounds": rounds,
+              "rows": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print("| N | strategy | round s | x plaintext | clusters | aggregate streamed / close s | verify s | decrypt s "
+          "| coordinator RSS MB | key server RSS MB | broker MB | every update counted |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    for r in rows:
+        ratio = f"{r['round_ratio_to_plaintext']:.2f}" if r["round_ratio_to_plaintext"] else "–"
+        print(f"| {r['agents']} | {r['strategy']} | {r['round_s']:.2f} | {ratio} | {r['clusters']} | "
+              f"{r['aggregate_streamed_s']:.3f} / {r['aggregate_s']:.3f} | {r['verify_s']:.3f} | {r['decrypt_s']:.3f} | "
+              f"{r['coordinator_peak_rss_mb']:.0f} | {r['keyserver_peak_rss_mb']:.0f} | {r['broker_mb']:.1f} | "
+              f"{'yes' if r['every_update_counted'] else 'NO'} |")
+
+
+if __name__ == "__main__":
+    main()
