@@ -151,6 +151,7 @@ class LoadGenerator:
         elif isinstance(msg, PublicKeyAnnouncement):
             if msg.run_id == self.run_id or not msg.run_id:
                 self.public = SCHEMES.get(msg.scheme).public_key_from_bytes(msg.key) if msg.scheme else None
+                self.key_id = msg.key_id  # "none" when the run encrypts nothing
                 self.key_seen = True
         elif isinstance(msg, RoundPlan):
             agent = suffix.split("/")[1]
@@ -208,7 +209,7 @@ class LoadGenerator:
 
     def _join(self) -> None:
         self.joined = True
-        key_id = self.public.key_id if self.public is not None else None
+        key_id = self.key_id
         for i, agent in enumerate(self.agents):
             t = self.template(agent)
             bandwidth, cpu = PROFILES[(i // TEMPLATES) % len(PROFILES)]

@@ -10,15 +10,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
+import pytest
+
 from bench_scale import run_scale  # noqa: E402
 
 
-def test_six_generated_agents_are_all_counted_in_verified_aggregates(mosquitto, tmp_path):
+@pytest.mark.parametrize("strategy", ["sensecrypt", "plaintext"])
+def test_six_generated_agents_are_all_counted_in_verified_aggregates(mosquitto, tmp_path, strategy):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # 1024-bit test key
-        row = run_scale(6, "sensecrypt", rounds=2, key_bits=1024, out=tmp_path / "run", broker_url=mosquitto.url,
+        row = run_scale(6, strategy, rounds=2, key_bits=1024, out=tmp_path / "run", broker_url=mosquitto.url,
                         timeout=120)
     assert row["every_update_counted"] and row["updates_sent"] == 12 and not row["loadgen_errors"]
-    assert row["clusters"] >= 1 and 0 < row["he_ratio"] < 1
-    assert row["decrypt_s"] > 0 and row["verify_s"] > 0  # the key server really verified and decrypted
+    assert row["clusters"] >= 1
+    if strategy == "sensecrypt":  # the key server really verified and decrypted
+        assert 0 < row["he_ratio"] < 1 and row["decrypt_s"] > 0 and row["verify_s"] > 0
     assert row["coordinator_peak_rss_mb"] > 0 and row["keyserver_peak_rss_mb"] > 0 and row["broker_mb"] > 0
