@@ -192,6 +192,12 @@ class LoadGenerator:
     def template(self, agent: str) -> int:
         return self.agents.index(agent) % TEMPLATES
 
+    def samples(self, t: int) -> int:
+        """An agent's sample count: its share of its template's shard, as if the dataset were
+        split N ways (the packed key's head-room, max_total_weight = 65,536 samples per
+        cluster aggregate, would refuse 1,000 agents claiming the template's ~480 each)."""
+        return max(1, self.data[t].n_train * TEMPLATES // len(self.agents))
+
     def _prepare(self, msg: FleetConfig) -> None:
         """The run's templates: data, one real round-1 training each, bootstrap vectors."""
         config, strategy, _ = announced_run(msg.config)
@@ -214,7 +220,7 @@ class LoadGenerator:
             t = self.template(agent)
             bandwidth, cpu = PROFILES[(i // TEMPLATES) % len(PROFILES)]
             self.send(agent, f"agents/{agent}/hello", Hello(
-                run_id=self.run_id, agent_id=agent, n_samples=self.data[t].n_train, bandwidth=bandwidth,
+                run_id=self.run_id, agent_id=agent, n_samples=self.samples(t), bandwidth=bandwidth,
                 cpu_speed=cpu, profile={"board": "load generator"}, key_id=key_id, index=i,
                 box_key=b64(self.ids[agent].box_key)))
             if self.vectors[t] is not None:
@@ -232,7 +238,7 @@ class LoadGenerator:
             context = ClientContext(f"template-{t}", 1, plan.cluster, plan.encryption_budget, shared, plan.block_size,
                                     participants=plan.participants, noise_multiplier=plan.noise_multiplier)
             update, choice = protect_local(self.strategy, context, self.local[t], self.public,
-                                           n_samples=self.data[t].n_train, rng=protect_rng(self.config.seed, 1, t))
+                                           n_samples=self.samples(t), rng=protect_rng(self.config.seed, 1, t))
             self.cache[key] = (update, update_to_message(update, self.public, report=choice_report(choice)))
         update, message = self.cache[key]
         fp = b""
@@ -318,9 +324,9 @@ class Sampler:
 
 
 def run_scale(agents: int, strategy: str, *, rounds: int = 3, key_bits: int = 2048, out: Path,
-              broker_url: str, timeout: float = 3600.0) -> dict:
+              broker_url: str, timeout: float = 3600.0, model: str = "linear") -> dict:
     """One (N, strategy) point; returns its summary (see the module docstring)."""
-    config = Job(strategy=strategy, rounds=rounds, dataset="digits", model="linear", partition=f"categories:{TEMPLATES}",
+    config = Job(strategy=strategy, rounds=rounds, dataset="digits", model=model, partition=f"categories:{TEMPLATES}",
                  key_bits=key_bits, scheme="packed-paillier" if strategy != "plaintext" else None,
                  round_deadline=max(120.0, agents * 0.6), clients=agents)
     options = FleetOptions(agents=agents, out=out, broker=broker_url, fleet=f"scale-{strategy}-{agents}",
@@ -350,6 +356,7 @@ def run_scale(agents: int, strategy: str, *, rounds: int = 3, key_bits: int = 20
     return {
         "agents": agents,
         "strategy": strategy,
+        "model": model,
         "rounds": rounds,
         "round_s": statistics.median(r["seconds"] for r in rounds_),
         "clusters": report["num_clusters"],
@@ -374,6 +381,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--key-bits", type=int, default=2048)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/scale.json")
+    parser.add_argument("--model", default="linear", help="the job's model (linear: 650 parameters, 10 blocks; "
+                        "mlp: 50,826 parameters, 771 blocks)")
     parser.add_argument("--quick", action="store_true", help="N = 6 and 20, 2 rounds, 1024-bit (a smoke run)")
     args = parser.parse_args()
     counts = [6, 20] if args.quick else [int(x) for x in args.agents.split(",")]
@@ -385,7 +394,7 @@ def main() -> None:
             for n in counts:
                 for strategy in args.strategies.split(","):
                     row = run_scale(n, strategy, rounds=rounds, key_bits=key_bits, out=Path(tmp) / f"{strategy}-{n}",
-                                    broker_url=broker.url)
+                                    broker_url=broker.url, model=args.model)
                     rows.append(row)
                     print(json.dumps(row), flush=True)
         finally:
@@ -396,7 +405,7 @@ def main() -> None:
     result = {"benchmark": "scale", "date": time.strftime("%Y-%m-%d"),
               "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                           "python": platform.python_version()},
-              "model": "linear (650 parameters), digits, categories:3", "key_bits": key_bits, "rounds": rounds,
+              "model": f"{args.model}, digits, categories:3", "key_bits": key_bits, "rounds": rounds,
               "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
