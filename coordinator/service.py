@@ -62,7 +62,7 @@ from senseshield.runtime.protocol.messages import (
     unpack_mask,
     update_from_message,
 )
-from senseshield.accounting import Accountant
+from senseshield.accounting import Accountant, user_level_epsilons
 from senseshield.runtime.identity import Identity, Trust, check_frame
 from senseshield.runtime.protocol.envelope import decode_frame
 from senseshield.runtime.service import Inbound, Service, check_sender, writable_dir
@@ -428,6 +428,7 @@ class Coordinator(Service):
         self.agent_rounds: dict[str, dict[int, dict]] = {}  # per agent per round: timings etc.
         self.straggling: list[dict] = []
         self.user_accountant = Accountant()
+        self.participations: dict[str, int] = {}  # user-DP rounds each agent was sampled in
         self.sampler = np.random.default_rng([config.seed, 5])
         self.started = time.time()
         self.bootstrap_seconds = 0.0
@@ -1053,6 +1054,9 @@ class Coordinator(Service):
                     tally.notes.append(f"round {r} cluster {k}: closed without {', '.join(sorted(who))} ({why})")
         if self.strategy.user_dp_round(r) and self.sampled:
             self.user_accountant.step(noise_multiplier=self.sigma_user or 0.0, sample_rate=o.sample_rate)
+            for a in self.sampled:  # the server knows who was sampled: no amplification against it
+                self.participations[a] = self.participations.get(a, 0) + 1
+        most = max(self.participations.values(), default=0)
         self.records.append({
             "tally": tally,
             "round": r,
@@ -1063,6 +1067,8 @@ class Coordinator(Service):
             "participants": sum(len(cr.updates) for cr in self.clusters.values() if cr.accepted),
             "sampled": len(self.sampled),
             "user_epsilon": self.user_accountant.epsilon(o.delta) if self.strategy.dp_level else None,
+            "user_epsilon_server": (self.user_accountant.unamplified(most).epsilon(o.delta)
+                                    if self.strategy.dp_level else None),
             "started_at": self.round_started,
             "finished_at": time.time(),
             "clusters": {k: {"members": cr.members, "updates": sorted(cr.updates), "straggled": cr.straggled,
@@ -1112,15 +1118,16 @@ class Coordinator(Service):
                 if rounds:
                     latest = by_agent[a][max(rounds)]
                     pairs.append((latest.accuracy, latest.n_test))
-            eps = rec["user_epsilon"]
+            eps, eps_server = rec["user_epsilon"], rec.get("user_epsilon_server", rec["user_epsilon"])
             if self.strategy.dp_level is not None:
                 agent_eps = [m.epsilon for (aid, rr), m in self.metrics.items() if rr == r and m.epsilon is not None]
                 eps = max([eps or 0.0, *agent_eps])
+                eps_server = max([eps_server or 0.0, *agent_eps])
             record = rec["tally"].record(
                 r, self.strategy, accuracy=weighted_accuracy(pairs), seconds=rec["seconds"],
                 participants=rec["participants"], sample_rate=self.config.options.sample_rate,
                 sampled=rec.get("sampled"),
-                epsilon=eps, delta=self.config.options.delta,
+                epsilon=eps, epsilon_server=eps_server, delta=self.config.options.delta,
             )
             out.append(record.model_copy(update={"joined": rec.get("joined", []), "left": rec.get("left", [])}))
         return out
@@ -1161,6 +1168,8 @@ class Coordinator(Service):
         straggling = straggling_summary(agents)
         o = self.config.options
         dp = self.strategy.dp_level is not None
+        pld = (user_level_epsilons(self.user_accountant, max(self.participations.values(), default=0), o.delta)
+               if self.strategy.dp_level == "user" and rounds else None)
         return FleetReport(
             strategy=self.config.strategy, scheme=self.scheme, dataset=self.config.dataset,
             model=self.config.model, partition=self.config.partition, seed=self.config.seed,
@@ -1172,6 +1181,8 @@ class Coordinator(Service):
             machine={"python": platform.python_version(), "processor": platform.processor() or platform.machine(),
                      "torch": torch.__version__},
             epsilon=rounds[-1].epsilon if rounds else None, delta=o.delta if dp else None,
+            epsilon_server=rounds[-1].epsilon_server if rounds else None,
+            **({"epsilon_pld": pld.observer_pld, "epsilon_server_pld": pld.server_pld} if pld is not None else {}),
             noise_multiplier=self.sigma_user if self.sigma_user is not None else (max(self.sigma_record.values()) if self.sigma_record else None),
             fleet=self.fleet, run_id=self.run_id, input_shape=self.input_shape, num_classes=self.num_classes,
             round_deadline=self.round_deadline, bootstrap_seconds=self.bootstrap_seconds,
@@ -1268,6 +1279,7 @@ class Coordinator(Service):
             "hellos": {a: i.hello.model_dump(mode="json") for a, i in self.agents.items()},
             "sampler": self.sampler.bit_generator.state,
             "accountant": self.user_accountant.history,
+            "participations": self.participations,
             "records": [{**rec, "tally": asdict(rec["tally"])} for rec in self.records],
             "metrics": [[a, r, m.model_dump(mode="json")] for (a, r), m in self.metrics.items()],
             "agent_rounds": self.agent_rounds,
@@ -1305,6 +1317,7 @@ class Coordinator(Service):
         self.agents = {a: AgentInfo(Hello(**h)) for a, h in state["hellos"].items()}
         self.sampler.bit_generator.state = state["sampler"]
         self.user_accountant = Accountant([tuple(h) for h in state["accountant"]])
+        self.participations = dict(state.get("participations", {}))
         self.records = [{**rec, "tally": RoundTally(**rec["tally"])} for rec in state["records"]]
         self.metrics = {(a, int(r)): Metrics(**m) for a, r, m in state["metrics"]}
         self.agent_rounds = {a: {int(r): v for r, v in rounds.items()} for a, rounds in state["agent_rounds"].items()}

@@ -30,7 +30,10 @@ class RoundRecord(BaseModel):
     infeasible_masks: int
     violations: list[str] = []  # first violation sentence of each infeasible mask (max 3)
     participants: int | None = None  # clients whose update was aggregated (simulator: the sampled ones)
-    epsilon: float | None = None  # DP epsilon spent up to and including this round
+    epsilon: float | None = None  # DP epsilon spent up to and including this round (RDP, outside observer)
+    # against the server, which knows who was sampled: no sampling amplification, the most
+    # frequent participant's rounds (user-level DP; record-level: the same as epsilon)
+    epsilon_server: float | None = None
     delta: float | None = None
     zone_ratios: dict[str, float] | None = None  # mean M_enc / M_pers / M_noise (SelectiveShield)
     round_type: str | None = None  # Alt-FL round type
@@ -71,7 +74,10 @@ class RunResult(BaseModel):
     clients: list[ClientRecord]
     config: dict
     machine: dict
-    epsilon: float | None = None  # final DP epsilon (None: the strategy uses no DP)
+    epsilon: float | None = None  # final DP epsilon (None: the strategy uses no DP), RDP, outside observer
+    epsilon_server: float | None = None  # final epsilon against the server (senseshield.accounting)
+    epsilon_pld: float | None = None  # user-level DP: the final epsilon by PLD (PRV), outside observer
+    epsilon_server_pld: float | None = None  # user-level DP: by PLD, against the server
     delta: float | None = None
     noise_multiplier: float | None = None  # sigma used (calibrated when target_epsilon is set)
     synthetic_epsilon: float | None = None  # epsilon of the DP synthetic-data provider
@@ -137,6 +143,7 @@ class RoundTally:
     def record(
         self, r: int, strategy: Strategy, *, accuracy: float, seconds: float, participants: int,
         sample_rate: float, epsilon: float | None, delta: float, sampled: int | None = None,
+        epsilon_server: float | None = None,
     ) -> RoundRecord:
         notes = list(self.notes)
         if not (participants if sampled is None else sampled):
@@ -156,6 +163,7 @@ class RoundTally:
             violations=self.violations,
             participants=participants,
             epsilon=epsilon,
+            epsilon_server=epsilon_server if epsilon_server is not None else epsilon,
             delta=delta if epsilon is not None else None,
             zone_ratios={k: float(np.mean(v)) for k, v in self.zone_sums.items()} or None,
             round_type=_round_type(strategy, r),

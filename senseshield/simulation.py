@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from sklearn.metrics import adjusted_rand_score
 
-from senseshield.accounting import Accountant
+from senseshield.accounting import Accountant, user_level_epsilons
 from senseshield.data import Dataset, load_dataset
 from senseshield.data.shards import LocalData, Shard, device_shards, shards
 from senseshield.determinism import Trace, mask_digest
@@ -121,6 +121,7 @@ def run_simulation(
                 delta=o.delta, seed=client_seed(config.seed, 0, c.index),
             )
     user_accountant = Accountant()
+    participations: dict[str, int] = {}  # user-DP rounds each client was sampled in (the server knows)
     sampler = np.random.default_rng([config.seed, 5])
     block_size = public_key.block_size if public_key is not None else 1
     plan: FleetPlan = strategy.plan_fleet(reports, size=layout.size, block_size=block_size)
@@ -194,7 +195,10 @@ def run_simulation(
             recorder.record_round(r, round_masks, round_models)
         if strategy.user_dp_round(r) and sampled:
             user_accountant.step(noise_multiplier=sigma_user or 0.0, sample_rate=o.sample_rate)
-        epsilon = _epsilon(strategy, user_accountant, [c.state.dp_history for c in clients], o.delta)
+            for cid in sampled:
+                participations[cid] = participations.get(cid, 0) + 1
+        epsilon, epsilon_server = _epsilon(strategy, user_accountant, [c.state.dp_history for c in clients],
+                                           o.delta, max(participations.values(), default=0))
         t = time.perf_counter()
         for client in clients:
             set_vector(model, merge_personal(globals_[plan.cluster_of[client.id]], client.state))
@@ -209,6 +213,7 @@ def run_simulation(
                 participants=len(sampled),
                 sample_rate=o.sample_rate,
                 epsilon=epsilon,
+                epsilon_server=epsilon_server,
                 delta=o.delta,
             )
         )
@@ -254,6 +259,8 @@ def run_simulation(
         config=config.model_dump(mode="json"),
         machine={"python": platform.python_version(), "processor": platform.processor() or platform.machine(), "torch": torch.__version__, "threads": torch.get_num_threads()},
         epsilon=rounds[-1].epsilon,
+        epsilon_server=rounds[-1].epsilon_server,
+        **_pld(strategy, user_accountant, participations, o.delta),
         delta=o.delta if strategy.dp_level is not None else None,
         noise_multiplier=sigma_user if sigma_user is not None else (max(sigma_record.values()) if sigma_record else None),
         synthetic_epsilon=(
@@ -265,15 +272,29 @@ def run_simulation(
     return result
 
 
-def _epsilon(strategy: Strategy, user: Accountant, histories: list[list], delta: float) -> float | None:
-    """Epsilon spent so far: the user-level accountant, or the worst client's DP-SGD accountant."""
+def _epsilon(strategy: Strategy, user: Accountant, histories: list[list], delta: float,
+             participations: int) -> tuple[float | None, float | None]:
+    """Epsilon spent so far against an outside observer and against the server: the
+    user-level accountant (the server's figure without the sampling amplification, for the
+    client sampled ``participations`` times), or the worst client's DP-SGD accountant (its
+    batch sampling happens on the device: the same figure for both)."""
     if strategy.dp_level is None:
-        return None
-    eps = user.epsilon(delta)
+        return None, None
+    observer = user.epsilon(delta)
+    server = user.unamplified(participations).epsilon(delta) if user.history else 0.0
     for history in histories:
         if history:
-            eps = max(eps, Accountant(history).epsilon(delta))
-    return eps
+            local = Accountant(history).epsilon(delta)
+            observer, server = max(observer, local), max(server, local)
+    return observer, server
+
+
+def _pld(strategy: Strategy, user: Accountant, participations: dict[str, int], delta: float) -> dict:
+    """The final user-level epsilons by PLD (PRV), against an outside observer and the server."""
+    if strategy.dp_level != "user":
+        return {}
+    eps = user_level_epsilons(user, max(participations.values(), default=0), delta)
+    return {"epsilon_pld": eps.observer_pld, "epsilon_server_pld": eps.server_pld}
 
 
 __all__ = ["Job", "SimulationConfig", "RunResult", "SimulationResult", "run_simulation", "ConfigError"]

@@ -67,6 +67,11 @@ def test_each_hybrid_strategy_completes_and_reports_privacy(name):
         eps = [r["epsilon"] for r in data["rounds"]]
         assert result.epsilon == eps[-1] and eps[-1] > 0 and result.delta == 1e-5
         assert eps == sorted(eps)  # epsilon only grows
+        # every client sampled every round (q = 1): the server learns nothing the observer does not
+        assert result.epsilon_server == pytest.approx(result.epsilon, rel=1e-12)
+        if build_strategy(name).dp_level == "user":
+            assert result.epsilon_pld == pytest.approx(result.epsilon_server_pld, rel=1e-9)
+            assert result.epsilon_pld < result.epsilon
     else:
         assert result.epsilon is None
     if name == "selectiveshield":
@@ -89,6 +94,10 @@ def test_target_epsilon_is_met_and_unreachable_one_is_refused():
 def test_poisson_sampling_and_empty_round_are_reported():
     result = _run("dp-fedavg", sample_rate=0.3, sigma=1.0)
     assert all(r.participants <= 3 for r in result.rounds)
+    # the sampling amplification holds against an outside observer only: the server knows
+    # who was sampled (a client sampled in every round gets no amplification against it)
+    if any(r.participants for r in result.rounds):
+        assert result.epsilon_server > result.epsilon and result.epsilon_server_pld > result.epsilon_pld
     for r in result.rounds:
         if r.participants == 0:
             assert any("no client was sampled" in n for n in r.notes)

@@ -26,6 +26,7 @@ def summary_row(result) -> dict:  # type: ignore[no-untyped-def]
         "strategy": result.strategy,
         "final_accuracy": result.final_accuracy,
         "epsilon": result.epsilon,
+        "epsilon_server": result.epsilon_server,
         "delta": result.delta,
         "noise_multiplier": result.noise_multiplier,
         "he_ratio_mean": sum(r.he_ratio_mean for r in rounds) / len(rounds),
@@ -38,11 +39,11 @@ def summary_row(result) -> dict:  # type: ignore[no-untyped-def]
 
 
 def markdown_table(rows: list[dict]) -> str:
-    head = "| strategy | final acc. | epsilon | M_enc / M_pers / M_noise | HE ratio | MB up / round | s / round |\n"
+    head = "| strategy | final acc. | ε (observer / server) | M_enc / M_pers / M_noise | HE ratio | MB up / round | s / round |\n"
     head += "| --- | ---: | ---: | --- | ---: | ---: | ---: |\n"
     lines = []
     for r in rows:
-        eps = "-" if r["epsilon"] is None else f"{r['epsilon']:.2f}"
+        eps = "-" if r["epsilon"] is None else f"{r['epsilon']:.2f} / {r.get('epsilon_server') or r['epsilon']:.2f}"
         z = r["zone_ratios"]
         zones = "-" if z is None else f"{z['enc']:.3f} / {z['pers']:.3f} / {z['noise']:.3f}"
         lines.append(
