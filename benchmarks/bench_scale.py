@@ -6,7 +6,8 @@ speaking the real protocol: every frame signed by that agent's own identity (lis
 fleet's trust file), hello, bootstrap vector, proposal, update with a signed receipt whose
 fingerprint answers the round's sealed challenge, metrics. Their updates are real: a few
 template clients (one per planted category) train the job's model on their own shard once
-(round 1), and each protected update is encrypted under the announced public key once per
+(round 1; each agent's bootstrap vector is its template's with 10 % seeded jitter, so
+the coordinator clusters N distinct devices), and each protected update is encrypted under the announced public key once per
 (template, cluster, budget, shared mask) and replayed by every agent of that template with
 its own id, round and receipt; the key server verifies and decrypts them for real.
 
@@ -73,6 +74,7 @@ from senseshield.training import set_vector  # noqa: E402
 
 PROFILES = [(50.0, 24.0), (45.0, 16.0), (40.0, 12.0), (35.0, 10.0), (30.0, 8.0)]  # SenseCrypt: MB/s, CPUs
 TEMPLATES = 3  # template clients, one per planted category (partition categories:3)
+JITTER = 0.1  # relative spread of each agent's bootstrap vector around its template's
 
 
 class ScaleFleet(Fleet):
@@ -223,8 +225,10 @@ class LoadGenerator:
                 run_id=self.run_id, agent_id=agent, n_samples=self.samples(t), bandwidth=bandwidth,
                 cpu_speed=cpu, profile={"board": "load generator"}, key_id=key_id, index=i,
                 box_key=b64(self.ids[agent].box_key)))
-            if self.vectors[t] is not None:
-                self.send(agent, f"agents/{agent}/bootstrap", BootstrapVector(sensitivity=self.vectors[t]))
+            if self.vectors[t] is not None:  # its template's, with the device's own 10 % jitter (seeded)
+                jitter = np.random.default_rng([self.config.seed, i]).normal(1.0, JITTER, self.vectors[t].size)
+                self.send(agent, f"agents/{agent}/bootstrap",
+                          BootstrapVector(sensitivity=self.vectors[t] * np.abs(jitter)))
 
     def _update(self, agent: str, r: int, plan: RoundPlan, shared: np.ndarray | None) -> None:
         verifiable = self.public is not None and self.public.verifiable
