@@ -20,6 +20,11 @@ information (iLRG then guesses K/C instances per class), the floor of every metr
   at the 1/32 ratio vs the 1/32 ratio chosen high-sensitivity-first / at random vs
   SelectiveShield and DP-FedAvg (every registered strategy of that list; missing ones are
   reported as such).
+* ``leakage`` (issue 16): the leakage-aware selection (``score=leakage``: input and output
+  layers first, then Taylor sensitivity) against Taylor-high-first and random selection at
+  budgets 1/128 .. 1/8, and SenseCrypt's own mask with that score for its 2- and 1-CPU
+  clients: Inverting Gradients at B = 1, 4 and 8 (PSNR, SSIM, identified), iLRG LnAcc at
+  B = 8 and 30, ``--trials`` batches of each of ``--victims`` clients per cell.
 * ``sweep``: SenseCrypt App. H (ratio 0..0.8, high / random / low sensitivity first; iLRG
   LeAcc/LnAcc on B = 30, Inverting Gradients PSNR on B = 1, MI) and the
   extreme-heterogeneity check (SenseCrypt clients with 32..1 CPUs attacked one by one, next
@@ -155,6 +160,66 @@ def bench_table(trials: int, settings: AttackSettings, log) -> dict[str, Any]:  
             "image_batches": list(IMAGE_BATCHES)}
 
 
+LEAK_BUDGETS = (1 / 128, 1 / 64, 1 / 32, 1 / 16, 1 / 8)
+LEAK_IMAGE_BATCHES = (1, 4, 8)
+LEAK_LABEL_BATCHES = (8, 30)
+
+
+def bench_leakage(trials: int, victims: int, settings: AttackSettings, log, model: str = MODEL) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    """The leakage-aware selection against the App. H orders (see the module docstring)."""
+    leak, taylor = StrategyOptions(score="leakage"), StrategyOptions()
+    plain_leak, plain = spec("plaintext", model=model, options=leak), spec("plaintext", model=model, options=taylor)
+    rows = [dict(name="unprotected", spec=plain, order=None, ratio=None, victims=range(victims)),
+            dict(name="blind", spec=plain, order="high", ratio=1.0, victims=range(victims))]
+    for ratio in LEAK_BUDGETS:
+        label = f"1/{round(1 / ratio)}"
+        rows += [dict(name=f"leakage-first {label}", spec=plain_leak, order="high", ratio=ratio, victims=range(victims)),
+                 dict(name=f"taylor-high-first {label}", spec=plain, order="high", ratio=ratio, victims=range(victims)),
+                 dict(name=f"random {label}", spec=plain, order="random", ratio=ratio, victims=range(victims))]
+    for cpus, victim in (("2-CPU (1/16)", 7), ("1-CPU (1/32)", 8)):
+        rows += [dict(name=f"sensecrypt {cpus}, score=leakage", spec=spec("sensecrypt", model=model, cpu=CPUS, options=leak),
+                      order=None, ratio=None, victims=[victim]),
+                 dict(name=f"sensecrypt {cpus}, score=taylor", spec=spec("sensecrypt", model=model, cpu=CPUS, options=taylor),
+                      order=None, ratio=None, victims=[victim])]
+    fleets: dict[str, Any] = {}
+    out = []
+    for row in rows:
+        key = row["spec"].model_dump_json() if hasattr(row["spec"], "model_dump_json") else repr(row["spec"])
+        if key not in fleets:
+            fleets[key] = prepare_fleet(row["spec"])
+        fleet = fleets[key]
+        cells = []
+        for batch in sorted(set(LEAK_IMAGE_BATCHES) | set(LEAK_LABEL_BATCHES)):
+            records = []
+            t = time.perf_counter()
+            for victim in row["victims"]:
+                pool = fleet.clients[victim].x_train
+                for trial in range(trials):
+                    cap = capture(fleet, [victim], batch_size=batch, trial=trial, order=row["order"], ratio=row["ratio"])[0]
+                    seed = 1000 * trial + batch
+                    rec: dict[str, Any] = {"he_ratio": cap.he_ratio}
+                    if batch in LEAK_LABEL_BATCHES:
+                        r = ATTACKS.get("ilrg").run(cap.view, settings=settings, seed=seed)
+                        got, _ = score_reconstruction(cap, r, pool=pool, num_classes=fleet.num_classes)
+                        rec.update(lnacc=got["lnacc"], leacc=got["leacc"])
+                    if batch in LEAK_IMAGE_BATCHES:
+                        r = ATTACKS.get("inverting").run(cap.view, settings=settings, seed=seed)
+                        img, _ = score_reconstruction(cap, r, pool=pool, num_classes=fleet.num_classes)
+                        rec.update(psnr=img["psnr"], ssim=img["ssim"], iip=img["iip"])
+                    records.append(rec)
+            cell = {"batch": batch, **{m: _mean([r.get(m) for r in records]) for m in
+                                       ("he_ratio", "psnr", "ssim", "iip", "lnacc", "leacc")},
+                    "psnr_max": max((r["psnr"] for r in records if r.get("psnr") is not None), default=None),
+                    "seconds": time.perf_counter() - t, "n": len(records)}
+            cells.append(cell)
+            log(f"  {row['name']:<40} B={batch:<3} HE {cell['he_ratio']:.4f} PSNR {_fmt(cell['psnr'], 1)} "
+                f"(max {_fmt(cell['psnr_max'], 1)}) iden {_fmt(cell['iip'])} LnAcc {_fmt(cell['lnacc'])} "
+                f"({cell['seconds']:.1f}s)")
+        out.append({"name": row["name"], "order": row["order"], "ratio": row["ratio"], "cells": cells})
+    return {"rows": out, "model": model, "budgets": list(LEAK_BUDGETS), "image_batches": list(LEAK_IMAGE_BATCHES),
+            "label_batches": list(LEAK_LABEL_BATCHES), "victims": victims, "trials": trials}
+
+
 def bench_sweep(trials: int, iterations: int, figures: Path | None) -> dict[str, Any]:
     config = SweepConfig(dataset=DATASET, model=MODEL, activation=ACTIVATION, round=ROUND,
                          trials=trials, iterations=iterations, label_batch=30, image_batch=1)
@@ -171,6 +236,8 @@ def main() -> None:
     parser.add_argument("--sections", default="table,sweep")
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--iterations", type=int, default=600)
+    parser.add_argument("--victims", type=int, default=2, help="leakage section: attacked clients per cell")
+    parser.add_argument("--models", default=MODEL, help="leakage section: comma-separated models (lenet5,simplecnn)")
     parser.add_argument("--figures", type=Path, default=None, help="write the sweep PNGs here")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "attacks.json")
     args = parser.parse_args()
@@ -192,6 +259,11 @@ def main() -> None:
         if "table" in sections:
             log("table: strategies x batch sizes")
             result["table"] = bench_table(args.trials, settings, log)
+        if "leakage" in sections:
+            result["leakage"] = {}
+            for model in args.models.split(","):
+                log(f"leakage: the leakage-aware selection vs the App. H orders ({model})")
+                result["leakage"][model] = bench_leakage(args.trials, args.victims, settings, log, model=model)
         if "sweep" in sections:
             log("sweep: SenseCrypt App. H + heterogeneity")
             t = time.perf_counter()

@@ -334,7 +334,7 @@ def run_scale(agents: int, strategy: str, *, rounds: int = 3, key_bits: int = 20
                  key_bits=key_bits, scheme="packed-paillier" if strategy != "plaintext" else None,
                  round_deadline=max(120.0, agents * 0.6), clients=agents)
     options = FleetOptions(agents=agents, out=out, broker=broker_url, fleet=f"scale-{strategy}-{agents}",
-                           join_timeout=timeout, log_level="warning")
+                           join_timeout=timeout, log_level=os.environ.get("SCALE_LOG_LEVEL", "warning"))
     started = time.time()
     with ScaleFleet(config, options) as fleet:
         fleet.start()

@@ -183,7 +183,7 @@ def _local_update(
     strategy: Strategy, model: torch.nn.Module, global_vector: np.ndarray, data: LocalData, *,
     train: TrainConfig, seed: int, round: int, state: ClientState | None, noise_multiplier: float | None,
 ) -> LocalUpdate:
-    score: Score = SCORES.get(strategy.score)
+    score: Score = SCORES.get(strategy.score_name)
     plan = strategy.round_plan(round)
     x, y = data.x_train, data.y_train
     if plan.synthetic:

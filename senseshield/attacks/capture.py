@@ -369,7 +369,7 @@ def _local_step(fleet: Fleet, index: int, batch_size: int, trial: int, local_ste
         train_local(fleet.model, x, y, TrainConfig(local_steps, batch_size, spec.lr), seed=seed)
         weights = get_vector(fleet.model).astype(np.float64)
         delta = weights - start
-    score = SCORES.get(fleet.strategy.score)
+    score = SCORES.get(fleet.strategy.score_name)
     sensitivity = score(score_inputs(fleet.model, x, y, needs=score.needs, delta=delta))
     return idx, x, y, weights, delta, sensitivity
 

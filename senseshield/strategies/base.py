@@ -78,6 +78,7 @@ class StrategyOptions(BaseModel):
     target_epsilon: float | None = Field(None, description="Calibrate sigma so the run spends this epsilon (Opacus).")
     delta: float = Field(1e-5, gt=0.0, lt=1.0, description="DP delta of the accountant.")
     sample_rate: float = Field(1.0, description="Poisson client sampling rate q per round, in (0, 1].")
+    score: str | None = Field(None, description="Per-round sensitivity score of the clients (see `senseshield strategies`: taylor, fisher, grad_delta, leakage); default: the strategy's.")
     dp_ratio: float = Field(0.1, description="Fraction of coordinates Selective-DP noises (top-k by |g|*|dw|).")
     budget_skew: float = Field(1.0, description="Selective-DP schedule: the most sensitive coordinate gets (1+skew) x noise.")
     rho_syn: int = Field(1, description="Alt-FL: synthetic (or DP) rounds in every rho_tot rounds.")
@@ -98,6 +99,15 @@ class StrategyOptions(BaseModel):
     @classmethod
     def _clip(cls, value: float) -> float:
         return check_clip(value)
+
+    @field_validator("score")
+    @classmethod
+    def _score(cls, value: str | None) -> str | None:
+        from senseshield.engine.sensitivity import SCORES
+
+        if value is not None and value not in SCORES.names():
+            raise ConfigError(f"score={value!r} is not allowed; choose one of: {', '.join(sorted(SCORES.names()))}.")
+        return value
 
     @field_validator("sample_rate")
     @classmethod
@@ -324,6 +334,11 @@ class Strategy(ABC):
     def __init__(self, options: StrategyOptions | None = None) -> None:
         self.options = options or StrategyOptions()
         self.fleet_context = FleetContext()
+
+    @property
+    def score_name(self) -> str:
+        """The sensitivity score the clients compute: ``options.score``, else the strategy's."""
+        return self.options.score or self.score
 
     # ---- coordinator side -------------------------------------------------------------
     def plan_fleet(
