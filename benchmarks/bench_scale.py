@@ -112,6 +112,7 @@ class LoadGenerator:
         self.waiting: dict[int, list[tuple[str, RoundPlan, np.ndarray | None]]] = {}  # round -> updates awaiting its challenge
         self.plans: dict[tuple[str, int], RoundPlan] = {}
         self.cache: dict[tuple, tuple] = {}
+        self.proposals: dict[tuple[int, int], np.ndarray] = {}
         self.fingerprints: dict[tuple, bytes] = {}
         self.cluster_of: dict[tuple[str, int], int] = {}
         self.accuracy: dict[tuple[int, int], float] = {}
@@ -159,11 +160,14 @@ class LoadGenerator:
             agent = suffix.split("/")[1]
             self.plans[(agent, frame.round)] = msg
             self.cluster_of[(agent, frame.round)] = msg.cluster
-            if msg.negotiate:
+            if msg.negotiate:  # the template's proposal, computed once (it depends on its sensitivity only)
                 t = self.template(agent)
-                proposal = self.strategy.propose(self.local[t].sensitivity, block_size=msg.block_size)
+                if (t, msg.block_size) not in self.proposals:
+                    self.proposals[(t, msg.block_size)] = pack_mask(
+                        self.strategy.propose(self.local[t].sensitivity, block_size=msg.block_size))
                 self.send(agent, f"agents/{agent}/proposal",
-                          Proposal(cluster=msg.cluster, size=msg.size, proposal=pack_mask(proposal)), frame.round)
+                          Proposal(cluster=msg.cluster, size=msg.size, proposal=self.proposals[(t, msg.block_size)]),
+                          frame.round)
             else:
                 self._update(agent, frame.round, msg, msg.mask())
         elif isinstance(msg, MaskDecision):
