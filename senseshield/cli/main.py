@@ -134,6 +134,7 @@ def simulate(
     rho_syn: Annotated[int, typer.Option(help="Alt-FL: secondary (synthetic/DP) rounds per period.")] = 1,
     rho_tot: Annotated[int, typer.Option(help="Alt-FL: period of the interleaving schedule.")] = 2,
     synthetic_epsilon: Annotated[float, typer.Option(help="Alt-FL: epsilon of the DP synthetic-data provider.")] = 1.0,
+    score: Annotated[Optional[str], typer.Option(help="Clients' sensitivity score: taylor | fisher | grad_delta | leakage (input/output layers and biases first; docs/attacks.md). Default: the strategy's.")] = None,
     out_file: Annotated[Optional[Path], typer.Option("--out", help="Write the result JSON here.")] = None,
     job_file: _run.JobFile = None,
     data: _run.DataFiles = None,
@@ -166,6 +167,7 @@ def simulate(
             rho_syn=rho_syn,
             rho_tot=rho_tot,
             synthetic_epsilon=synthetic_epsilon,
+            score=score,
         )
         config = Job(
             strategy=strategy,
