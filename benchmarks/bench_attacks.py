@@ -165,7 +165,8 @@ LEAK_IMAGE_BATCHES = (1, 4, 8)
 LEAK_LABEL_BATCHES = (8, 30)
 
 
-def bench_leakage(trials: int, victims: int, settings: AttackSettings, log, model: str = MODEL) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+def bench_leakage(trials: int, victims: int, settings: AttackSettings, log, model: str = MODEL,  # type: ignore[no-untyped-def]
+                  image_attack: str = "inverting", image_batches: tuple[int, ...] = LEAK_IMAGE_BATCHES) -> dict[str, Any]:
     """The leakage-aware selection against the App. H orders (see the module docstring)."""
     leak, taylor = StrategyOptions(score="leakage"), StrategyOptions()
     plain_leak, plain = spec("plaintext", model=model, options=leak), spec("plaintext", model=model, options=taylor)
@@ -189,7 +190,7 @@ def bench_leakage(trials: int, victims: int, settings: AttackSettings, log, mode
             fleets[key] = prepare_fleet(row["spec"])
         fleet = fleets[key]
         cells = []
-        for batch in sorted(set(LEAK_IMAGE_BATCHES) | set(LEAK_LABEL_BATCHES)):
+        for batch in sorted(set(image_batches) | set(LEAK_LABEL_BATCHES)):
             records = []
             t = time.perf_counter()
             for victim in row["victims"]:
@@ -202,8 +203,8 @@ def bench_leakage(trials: int, victims: int, settings: AttackSettings, log, mode
                         r = ATTACKS.get("ilrg").run(cap.view, settings=settings, seed=seed)
                         got, _ = score_reconstruction(cap, r, pool=pool, num_classes=fleet.num_classes)
                         rec.update(lnacc=got["lnacc"], leacc=got["leacc"])
-                    if batch in LEAK_IMAGE_BATCHES:
-                        r = ATTACKS.get("inverting").run(cap.view, settings=settings, seed=seed)
+                    if batch in image_batches:
+                        r = ATTACKS.get(image_attack).run(cap.view, settings=settings, seed=seed)
                         img, _ = score_reconstruction(cap, r, pool=pool, num_classes=fleet.num_classes)
                         rec.update(psnr=img["psnr"], ssim=img["ssim"], iip=img["iip"])
                     records.append(rec)
@@ -216,7 +217,8 @@ def bench_leakage(trials: int, victims: int, settings: AttackSettings, log, mode
                 f"(max {_fmt(cell['psnr_max'], 1)}) iden {_fmt(cell['iip'])} LnAcc {_fmt(cell['lnacc'])} "
                 f"({cell['seconds']:.1f}s)")
         out.append({"name": row["name"], "order": row["order"], "ratio": row["ratio"], "cells": cells})
-    return {"rows": out, "model": model, "budgets": list(LEAK_BUDGETS), "image_batches": list(LEAK_IMAGE_BATCHES),
+    return {"rows": out, "model": model, "image_attack": image_attack, "budgets": list(LEAK_BUDGETS),
+            "image_batches": list(image_batches),
             "label_batches": list(LEAK_LABEL_BATCHES), "victims": victims, "trials": trials}
 
 
@@ -238,6 +240,9 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=600)
     parser.add_argument("--victims", type=int, default=2, help="leakage section: attacked clients per cell")
     parser.add_argument("--models", default=MODEL, help="leakage section: comma-separated models (lenet5,simplecnn)")
+    parser.add_argument("--image-attack", default="inverting",
+                        help="leakage section: inverting, or inverting-search (tries every label of a one-image "
+                             "update; B = 1 only, 10x the time)")
     parser.add_argument("--figures", type=Path, default=None, help="write the sweep PNGs here")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "attacks.json")
     args = parser.parse_args()
@@ -260,10 +265,13 @@ def main() -> None:
             log("table: strategies x batch sizes")
             result["table"] = bench_table(args.trials, settings, log)
         if "leakage" in sections:
-            result["leakage"] = {}
             for model in args.models.split(","):
                 log(f"leakage: the leakage-aware selection vs the App. H orders ({model})")
-                result["leakage"][model] = bench_leakage(args.trials, args.victims, settings, log, model=model)
+                key = model if args.image_attack == "inverting" else f"{model}/{args.image_attack}"
+                batches = LEAK_IMAGE_BATCHES if args.image_attack == "inverting" else (1,)
+                result.setdefault("leakage", {})[key] = bench_leakage(
+                    args.trials, args.victims, settings, log, model=model, image_attack=args.image_attack,
+                    image_batches=batches)
         if "sweep" in sections:
             log("sweep: SenseCrypt App. H + heterogeneity")
             t = time.perf_counter()
@@ -273,7 +281,11 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.out.exists() and set(sections) != {"table", "sweep"}:
         previous = json.loads(args.out.read_text())
-        previous.update({k: v for k, v in result.items()})
+        for key, value in result.items():
+            if key == "leakage" and isinstance(previous.get(key), dict):
+                previous[key].update(value)  # one entry per model and image attack
+            else:
+                previous[key] = value
         result = previous
     args.out.write_text(json.dumps(result, indent=1))
     log(f"wrote {args.out}")

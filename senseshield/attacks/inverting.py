@@ -13,6 +13,7 @@ dominated by the last layers), so a larger TV term would dominate the signed ste
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from senseshield.attacks.base import ATTACKS, Attack, AttackSettings, Reconstruction
@@ -25,7 +26,7 @@ from senseshield.attacks.matching import (
 )
 from senseshield.attacks.view import ServerView
 
-__all__ = ["inverting_gradients"]
+__all__ = ["inverting_gradients", "inverting_with_label_search"]
 
 
 def inverting_gradients(
@@ -62,5 +63,47 @@ ATTACKS.add(
         True,
         inverting_gradients,
         "Inverting Gradients: cosine matching + total variation (Geiping et al. 2020)",
+    ),
+)
+
+
+def inverting_with_label_search(
+    view: ServerView, *, settings: AttackSettings | None = None, seed: int = 0
+) -> Reconstruction:
+    """Inverting Gradients that does not trust the analytic label: for a one-image update it
+    runs the reconstruction once per class and keeps the one whose gradients match best (an
+    attacker who cannot read the label from a hidden output layer can still try them all);
+    batches fall back to :func:`inverting_gradients`."""
+    settings = settings or AttackSettings()
+    if view.n_samples != 1:
+        return inverting_gradients(view, settings=settings, seed=seed)
+    target = GradientTarget(view)
+    if not target.has_signal:
+        return inverting_gradients(view, settings=settings, seed=seed)
+    best = None
+    for label in range(view.num_classes):
+        y = torch.as_tensor([label], dtype=torch.int64)
+
+        def loss_of(x: torch.Tensor, y: torch.Tensor = y) -> torch.Tensor:
+            loss = target.cosine(target.dummy_gradients(x, y))
+            return loss + settings.tv * total_variation(x) if settings.tv else loss
+
+        images, loss = optimise_inputs(loss_of, (1, *view.input_shape), settings, seed=seed)
+        if best is None or loss < best[1]:
+            best = (images, loss, label)
+    images, loss, label = best
+    labels = np.array([label])
+    counts = np.bincount(labels, minlength=view.num_classes)
+    return Reconstruction(images=images, labels=labels, counts=counts,
+                          info={"label_method": "search", "final_loss": loss, "known_gradient": target.known_count})
+
+
+ATTACKS.add(
+    "inverting-search",
+    Attack(
+        "inverting-search",
+        True,
+        inverting_with_label_search,
+        "Inverting Gradients trying every label of a one-image update (an attacker who cannot read it)",
     ),
 )
