@@ -166,18 +166,19 @@ LEAK_LABEL_BATCHES = (8, 30)
 
 
 def bench_leakage(trials: int, victims: int, settings: AttackSettings, log, model: str = MODEL,  # type: ignore[no-untyped-def]
-                  image_attack: str = "inverting", image_batches: tuple[int, ...] = LEAK_IMAGE_BATCHES) -> dict[str, Any]:
+                  image_attack: str = "inverting", image_batches: tuple[int, ...] = LEAK_IMAGE_BATCHES,
+                  budgets: tuple[float, ...] = LEAK_BUDGETS, solver_rows: bool = True) -> dict[str, Any]:
     """The leakage-aware selection against the App. H orders (see the module docstring)."""
     leak, taylor = StrategyOptions(score="leakage"), StrategyOptions()
     plain_leak, plain = spec("plaintext", model=model, options=leak), spec("plaintext", model=model, options=taylor)
     rows = [dict(name="unprotected", spec=plain, order=None, ratio=None, victims=range(victims)),
             dict(name="blind", spec=plain, order="high", ratio=1.0, victims=range(victims))]
-    for ratio in LEAK_BUDGETS:
+    for ratio in budgets:
         label = f"1/{round(1 / ratio)}"
         rows += [dict(name=f"leakage-first {label}", spec=plain_leak, order="high", ratio=ratio, victims=range(victims)),
                  dict(name=f"taylor-high-first {label}", spec=plain, order="high", ratio=ratio, victims=range(victims)),
                  dict(name=f"random {label}", spec=plain, order="random", ratio=ratio, victims=range(victims))]
-    for cpus, victim in (("2-CPU (1/16)", 7), ("1-CPU (1/32)", 8)):
+    for cpus, victim in (("2-CPU (1/16)", 7), ("1-CPU (1/32)", 8)) if solver_rows else ():
         rows += [dict(name=f"sensecrypt {cpus}, score=leakage", spec=spec("sensecrypt", model=model, cpu=CPUS, options=leak),
                       order=None, ratio=None, victims=[victim]),
                  dict(name=f"sensecrypt {cpus}, score=taylor", spec=spec("sensecrypt", model=model, cpu=CPUS, options=taylor),
@@ -217,7 +218,7 @@ def bench_leakage(trials: int, victims: int, settings: AttackSettings, log, mode
                 f"(max {_fmt(cell['psnr_max'], 1)}) iden {_fmt(cell['iip'])} LnAcc {_fmt(cell['lnacc'])} "
                 f"({cell['seconds']:.1f}s)")
         out.append({"name": row["name"], "order": row["order"], "ratio": row["ratio"], "cells": cells})
-    return {"rows": out, "model": model, "image_attack": image_attack, "budgets": list(LEAK_BUDGETS),
+    return {"rows": out, "model": model, "image_attack": image_attack, "budgets": list(budgets),
             "image_batches": list(image_batches),
             "label_batches": list(LEAK_LABEL_BATCHES), "victims": victims, "trials": trials}
 
@@ -240,6 +241,8 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=600)
     parser.add_argument("--victims", type=int, default=2, help="leakage section: attacked clients per cell")
     parser.add_argument("--models", default=MODEL, help="leakage section: comma-separated models (lenet5,simplecnn)")
+    parser.add_argument("--leak-budgets", default=None,
+                        help="leakage section: budgets as denominators, e.g. 32,8 (default 128,64,32,16,8)")
     parser.add_argument("--image-attack", default="inverting",
                         help="leakage section: inverting, or inverting-search (tries every label of a one-image "
                              "update; B = 1 only, 10x the time)")
@@ -271,7 +274,10 @@ def main() -> None:
                 batches = LEAK_IMAGE_BATCHES if args.image_attack == "inverting" else (1,)
                 result.setdefault("leakage", {})[key] = bench_leakage(
                     args.trials, args.victims, settings, log, model=model, image_attack=args.image_attack,
-                    image_batches=batches)
+                    image_batches=batches,
+                    budgets=(tuple(1 / int(x) for x in args.leak_budgets.split(",")) if args.leak_budgets
+                             else LEAK_BUDGETS),
+                    solver_rows=args.leak_budgets is None)
         if "sweep" in sections:
             log("sweep: SenseCrypt App. H + heterogeneity")
             t = time.perf_counter()
