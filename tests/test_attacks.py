@@ -245,7 +245,7 @@ def test_image_attacks_are_deterministic(setting):
 
 
 def test_attack_settings_and_registry_reject_bad_values():
-    assert set(ATTACKS.names()) == {"idlg", "ilrg", "inverting"}
+    assert set(ATTACKS.names()) == {"idlg", "ilrg", "inverting", "inverting-search"}
     with pytest.raises(ConfigError, match="Unknown attack"):
         ATTACKS.get("dlg")
     for bad in ({"iterations": 0}, {"restarts": -1}, {"lr": 0.0}, {"tv": -1.0}, {"optimizer": "sgd"}):

@@ -245,7 +245,7 @@ def test_a_contribution_enters_one_decrypted_aggregate_per_round_even_after_a_re
         h.stop()
 
 
-@pytest.mark.parametrize("workers", [1, 3])
+@pytest.mark.parametrize("workers", [pytest.param(1, marks=pytest.mark.slow), 3])
 def test_clusters_decrypted_concurrently_give_the_models_of_a_serial_decryption(mosquitto, tmp_path, workers):
     """Three clusters' aggregates sent at once: the key server decrypts them on its workers
     while it keeps answering; every published model is bit for bit the serial computation
