@@ -65,7 +65,9 @@ class Capture:
 @pytest.mark.parametrize(
     "strategy, model, partition, extra",
     [
-        ("plaintext", "mlp", "iid", {}),
+        # plaintext (~30 s): its sums go through the same code as sensecrypt's plaintext part
+        # (covered below); with make test-slow
+        pytest.param("plaintext", "mlp", "iid", {}, marks=pytest.mark.slow),
         # per-value Paillier (~45 s): the fuzz test runs it by default, this one with make test-slow
         pytest.param("paillier-full", "linear", "iid", {"key_bits": 1024}, marks=pytest.mark.slow),
         ("sensecrypt", "mlp", "categories:2", {"key_bits": 1024}),

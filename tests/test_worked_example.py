@@ -90,6 +90,7 @@ def check_learned(report: dict, har: dict) -> None:
     assert sorted(c["id"] for c in report["clients"]) == [f"c{i:03d}" for i in range(DEVICES)]
 
 
+@pytest.mark.slow  # the same worked example runs through separate processes below (make test-slow for both)
 def test_worked_example_through_fleet_up(har: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`senseshield fleet up --job job.yaml --data 'DIR/device-*.npz'` (embedded broker)."""
     from typer.testing import CliRunner
