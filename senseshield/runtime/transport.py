@@ -161,7 +161,9 @@ class Link:
         # called (on the network thread) after every reconnect, so services re-send what the
         # broker may have lost; must be quick and must not raise
         self.on_reconnect: Callable[[], None] | None = None
-        self._connected = threading.Event()
+        self._connected = threading.Event()  # connected *and* every subscription acknowledged
+        self.connects = 0  # how many times the link became ready (1 + reconnects)
+        self._pending_suback: int | None = None
         self._lock = threading.Lock()
         self._reassembler = Reassembler(max_bytes=max_frame_bytes)
         self._client = mqtt.Client(
@@ -175,6 +177,7 @@ class Link:
             self._client.will_set(topic(fleet, will[0]), will[1], qos=1, retain=True)
         self._client.on_connect = self._on_connect
         self._client.on_connect_fail = self._on_connect_fail
+        self._client.on_subscribe = self._on_subscribe
         self._client.on_disconnect = self._on_disconnect
         self._client.on_message = self._on_message
         if any(v is not None for v in (ca_file, certfile, keyfile, username, password)):
@@ -266,7 +269,7 @@ class Link:
         full = topic(self.fleet, suffix)
         with self._lock:
             self._subscriptions.add(full)
-        if self.connected:
+        if self._client.is_connected():  # also between CONNACK and SUBACK (a repeat is harmless)
             self._client.subscribe(full, qos=1)
 
     def unsubscribe(self, suffix: str) -> None:
@@ -274,7 +277,7 @@ class Link:
         full = topic(self.fleet, suffix)
         with self._lock:
             self._subscriptions.discard(full)
-        if self.connected:
+        if self._client.is_connected():
             self._client.unsubscribe(full)
 
     def publish(self, suffix: str, frame: bytes, *, retain: bool = False, timeout: float = 30.0) -> bool:
@@ -326,8 +329,31 @@ class Link:
         self._refused = None
         with self._lock:
             subscriptions = sorted(self._subscriptions)
-        for full in subscriptions:
-            client.subscribe(full, qos=1)
+        if not subscriptions:
+            self._ready(client)
+            return
+        # ready only once the broker has acknowledged every subscription: a frame published
+        # between CONNACK and SUBACK would otherwise be lost for this link (and a peer told
+        # "connected" would send it)
+        result, mid = client.subscribe([(full, 1) for full in subscriptions])
+        if result != mqtt.MQTT_ERR_SUCCESS:  # the connection dropped again; paho reconnects
+            return
+        with self._lock:
+            self._pending_suback = mid
+
+    def _on_subscribe(self, client, userdata, mid, reason_codes, properties) -> None:  # noqa: ANN001
+        with self._lock:
+            if mid != self._pending_suback:
+                return  # a subscribe() made while connected
+            self._pending_suback = None
+        failed = [str(rc) for rc in reason_codes if rc.is_failure]
+        if failed:
+            log.warning("%s: the broker refused a subscription (%s)", self.client_id, ", ".join(failed))
+        self._ready(client)
+
+    def _ready(self, client) -> None:  # noqa: ANN001
+        """Connected and subscribed: re-publish retained frames, run the reconnect hook."""
+        self.connects += 1
         self._connected.set()
         if self._ever_connected:
             with self._lock:
@@ -347,6 +373,8 @@ class Link:
 
     def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:  # noqa: ANN001
         self._connected.clear()
+        with self._lock:
+            self._pending_suback = None
         if reason_code.value != 0:
             log.warning("%s: connection lost (%s); reconnecting", self.client_id, reason_code)
 
