@@ -88,3 +88,16 @@ def test_scale_rows_bounds_contribution_exactly():
 
     out = scale_rows(np.array([[3.0, 4.0], [0.0, 0.0], [0.01, 0.0]]), norm=2.0)
     np.testing.assert_allclose(np.linalg.norm(out, axis=1), [2.0, 0.0, 2.0])
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_many_near_identical_members_per_cluster_still_split(seed):
+    """99 devices jittered 10 % around three separated 650-D vectors (like the scale
+    benchmark's fleet): AP oscillates at damping 0.5 for every preference that splits them,
+    and before the retry at heavier damping the fleet silently became one cluster."""
+    rng = np.random.default_rng(seed)
+    centres = np.abs(rng.normal(size=(3, 650)))
+    centres /= np.linalg.norm(centres, axis=1, keepdims=True)
+    labels = np.arange(99) % 3
+    vectors = centres[labels] * np.abs(rng.normal(1.0, 0.1, size=(99, 650)))
+    assert adjusted_rand_score(labels, cluster_clients(vectors, seed=seed)) == pytest.approx(1.0)

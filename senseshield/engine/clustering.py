@@ -35,6 +35,8 @@ from sklearn.metrics import silhouette_score
 from senseshield.engine.params import ParamLayout, Segment
 from senseshield.errors import ConfigError
 
+RETRY_DAMPING = 0.9  # AP's damping when the requested one oscillates (see _affinity_propagation)
+
 
 def clip_rows(vectors: np.ndarray, *, clip_norm: float) -> np.ndarray:
     """Scale every row to L2 norm at most ``clip_norm`` (Alg. 2 line 2: Γ / max(1, ‖Γ‖/G))."""
@@ -168,22 +170,32 @@ def cluster_clients(
 def _affinity_propagation(
     similarity: np.ndarray, preference: float, damping: float, seed: int
 ) -> np.ndarray | None:
-    """One AP run; None if it does not converge."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", ConvergenceWarning)
-        try:
-            model = AffinityPropagation(
-                affinity="precomputed",
-                damping=damping,
-                preference=preference,
-                random_state=seed,
-                max_iter=1000,
-                convergence_iter=50,
-            ).fit(similarity)
-        except ConvergenceWarning:
-            return None
-    labels = model.labels_
-    return None if np.any(labels < 0) else labels
+    """One AP labelling; None if it does not converge at ``damping`` nor, retried, at
+    :data:`RETRY_DAMPING`.
+
+    AP's messages oscillate at light damping once clusters have many near-identical members
+    (measured: 100 devices jittered 10 % around three separated vectors never converge at
+    0.5 for any preference that gives the three clusters, and do at 0.9); without the retry
+    every split fails and a large non-IID fleet silently becomes one cluster. The retry only
+    runs where the first attempt failed, so every converged labelling is unchanged.
+    """
+    for d in dict.fromkeys((damping, max(damping, RETRY_DAMPING))):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ConvergenceWarning)
+            try:
+                model = AffinityPropagation(
+                    affinity="precomputed",
+                    damping=d,
+                    preference=preference,
+                    random_state=seed,
+                    max_iter=1000,
+                    convergence_iter=50,
+                ).fit(similarity)
+            except ConvergenceWarning:
+                continue
+        labels = model.labels_
+        return None if np.any(labels < 0) else labels
+    return None
 
 
 def _relabel(labels: np.ndarray) -> np.ndarray:
