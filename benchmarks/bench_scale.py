@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 from senseshield.data import load_dataset  # noqa: E402
 from senseshield.data.shards import shards  # noqa: E402
+from senseshield.bench.he import _cpu_model  # noqa: E402
 from senseshield.he import SCHEMES  # noqa: E402
 from senseshield.job import Job, announced_run, build_job_model, train_config  # noqa: E402
 from senseshield.rounds import choice_report, client_bootstrap, client_seed, local_update, protect_local, protect_rng  # noqa: E402
@@ -411,21 +412,48 @@ def main() -> None:
         base = next((r["round_s"] for r in rows if r["agents"] == row["agents"] and r["strategy"] == "plaintext"), None)
         row["round_ratio_to_plaintext"] = row["round_s"] / base if base else None
     result = {"benchmark": "scale", "date": time.strftime("%Y-%m-%d"),
-              "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+              "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(),
                           "python": platform.python_version()},
               "model": f"{args.model}, digits, categories:3", "key_bits": key_bits, "rounds": rounds,
               "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
-    print("| N | strategy | round s | x plaintext | clusters | aggregate streamed / close s | verify s | decrypt s "
-          "| coordinator RSS MB | key server RSS MB | broker MB | every update counted |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
-    for r in rows:
-        ratio = f"{r['round_ratio_to_plaintext']:.2f}" if r["round_ratio_to_plaintext"] else "–"
-        print(f"| {r['agents']} | {r['strategy']} | {r['round_s']:.2f} | {ratio} | {r['clusters']} | "
-              f"{r['aggregate_streamed_s']:.3f} / {r['aggregate_s']:.3f} | {r['verify_s']:.3f} | {r['decrypt_s']:.3f} | "
-              f"{r['coordinator_peak_rss_mb']:.0f} | {r['keyserver_peak_rss_mb']:.0f} | {r['broker_mb']:.1f} | "
-              f"{'yes' if r['every_update_counted'] else 'NO'} |")
+    from rich.console import Console
+
+    Console(width=None if sys.stdout.isatty() else 200).print(rich_table(result))
+    print(markdown_table(rows))  # the README's rows, to paste
+
+
+HEADER = ["N", "strategy", "round s", "x plaintext", "clusters", "aggregate streamed / close s", "verify s",
+          "decrypt s", "coordinator RSS MB", "key server RSS MB", "broker MB", "every update counted"]
+
+
+def cells(r: dict) -> list[str]:
+    """One row of the table, formatted (the rich and the markdown table share it)."""
+    ratio = f"{r['round_ratio_to_plaintext']:.2f}" if r.get("round_ratio_to_plaintext") else "–"
+    return [str(r["agents"]), r["strategy"], f"{r['round_s']:.2f}", ratio, str(r["clusters"]),
+            f"{r['aggregate_streamed_s']:.3f} / {r['aggregate_s']:.3f}", f"{r['verify_s']:.3f}", f"{r['decrypt_s']:.3f}",
+            f"{r['coordinator_peak_rss_mb']:.0f}", f"{r['keyserver_peak_rss_mb']:.0f}", f"{r['broker_mb']:.1f}",
+            "yes" if r["every_update_counted"] else "NO"]
+
+
+def rich_table(result: dict):  # noqa: ANN201 - rich.table.Table, imported lazily
+    from rich.table import Table
+
+    machine = result["machine"]
+    table = Table(title=f"Scale: {result['model']}, {result['key_bits']}-bit key, {result['rounds']} rounds "
+                        "(round s: median of rounds 2..; aggregate, verify, decrypt: s per cluster and round)",
+                  caption=f"{machine['cpu']}, {machine['cores']} cores, {result['date']}")
+    for i, header in enumerate(HEADER):
+        table.add_column(header, justify="left" if i == 1 else "right")
+    for r in result["rows"]:
+        table.add_row(*cells(r), style=None if r["every_update_counted"] else "red")
+    return table
+
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "|".join("---" if i == 1 else "---:" for i in range(len(HEADER))) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(cells(r)) + " |" for r in rows])
 
 
 if __name__ == "__main__":

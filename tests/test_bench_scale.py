@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import pytest
 
-from bench_scale import run_scale  # noqa: E402
+from bench_scale import markdown_table, run_scale  # noqa: E402
 
 
 @pytest.mark.parametrize("strategy", ["sensecrypt", pytest.param("plaintext", marks=pytest.mark.slow)])
@@ -26,3 +26,5 @@ def test_six_generated_agents_are_all_counted_in_verified_aggregates(mosquitto, 
     if strategy == "sensecrypt":  # the key server really verified and decrypted
         assert 0 < row["he_ratio"] < 1 and row["decrypt_s"] > 0 and row["verify_s"] > 0
     assert row["coordinator_peak_rss_mb"] > 0 and row["keyserver_peak_rss_mb"] > 0 and row["broker_mb"] > 0
+    line = markdown_table([row | {"round_ratio_to_plaintext": 1.0}]).splitlines()[-1]
+    assert line.startswith(f"| 6 | {strategy} | ") and line.endswith("| yes |")
