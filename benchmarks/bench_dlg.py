@@ -1,8 +1,8 @@
 """A second, independent attack as a check on the project's own (issue 16, item 3).
 
     nice -n 15 .venv/bin/python benchmarks/bench_dlg.py [--sections agreement,protected]
-        [--trials 3] [--victims 2] [--batches 1,4] [--budgets 64,32,16,8] [--steps 100]
-        [--iterations 600] [--project-attack inverting] [--out benchmarks/results/dlg.json]
+        [--trials 2] [--victims 2] [--batches 1,4] [--budgets 64,32,16,8] [--steps 100]
+        [--iterations 600] [--project-attack inverting] [--model M --activation A] [--out FILE]
 
 DLG (``senseshield_checks.dlg``: Zhu et al. 2019, L-BFGS on the Euclidean gradient
 distance, soft label optimised jointly, written apart from ``senseshield.attacks``) against
@@ -15,7 +15,8 @@ per-value masks; the server sees the plaintext outside the mask.
   model of ``bench_attacks.py``; and ReLU) and of the DLG paper's sigmoid LeNet
   (``senseshield_checks.dlg:dlg_lenet``). The two attacks agree when both reach 25 dB
   (mean PSNR) on the same model; only then do their protected figures on that model count.
-* ``protected``: on the DLG LeNet (where they agree): unprotected, blind (everything
+* ``protected``: on the DLG LeNet (where they agree; ``--model``/``--activation`` pick
+  another model, e.g. ``--model lenet5 --activation sigmoid``): unprotected, blind (everything
   hidden) and ``1/budget`` of the update encrypted, chosen Taylor-sensitivity-first
   ("high"), at random, and leakage-first (``score=leakage``, when registered); plus
   SenseCrypt's own masks for its 2- and 1-CPU clients (budgets 1/16 and 1/32 in a fleet of
@@ -32,8 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -43,6 +42,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from senseshield.attacks import ATTACKS, AttackSettings  # noqa: E402
 from senseshield.attacks.base import torch_threads  # noqa: E402
@@ -56,25 +56,12 @@ from senseshield.attacks.metrics import (  # noqa: E402
 from senseshield.engine.sensitivity import SCORES  # noqa: E402
 from senseshield.strategies import StrategyOptions  # noqa: E402
 from senseshield_checks.dlg import DLG_LENET, DLGSettings, dlg  # noqa: E402
+from bench_attacks import CPUS, machine  # noqa: E402  (the same SenseCrypt fleet of 32..1 CPUs)
 
 DATASET, ROUND, CLIENTS = "mnist5k", 1, 10
-CPUS = (32.0, 24.0, 16.0, 12.0, 10.0, 8.0, 4.0, 2.0, 1.0, 1.0)  # client 7: 2 CPUs, client 8: 1 CPU
 AGREEMENT_MODELS = (("lenet5", "sigmoid"), ("lenet5", "relu"), (DLG_LENET, None))
 THRESHOLD_DB = 25.0
 MODEL_NAMES = {DLG_LENET: "DLG LeNet (sigmoid)"}
-
-
-def machine() -> dict[str, Any]:
-    model = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": model, "cores": os.cpu_count(), "python": platform.python_version(),
-            "torch_threads": 1}
 
 
 def spec(strategy: str, model: str, activation: str | None, **over: Any) -> FleetSpec:
@@ -182,7 +169,7 @@ def bench_protected(args: argparse.Namespace, dlg_settings: DLGSettings, ig_sett
         over = {"options": row["options"]}
         if "cpu" in row:
             over["cpu"] = row["cpu"]
-        s = spec(row["strategy"], DLG_LENET, None, **over)
+        s = spec(row["strategy"], args.model, args.activation, **over)
         key = repr(s)
         if key not in fleets:
             fleets[key] = prepare_fleet(s)
@@ -208,7 +195,8 @@ def bench_protected(args: argparse.Namespace, dlg_settings: DLGSettings, ig_sett
     if not counts:
         log(f"  the attacks do not both reach {THRESHOLD_DB:g} dB on the unprotected B = 1 update: the "
             "protected figures above do not count")
-    return {"model": DLG_LENET, "num_params": next(iter(fleets.values())).num_params,
+    return {"model": args.model, "activation": args.activation, "label": model_label(args.model, args.activation),
+            "num_params": next(iter(fleets.values())).num_params,
             "baseline_agrees": counts, "rows": out}
 
 
@@ -260,17 +248,25 @@ def _ints(text: str) -> list[int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sections", default="agreement,protected")
-    parser.add_argument("--trials", type=int, default=3, help="batches per victim and cell")
+    parser.add_argument("--trials", type=int, default=2, help="batches per victim and cell")
     parser.add_argument("--victims", type=int, default=2, help="attacked clients per cell")
     parser.add_argument("--batches", default="1,4", help="batch sizes of the protected section")
     parser.add_argument("--budgets", default="64,32,16,8", help="encrypted fractions as denominators")
+    parser.add_argument("--model", default=DLG_LENET,
+                        help="protected section: the attacked model (default: the DLG LeNet; lenet5 for the "
+                             "project's benchmark model, where the two attacks do not agree)")
+    parser.add_argument("--activation", default=None, help="protected section: lenet5's activation (sigmoid, relu)")
     parser.add_argument("--steps", type=int, default=100, help="DLG's L-BFGS steps")
     parser.add_argument("--iterations", type=int, default=600, help="the project attack's iterations")
     parser.add_argument("--project-attack", default="inverting",
                         help="the senseshield.attacks image attack to compare (inverting, inverting-search, idlg)")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "dlg.json")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default benchmarks/results/dlg.json (dlg-MODEL.json with --model)")
     args = parser.parse_args()
     args.batches, args.budgets = _ints(args.batches), _ints(args.budgets)
+    if args.out is None:
+        tag = "" if args.model == DLG_LENET else "-" + "-".join(filter(None, (args.model, args.activation)))
+        args.out = ROOT / "benchmarks" / "results" / f"dlg{tag}.json"
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = sorted(set(sections) - {"agreement", "protected"})
     if unknown:
@@ -300,7 +296,7 @@ def main() -> None:
             log("agreement: both attacks on unprotected one-image updates")
             result["agreement"] = bench_agreement(args, dlg_settings, ig_settings, log)
         if "protected" in sections:
-            log("protected: selections x budgets on the DLG LeNet")
+            log(f"protected: selections x budgets on {model_label(args.model, args.activation)}")
             result["protected"] = bench_protected(args, dlg_settings, ig_settings, log)
     result["seconds"] = time.perf_counter() - started
     print()

@@ -100,3 +100,13 @@ def test_dlg_shares_no_attack_code_with_the_project():
     imported |= {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
     ours = {m for m in imported if m and m.startswith("senseshield")}
     assert ours == {"senseshield.attacks.view", "senseshield.errors", "senseshield.training"}
+
+
+def test_nothing_in_senseshield_imports_the_checks():
+    from pathlib import Path
+
+    import senseshield
+
+    root = Path(senseshield.__file__).parent
+    users = [p for p in root.rglob("*.py") if "senseshield_checks" in p.read_text(encoding="utf-8")]
+    assert users == []
