@@ -62,13 +62,20 @@ from senseshield.runtime.protocol.messages import (
     unpack_mask,
     update_from_message,
 )
-from senseshield.accounting import Accountant, user_level_epsilons
+from senseshield.accounting import Accountant, Epsilons, epsilons
 from senseshield.runtime.identity import Identity, Trust, check_frame
 from senseshield.runtime.protocol.envelope import decode_frame
 from senseshield.runtime.service import Inbound, Service, check_sender, writable_dir
 from coordinator.jobs import OPEN, JobBook, JobRecord
 from senseshield.job import Job, effective_scheme, initial_model, job_from_dict, job_shape, noise_multipliers
-from senseshield.results import ClientRecord, RoundRecord, RoundTally, RunResult, weighted_accuracy
+from senseshield.results import (
+    ClientRecord,
+    RoundRecord,
+    RoundTally,
+    RunResult,
+    privacy_fields,
+    weighted_accuracy,
+)
 from senseshield.strategies import BootstrapReport, FleetPlan, build_strategy
 from senseshield.strategies.base import RoundCosts, measured_intervals
 
@@ -1056,7 +1063,7 @@ class Coordinator(Service):
             self.user_accountant.step(noise_multiplier=self.sigma_user or 0.0, sample_rate=o.sample_rate)
             for a in self.sampled:  # the server knows who was sampled: no amplification against it
                 self.participations[a] = self.participations.get(a, 0) + 1
-        most = max(self.participations.values(), default=0)
+        spent = self._user_epsilons() if self.strategy.dp_level else None
         self.records.append({
             "tally": tally,
             "round": r,
@@ -1066,9 +1073,8 @@ class Coordinator(Service):
             # contributors: agents whose update entered an aggregate the key server accepted
             "participants": sum(len(cr.updates) for cr in self.clusters.values() if cr.accepted),
             "sampled": len(self.sampled),
-            "user_epsilon": self.user_accountant.epsilon(o.delta) if self.strategy.dp_level else None,
-            "user_epsilon_server": (self.user_accountant.unamplified(most).epsilon(o.delta)
-                                    if self.strategy.dp_level else None),
+            "user_epsilon": spent.observer if spent else None,
+            "user_epsilon_server": spent.server if spent else None,
             "started_at": self.round_started,
             "finished_at": time.time(),
             "clusters": {k: {"members": cr.members, "updates": sorted(cr.updates), "straggled": cr.straggled,
@@ -1168,8 +1174,8 @@ class Coordinator(Service):
         straggling = straggling_summary(agents)
         o = self.config.options
         dp = self.strategy.dp_level is not None
-        pld = (user_level_epsilons(self.user_accountant, max(self.participations.values(), default=0), o.delta)
-               if self.strategy.dp_level == "user" and rounds else None)
+        final = (self._user_epsilons(records=[m.dp_history for m in latest.values()], pld=True)
+                 if dp and rounds else None)
         return FleetReport(
             strategy=self.config.strategy, scheme=self.scheme, dataset=self.config.dataset,
             model=self.config.model, partition=self.config.partition, seed=self.config.seed,
@@ -1180,9 +1186,7 @@ class Coordinator(Service):
             config=self.config.model_dump(mode="json"),
             machine={"python": platform.python_version(), "processor": platform.processor() or platform.machine(),
                      "torch": torch.__version__},
-            epsilon=rounds[-1].epsilon if rounds else None, delta=o.delta if dp else None,
-            epsilon_server=rounds[-1].epsilon_server if rounds else None,
-            **({"epsilon_pld": pld.observer_pld, "epsilon_server_pld": pld.server_pld} if pld is not None else {}),
+            delta=o.delta if dp else None, **privacy_fields(self.strategy, final),
             noise_multiplier=self.sigma_user if self.sigma_user is not None else (max(self.sigma_record.values()) if self.sigma_record else None),
             fleet=self.fleet, run_id=self.run_id, input_shape=self.input_shape, num_classes=self.num_classes,
             round_deadline=self.round_deadline, bootstrap_seconds=self.bootstrap_seconds,
@@ -1190,6 +1194,14 @@ class Coordinator(Service):
             budgets=self.plan.budget_notes, refused=self.refused, declined=self.declined,
             rejected_messages=list(self.rejected), rejected_total=self.rejected_total,
         )
+
+    def _user_epsilons(self, *, records: list | None = None, pld: bool = False) -> Epsilons:
+        """The run's epsilons so far (senseshield.accounting): the user-level accountant,
+        whose server figure is that of the agent sampled most often, and ``records``, the
+        agents' DP-SGD histories."""
+        return epsilons(self.config.options.delta, user=self.user_accountant,
+                        participations=max(self.participations.values(), default=0),
+                        records=records or [], pld=pld)
 
     def _clock_offset(self, agent_id: str) -> float:
         """Estimated (agent clock - coordinator clock) in seconds, NTP style: half the

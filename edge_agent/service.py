@@ -723,7 +723,8 @@ class EdgeAgent(Service):
         run.evaluated = r
         metrics = Metrics(
             cluster=run.cluster, accuracy=accuracy, n_test=len(run.data.y_test),
-            timings={k: float(v) for k, v in tm.items()}, epsilon=epsilon, inference=run.inference,
+            timings={k: float(v) for k, v in tm.items()}, epsilon=epsilon,
+            dp_history=[tuple(h) for h in run.client.dp_history], inference=run.inference,
         )
         run.sent_metrics[r] = metrics
         self.send(f"agents/{self.agent_id}/metrics", metrics, round=r)

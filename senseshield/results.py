@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from pydantic import BaseModel, PrivateAttr
 
+from senseshield.accounting import ADJACENCY, Epsilons
 from senseshield.determinism import Trace
 from senseshield.strategies import Strategy
 
@@ -74,10 +75,14 @@ class RunResult(BaseModel):
     clients: list[ClientRecord]
     config: dict
     machine: dict
+    # Privacy (senseshield.accounting says against whom each figure holds, and why):
     epsilon: float | None = None  # final DP epsilon (None: the strategy uses no DP), RDP, outside observer
-    epsilon_server: float | None = None  # final epsilon against the server (senseshield.accounting)
-    epsilon_pld: float | None = None  # user-level DP: the final epsilon by PLD (PRV), outside observer
-    epsilon_server_pld: float | None = None  # user-level DP: by PLD, against the server
+    epsilon_server: float | None = None  # final epsilon against the server, which knows who was sampled
+    epsilon_pld: float | None = None  # the final epsilon by PLD (Opacus' PRV), outside observer
+    epsilon_server_pld: float | None = None  # by PLD, against the server
+    server_rounds: int | None = None  # user-level DP: the rounds epsilon_server composes (most-sampled client)
+    accountant: str | None = None  # the accountant of epsilon / epsilon_server ("rdp"; *_pld: Opacus' PRV)
+    adjacency: str | None = None  # the neighbouring relation of the figures
     delta: float | None = None
     noise_multiplier: float | None = None  # sigma used (calibrated when target_epsilon is set)
     synthetic_epsilon: float | None = None  # epsilon of the DP synthetic-data provider
@@ -96,6 +101,30 @@ class RunResult(BaseModel):
 
 
 SimulationResult = RunResult  # the name of the simulate --out contract before jobs
+
+
+def privacy_fields(strategy: Strategy, eps: Epsilons | None) -> dict:
+    """A run's final privacy figures as :class:`RunResult` fields (empty without DP)."""
+    if strategy.dp_level is None or eps is None:
+        return {}
+    return {"epsilon": eps.observer, "epsilon_server": eps.server, "epsilon_pld": eps.observer_pld,
+            "epsilon_server_pld": eps.server_pld, "server_rounds": eps.server_rounds,
+            "accountant": "rdp", "adjacency": ADJACENCY[strategy.dp_level]}
+
+
+def privacy_line(report: dict) -> str | None:
+    """One sentence of a run's privacy figures (``report``: a run's JSON), None without DP."""
+    if report.get("epsilon") is None:
+        return None
+    server = report.get("epsilon_server")
+    server = report["epsilon"] if server is None else server
+    rounds = report.get("server_rounds")
+    who = f" and saw one client in {rounds} DP round(s)" if rounds is not None else ""
+    pld = report.get("epsilon_pld"), report.get("epsilon_server_pld")
+    how = (report.get("accountant") or "rdp").upper() + (f"; by PLD {pld[0]:.2f} and {pld[1]:.2f}" if None not in pld else "")
+    adjacency = f" Adjacency: {report['adjacency']}." if report.get("adjacency") else ""
+    return (f"privacy (δ = {report.get('delta'):g}): ε = {report['epsilon']:.2f} against an outside observer of "
+            f"the models, {server:.2f} against the server, which knows who was sampled{who} ({how}).{adjacency}")
 
 
 def weighted_accuracy(pairs: list[tuple[float, int]]) -> float:

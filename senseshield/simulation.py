@@ -17,14 +17,22 @@ import numpy as np
 import torch
 from sklearn.metrics import adjusted_rand_score
 
-from senseshield.accounting import Accountant, user_level_epsilons
+from senseshield.accounting import Accountant, Epsilons, epsilons
 from senseshield.data import Dataset, load_dataset
 from senseshield.data.shards import LocalData, Shard, device_shards, shards
 from senseshield.determinism import Trace, mask_digest
 from senseshield.engine.aggregation import ProtectedUpdate, aggregate_updates, decrypt_aggregate
 from senseshield.errors import ConfigError
 from senseshield.job import Job, effective_scheme, initial_model, job_shape, key_pair, noise_multipliers, train_config
-from senseshield.results import ClientRecord, RoundRecord, RoundTally, RunResult, SimulationResult, weighted_accuracy
+from senseshield.results import (
+    ClientRecord,
+    RoundRecord,
+    RoundTally,
+    RunResult,
+    SimulationResult,
+    privacy_fields,
+    weighted_accuracy,
+)
 from senseshield.rounds import (
     ClientState,
     apply_mean,
@@ -197,8 +205,7 @@ def run_simulation(
             user_accountant.step(noise_multiplier=sigma_user or 0.0, sample_rate=o.sample_rate)
             for cid in sampled:
                 participations[cid] = participations.get(cid, 0) + 1
-        epsilon, epsilon_server = _epsilon(strategy, user_accountant, [c.state.dp_history for c in clients],
-                                           o.delta, max(participations.values(), default=0))
+        spent = _epsilons(strategy, user_accountant, participations, clients, o.delta)
         t = time.perf_counter()
         for client in clients:
             set_vector(model, merge_personal(globals_[plan.cluster_of[client.id]], client.state))
@@ -212,8 +219,8 @@ def run_simulation(
                 seconds=time.perf_counter() - t_round,
                 participants=len(sampled),
                 sample_rate=o.sample_rate,
-                epsilon=epsilon,
-                epsilon_server=epsilon_server,
+                epsilon=spent.observer if spent else None,
+                epsilon_server=spent.server if spent else None,
                 delta=o.delta,
             )
         )
@@ -227,6 +234,7 @@ def run_simulation(
         if all(c is not None for c in categories)
         else None
     )
+    final = _epsilons(strategy, user_accountant, participations, clients, o.delta, pld=True)
     result = RunResult(
         strategy=config.strategy,
         scheme=scheme,
@@ -258,9 +266,7 @@ def run_simulation(
         ],
         config=config.model_dump(mode="json"),
         machine={"python": platform.python_version(), "processor": platform.processor() or platform.machine(), "torch": torch.__version__, "threads": torch.get_num_threads()},
-        epsilon=rounds[-1].epsilon,
-        epsilon_server=rounds[-1].epsilon_server,
-        **_pld(strategy, user_accountant, participations, o.delta),
+        **privacy_fields(strategy, final),
         delta=o.delta if strategy.dp_level is not None else None,
         noise_multiplier=sigma_user if sigma_user is not None else (max(sigma_record.values()) if sigma_record else None),
         synthetic_epsilon=(
@@ -272,29 +278,15 @@ def run_simulation(
     return result
 
 
-def _epsilon(strategy: Strategy, user: Accountant, histories: list[list], delta: float,
-             participations: int) -> tuple[float | None, float | None]:
-    """Epsilon spent so far against an outside observer and against the server: the
-    user-level accountant (the server's figure without the sampling amplification, for the
-    client sampled ``participations`` times), or the worst client's DP-SGD accountant (its
-    batch sampling happens on the device: the same figure for both)."""
+def _epsilons(strategy: Strategy, user: Accountant, participations: dict[str, int], clients: list,
+              delta: float, *, pld: bool = False) -> Epsilons | None:
+    """Epsilon spent so far against an outside observer and against the server (None
+    without DP): the user-level accountant, the server's figure for the client sampled
+    most often, or the worst client's DP-SGD accountant (senseshield.accounting)."""
     if strategy.dp_level is None:
-        return None, None
-    observer = user.epsilon(delta)
-    server = user.unamplified(participations).epsilon(delta) if user.history else 0.0
-    for history in histories:
-        if history:
-            local = Accountant(history).epsilon(delta)
-            observer, server = max(observer, local), max(server, local)
-    return observer, server
-
-
-def _pld(strategy: Strategy, user: Accountant, participations: dict[str, int], delta: float) -> dict:
-    """The final user-level epsilons by PLD (PRV), against an outside observer and the server."""
-    if strategy.dp_level != "user":
-        return {}
-    eps = user_level_epsilons(user, max(participations.values(), default=0), delta)
-    return {"epsilon_pld": eps.observer_pld, "epsilon_server_pld": eps.server_pld}
+        return None
+    return epsilons(delta, user=user, participations=max(participations.values(), default=0),
+                    records=[c.state.dp_history for c in clients], pld=pld)
 
 
 __all__ = ["Job", "SimulationConfig", "RunResult", "SimulationResult", "run_simulation", "ConfigError"]

@@ -27,6 +27,8 @@ def summary_row(result) -> dict:  # type: ignore[no-untyped-def]
         "final_accuracy": result.final_accuracy,
         "epsilon": result.epsilon,
         "epsilon_server": result.epsilon_server,
+        "epsilon_pld": result.epsilon_pld,
+        "epsilon_server_pld": result.epsilon_server_pld,
         "delta": result.delta,
         "noise_multiplier": result.noise_multiplier,
         "he_ratio_mean": sum(r.he_ratio_mean for r in rounds) / len(rounds),

@@ -249,14 +249,11 @@ def _print_summary(result) -> None:  # type: ignore[no-untyped-def]
         f"final accuracy {result.final_accuracy:.3f}; {result.num_clusters} cluster(s){ari}; "
         f"{result.num_params} parameters; {result.seconds_total:.1f} s"
     )
-    if result.epsilon is not None:
-        pld = (f" (PLD: {result.epsilon_pld:.2f} and {result.epsilon_server_pld:.2f})"
-               if result.epsilon_pld is not None else "")
-        out.print(
-            f"privacy: ε = {result.epsilon:.2f} against an outside observer of the models, "
-            f"{result.epsilon_server:.2f} against the server, which knows who was sampled{pld}; "
-            f"δ = {result.delta:g}"
-        )
+    from senseshield.results import privacy_line
+
+    privacy = privacy_line(result.model_dump())
+    if privacy is not None:
+        out.print(escape(privacy))
 
 
 from senseshield.cli.compare import compare as _compare  # noqa: E402

@@ -317,6 +317,7 @@ def render_report(run_dir: Any) -> Any:
     from pathlib import Path
 
     from senseshield.plotting import pyplot
+    from senseshield.results import privacy_line
 
     pyplot()  # the Agg backend; says where matplotlib writes in the home directory
 
@@ -362,8 +363,10 @@ def render_report(run_dir: Any) -> Any:
                      "median busy s", "accuracy", "clock offset s"], agent_rows)
     events = report.get("straggling_events") or []
     notes = [n for r in report.get("rounds", []) for n in r.get("notes", [])]
+    privacy = privacy_line(report)
     parts = [f"<h1>SenseShield run: {_esc(report.get('strategy'))} on {_esc(report.get('dataset'))}/"
-             f"{_esc(report.get('model'))}</h1>", summary, "<h2>Straggling per round</h2>",
+             f"{_esc(report.get('model'))}</h1>", summary,
+             *([f"<p class=note>{_esc(privacy)}</p>"] if privacy else []), "<h2>Straggling per round</h2>",
              f"<p class=note>{_esc(strag.get('definition', STRAGGLING_DEFINITION))}</p>", per_round,
              "<h2>Agents</h2>", agents]
     budget_notes = (report.get("budgets") or {}).get("clusters") or {}
@@ -394,6 +397,7 @@ def render_trial(trial_dir: Any) -> Any:
     import numpy as np
 
     from senseshield.plotting import pyplot
+    from senseshield.results import privacy_line
 
     plt = pyplot()
     from pathlib import Path

@@ -262,14 +262,18 @@ class MaskDecision(Message):
 @message
 class Metrics(Message):
     """``agents/<id>/metrics``: after applying a round's model, the agent's test accuracy
-    and its phase timings (seconds) for that round; ``epsilon`` is its DP-SGD accountant."""
+    and its phase timings (seconds) for that round; ``epsilon`` is its DP-SGD accountant's
+    RDP figure and ``dp_history`` that accountant's history (noise multiplier, sample rate,
+    steps), from which the coordinator computes the run's final figures by PLD too."""
 
     schema_name: ClassVar[str] = "metrics"
+    version: ClassVar[int] = 2
     cluster: int = Field(ge=0)
     accuracy: float = Field(ge=0, le=1)
     n_test: int = Field(ge=0)
     timings: dict[str, float] = {}
     epsilon: float | None = None
+    dp_history: list[tuple[float, float, int]] = []
     inference: dict[str, float] = {}  # onnxruntime latency of the model: p50/p95 ms, batch 1 and 32
 
 
