@@ -14,19 +14,28 @@ adversary who does not know who was sampled: an outside observer of the released
 The coordinator knows (each update arrives under its agent id), so against the server a
 client's guarantee is that of the unamplified Gaussian mechanism (q = 1) composed over the
 rounds it took part in. The sampling is independent of the data and the server sees it, so
-the guarantee given the run's actual sampling is a valid one; we report it for the client
+the guarantee given the run's actual sampling is a valid one (for every sampling outcome,
+the mechanism that follows it is that Gaussian composition); we report it for the client
 sampled most often (``server_rounds``). Before a run, the promise that holds whatever the
-sampling is the same mechanism over every DP round (``Accountant.unamplified(len)``): for
-dp-fedavg at q = 0.3, sigma 3.32, 5 rounds, delta 1e-5, 1.00 against an observer, 2.27
-against the server for a client sampled 3 times, 3.02 for one sampled in all 5 (RDP).
+sampling is the worst case, the same mechanism over every DP round
+(``Accountant.unamplified(Accountant.releases)``): for dp-fedavg at q = 0.3, sigma 3.32,
+5 rounds, delta 1e-5, 1.00 against an observer, 2.27 against the server for a client
+sampled 3 times, 3.02 for one sampled in all 5 (RDP). The worst case is never below the
+observer's figure; the figure for the actual sampling can be, in a fleet of one or two
+clients at a high rate (q = 0.9, 10 rounds, sigma 2: 7.38 amplified, 7.08 for a client
+sampled 8 times), because the amplified figure holds whatever the sampling and this one
+only for the sampling that happened. They answer different questions; both hold.
 
 **Adjacency.** User level, against an observer: add/remove one client (Opacus' analysis of
-the Poisson-sampled Gaussian; the client's clipped update has norm <= C). Against the server
-the client's presence is known, so the neighbouring run keeps the client and zeroes its
-update (zero-out adjacency, Kairouz et al. 2021): sensitivity C again, hence the same Gaussian
+the Poisson-sampled Gaussian, the client's update clipped to norm C). Against the server the
+client's presence is known (add/remove is visible in the agent ids), so the neighbouring run
+keeps the client and zeroes its update: zero-out adjacency (Kairouz et al., ICML 2021),
+sensitivity C again. The server sees each sampled client's own noised update (dp-fedavg;
+selective-dp its noised coordinates; selectiveshield its noise zone, noised at sigma
+sqrt(|K|), so sigma is an upper bound there), which is then exactly a Gaussian mechanism
 at sigma per participation. Under replace-one adjacency (the client's data swapped for any
-other) the sensitivity is 2C: the guarantee is that of sigma / 2 (RDP four times as large;
-4.60 instead of 2.09 exact for the example's 3 participations). Record level (DP-SGD): add/
+other) the sensitivity is 2C, the guarantee that of sigma / 2: in the example 4.97 (RDP) or
+4.60 (exact) for 3 participations instead of 2.27 and 2.09. Record level (DP-SGD): add/
 remove one record of a client's data; its batch sampling happens on the device, out of the
 server's sight, so the amplification holds against the server too and both figures agree.
 
@@ -169,7 +178,8 @@ def epsilons(delta: float, *, user: Accountant | None = None, participations: in
         observer = server = 0.0
         for o, s in pairs:
             eo = o.epsilon(delta, accountant=method)
-            observer, server = max(observer, eo), max(server, eo if s is o else s.epsilon(delta, accountant=method))
+            es = eo if s.history == o.history else s.epsilon(delta, accountant=method)  # q = 1: the same
+            observer, server = max(observer, eo), max(server, es)
         return observer, server
 
     observer, server = worst("rdp")
