@@ -141,7 +141,7 @@ def bench_agreement(args: argparse.Namespace, dlg_settings: DLGSettings, ig_sett
     return {"threshold_db": THRESHOLD_DB, "rows": rows}
 
 
-def protected_rows(budgets: list[int]) -> list[dict[str, Any]]:
+def protected_rows(budgets: list[int], noises: list[float] = ()) -> list[dict[str, Any]]:
     taylor = StrategyOptions()
     leak = StrategyOptions(score="leakage") if "leakage" in SCORES else None
     rows: list[dict[str, Any]] = [
@@ -158,6 +158,10 @@ def protected_rows(budgets: list[int]) -> list[dict[str, Any]]:
             if options is not None:
                 rows.append(dict(name=f"SenseCrypt {cpus}, score={name}", strategy="sensecrypt", options=options,
                                  order=None, ratio=None, victims=[victim], cpu=CPUS))
+        for noise in noises:  # the hybrid: leakage-first encryption + noise on the plaintext part
+            options = StrategyOptions(score="leakage" if leak is not None else None, plain_noise=noise)
+            rows.append(dict(name=f"SenseCrypt {cpus}, score={options.score or 'taylor'}, plain_noise={noise:g}",
+                             strategy="sensecrypt", options=options, order=None, ratio=None, victims=[victim], cpu=CPUS))
     return rows
 
 
@@ -165,7 +169,7 @@ def bench_protected(args: argparse.Namespace, dlg_settings: DLGSettings, ig_sett
                     log) -> dict[str, Any]:  # type: ignore[no-untyped-def]
     fleets: dict[str, Fleet] = {}
     out = []
-    for row in protected_rows(args.budgets):
+    for row in protected_rows(args.budgets, args.noises):
         over = {"options": row["options"]}
         if "cpu" in row:
             over["cpu"] = row["cpu"]
@@ -256,6 +260,8 @@ def main() -> None:
                         help="protected section: the attacked model (default: the DLG LeNet; lenet5 for the "
                              "project's benchmark model, where the two attacks do not agree)")
     parser.add_argument("--activation", default=None, help="protected section: lenet5's activation (sigmoid, relu)")
+    parser.add_argument("--noises", default="",
+                        help="protected section: plain_noise ratios of the SenseCrypt hybrid rows, e.g. 0.3,1,3")
     parser.add_argument("--steps", type=int, default=100, help="DLG's L-BFGS steps")
     parser.add_argument("--iterations", type=int, default=600, help="the project attack's iterations")
     parser.add_argument("--project-attack", default="inverting",
@@ -264,6 +270,10 @@ def main() -> None:
                         help="default benchmarks/results/dlg.json (dlg-MODEL.json with --model)")
     args = parser.parse_args()
     args.batches, args.budgets = _ints(args.batches), _ints(args.budgets)
+    try:
+        args.noises = [float(x) for x in args.noises.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"error: --noises {args.noises!r} is not a comma-separated list of numbers.") from None
     if args.out is None:
         tag = "" if args.model == DLG_LENET else "-" + "-".join(filter(None, (args.model, args.activation)))
         args.out = ROOT / "benchmarks" / "results" / f"dlg{tag}.json"

@@ -84,6 +84,34 @@ def gaussian_noise(
     return out, NoiseReport(int(positions.size), norm, norm > clip, float(std.mean()))
 
 
+def relative_noise(
+    delta: np.ndarray,
+    positions: np.ndarray,
+    *,
+    ratio: float,
+    rng: np.random.Generator,
+) -> tuple[np.ndarray, NoiseReport]:
+    """Add to ``delta[positions]`` Gaussian noise whose expected L2 norm is ``ratio`` times
+    that sub-vector's own norm: N(0, s²) per coordinate with s = ratio·‖delta[positions]‖/√k
+    (k positions). A noise-to-signal ratio, scale-free (no clipping norm to tune per model),
+    against gradient-matching attacks; the noise depends on the update's norm, so this is
+    **not** a differential-privacy mechanism and no epsilon is claimed for it.
+
+    Returns a new vector (other positions unchanged) and a :class:`NoiseReport` (its
+    ``norm`` is the sub-vector's norm, ``std`` the per-coordinate standard deviation).
+    """
+    if not (np.isfinite(ratio) and ratio >= 0):
+        raise ConfigError(f"Noise ratio {ratio!r} is not allowed; it must be a finite number >= 0.")
+    out = np.array(delta, dtype=np.float64, copy=True)
+    positions = np.asarray(positions, dtype=np.int64)
+    if positions.size == 0 or ratio == 0:
+        return out, NoiseReport(int(positions.size), 0.0, False, 0.0)
+    norm = float(np.linalg.norm(out[positions]))
+    std = ratio * norm / np.sqrt(positions.size)
+    out[positions] += rng.standard_normal(positions.size) * std
+    return out, NoiseReport(int(positions.size), norm, False, float(std))
+
+
 def sensitivity_schedule(scores: np.ndarray, *, skew: float) -> np.ndarray:
     """Selective-DP budget schedule: noise scale ``1 + skew · rank(score)`` in [1, 1 + skew].
 

@@ -78,6 +78,14 @@ class StrategyOptions(BaseModel):
     target_epsilon: float | None = Field(None, description="Calibrate sigma so the run spends this epsilon (Opacus).")
     delta: float = Field(1e-5, gt=0.0, lt=1.0, description="DP delta of the accountant.")
     sample_rate: float = Field(1.0, description="Poisson client sampling rate q per round, in (0, 1].")
+    plain_noise: float = Field(
+        0.0,
+        description=(
+            "SenseCrypt hybrid (issue 16): Gaussian noise on the plaintext part of each update, its "
+            "norm this fraction of that part's norm (a noise-to-signal ratio against gradient "
+            "inversion; not a DP guarantee); 0 = off."
+        ),
+    )
     score: str | None = Field(None, description="Per-round sensitivity score of the clients (see `senseshield strategies`: taylor, fisher, grad_delta, leakage); default: the strategy's.")
     dp_ratio: float = Field(0.1, description="Fraction of coordinates Selective-DP noises (top-k by |g|*|dw|).")
     budget_skew: float = Field(1.0, description="Selective-DP schedule: the most sensitive coordinate gets (1+skew) x noise.")
@@ -107,6 +115,13 @@ class StrategyOptions(BaseModel):
 
         if value is not None and value not in SCORES.names():
             raise ConfigError(f"score={value!r} is not allowed; choose one of: {', '.join(sorted(SCORES.names()))}.")
+        return value
+
+    @field_validator("plain_noise")
+    @classmethod
+    def _plain_noise(cls, value: float) -> float:
+        if not (np.isfinite(value) and 0.0 <= value <= 10.0):
+            raise ConfigError(f"plain_noise={value!r} is not allowed; use a noise-to-signal ratio in [0, 10] (0 = off).")
         return value
 
     @field_validator("sample_rate")

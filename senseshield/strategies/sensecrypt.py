@@ -9,6 +9,16 @@
    multi-objective mask problem (eqs. 4-9) under its own budget; clients of a cluster each
    encrypt their own mask and the coordinator aggregates them per cluster, decrypting only
    the union mask (sec. 3.3).
+
+Hybrid (issue 16, ``--set plain_noise=R``): the plaintext part of each update gets
+Gaussian noise of norm R times its own before it is sent (``engine.dp.relative_noise``).
+Encryption at a slow device's budget cannot hide a one-image update: every visible fully
+connected layer's gradient is a rank-one product of the back-propagated error and the
+layer's input, so any visible row gives the input up to scale, and gradient matching (DLG,
+Inverting Gradients with a label search) recovers the image from the plaintext alone
+(docs/attacks.md). Noise on every plaintext coordinate degrades exactly the signal those
+attacks match, while the encrypted part (``score=leakage``: output layer first, against
+label restoration) stays exact. It is a noise-to-signal ratio, not differential privacy.
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from senseshield.engine.clustering import cluster_clients
+from senseshield.engine.dp import relative_noise
 from senseshield.engine.masks import solve_block_mask
 from senseshield.strategies.base import (
     STRATEGIES,
@@ -146,3 +157,9 @@ class SenseCrypt(Strategy):
             "mutual_information": solution.mutual_information,
         }
         return MaskChoice(solution.mask, info)
+
+    def privatise(self, context, delta, choice, *, sensitivity, rng):  # type: ignore[no-untyped-def]
+        if self.options.plain_noise == 0:
+            return delta, {}
+        out, report = relative_noise(delta, np.flatnonzero(~choice.mask), ratio=self.options.plain_noise, rng=rng)
+        return out, {"noised": report.count, "noise_std": report.noise_std_mean}
