@@ -25,6 +25,8 @@ information (iLRG then guesses K/C instances per class), the floor of every metr
   budgets 1/128 .. 1/8, and SenseCrypt's own mask with that score for its 2- and 1-CPU
   clients: Inverting Gradients at B = 1, 4 and 8 (PSNR, SSIM, identified), iLRG LnAcc at
   B = 8 and 30, ``--trials`` batches of each of ``--victims`` clients per cell.
+  ``--leak-noise 0.1,...`` adds the hybrid: those clients with ``plain_noise`` (noise on
+  the plaintext part, ``senseshield.engine.dp.relative_noise``).
 * ``sweep``: SenseCrypt App. H (ratio 0..0.8, high / random / low sensitivity first; iLRG
   LeAcc/LnAcc on B = 30, Inverting Gradients PSNR on B = 1, MI) and the
   extreme-heterogeneity check (SenseCrypt clients with 32..1 CPUs attacked one by one, next
@@ -167,7 +169,8 @@ LEAK_LABEL_BATCHES = (8, 30)
 
 def bench_leakage(trials: int, victims: int, settings: AttackSettings, log, model: str = MODEL,  # type: ignore[no-untyped-def]
                   image_attack: str = "inverting", image_batches: tuple[int, ...] = LEAK_IMAGE_BATCHES,
-                  budgets: tuple[float, ...] = LEAK_BUDGETS, solver_rows: bool = True) -> dict[str, Any]:
+                  budgets: tuple[float, ...] = LEAK_BUDGETS, solver_rows: bool = True,
+                  noises: tuple[float, ...] = ()) -> dict[str, Any]:
     """The leakage-aware selection against the App. H orders (see the module docstring)."""
     leak, taylor = StrategyOptions(score="leakage"), StrategyOptions()
     plain_leak, plain = spec("plaintext", model=model, options=leak), spec("plaintext", model=model, options=taylor)
@@ -183,6 +186,12 @@ def bench_leakage(trials: int, victims: int, settings: AttackSettings, log, mode
                       order=None, ratio=None, victims=[victim]),
                  dict(name=f"sensecrypt {cpus}, score=taylor", spec=spec("sensecrypt", model=model, cpu=CPUS, options=taylor),
                       order=None, ratio=None, victims=[victim])]
+    for cpus, victim in (("2-CPU (1/16)", 7), ("1-CPU (1/32)", 8)):
+        for noise in noises:  # the hybrid: leakage-first encryption + noise on the plaintext part
+            options = StrategyOptions(score="leakage", plain_noise=noise)
+            rows.append(dict(name=f"sensecrypt {cpus}, score=leakage, plain_noise={noise:g}",
+                             spec=spec("sensecrypt", model=model, cpu=CPUS, options=options),
+                             order=None, ratio=None, victims=[victim]))
     fleets: dict[str, Any] = {}
     out = []
     for row in rows:
@@ -234,6 +243,13 @@ def _fmt(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise SystemExit(f"error: {text!r} is not a comma-separated list of numbers, e.g. 0.1,0.3.") from None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sections", default="table,sweep")
@@ -246,6 +262,8 @@ def main() -> None:
     parser.add_argument("--image-attack", default="inverting",
                         help="leakage section: inverting, or inverting-search (tries every label of a one-image "
                              "update; B = 1 only, 10x the time)")
+    parser.add_argument("--leak-noise", default="",
+                        help="leakage section: plain_noise ratios of SenseCrypt hybrid rows (2- and 1-CPU clients), e.g. 0.1,0.3")
     parser.add_argument("--figures", type=Path, default=None, help="write the sweep PNGs here")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "attacks.json")
     args = parser.parse_args()
@@ -277,7 +295,7 @@ def main() -> None:
                     image_batches=batches,
                     budgets=(tuple(1 / int(x) for x in args.leak_budgets.split(",")) if args.leak_budgets
                              else LEAK_BUDGETS),
-                    solver_rows=args.leak_budgets is None)
+                    solver_rows=args.leak_budgets is None, noises=_floats(args.leak_noise))
         if "sweep" in sections:
             log("sweep: SenseCrypt App. H + heterogeneity")
             t = time.perf_counter()

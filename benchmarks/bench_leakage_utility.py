@@ -5,6 +5,7 @@ Paillier), in the same run; ``--noises`` adds the hybrid (``score=leakage`` with
 ``plain_noise`` = each ratio: noise on the plaintext part).
 
     python benchmarks/bench_leakage_utility.py [--rounds 10] [--key-bits 2048] [--noises 0.3,1]
+        [--dataset digits --model mlp --clients 20 --partition categories:4]
         [--out benchmarks/results/leakage-utility.json]
 """
 
@@ -31,6 +32,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--key-bits", type=int, default=2048)
+    parser.add_argument("--dataset", default="digits")
+    parser.add_argument("--model", default="mlp")
+    parser.add_argument("--clients", type=int, default=20)
+    parser.add_argument("--partition", default="categories:4")
+    parser.add_argument("--cpus", default="24,16,12,10,8",
+                        help="the clients' CPU counts, cycled (bench_attacks' slow fleet: 32,24,16,12,10,8,4,2,1,1)")
     parser.add_argument("--noises", default="", help="plain_noise ratios of hybrid rows, e.g. 0.3,1")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/leakage-utility.json")
     args = parser.parse_args()
@@ -38,11 +45,16 @@ def main() -> None:
         noises = [float(x) for x in args.noises.split(",") if x.strip()]
     except ValueError:
         raise SystemExit(f"error: --noises {args.noises!r} is not a comma-separated list of numbers.") from None
+    try:
+        cpus = [float(x) for x in args.cpus.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"error: --cpus {args.cpus!r} is not a comma-separated list of numbers.") from None
     rows = []
     for score, noise in [("taylor", 0.0), ("leakage", 0.0), *(("leakage", n) for n in noises)]:
-        config = Job(strategy="sensecrypt", scheme="packed-paillier", dataset="digits", model="mlp", clients=20,
-                     rounds=args.rounds, partition="categories:4", bandwidth=[50, 45, 40, 35, 30],
-                     cpu=[24, 16, 12, 10, 8], key_bits=args.key_bits, options=StrategyOptions(score=score, plain_noise=noise))
+        config = Job(strategy="sensecrypt", scheme="packed-paillier", dataset=args.dataset, model=args.model,
+                     clients=args.clients, rounds=args.rounds, partition=args.partition,
+                     bandwidth=[50, 45, 40, 35, 30], cpu=cpus, key_bits=args.key_bits,
+                     options=StrategyOptions(score=score, plain_noise=noise))
         t = time.perf_counter()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -56,7 +68,9 @@ def main() -> None:
     for row in rows[1:]:
         row["accuracy_points_vs_taylor"] = 100 * (row["client_accuracy_mean"] - rows[0]["client_accuracy_mean"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"rounds": args.rounds, "key_bits": args.key_bits, "rows": rows}, indent=2))
+    args.out.write_text(json.dumps({"rounds": args.rounds, "key_bits": args.key_bits, "dataset": args.dataset,
+                                        "model": args.model, "clients": args.clients, "partition": args.partition, "cpus": cpus,
+                                        "rows": rows}, indent=2))
     for row in rows[1:]:
         print(f"leakage, plain_noise {row['plain_noise']:g} vs taylor: {row['accuracy_points_vs_taylor']:+.2f} "
               "points of mean client accuracy")
