@@ -25,8 +25,8 @@ information (iLRG then guesses K/C instances per class), the floor of every metr
   budgets 1/128 .. 1/8, and SenseCrypt's own mask with that score for its 2- and 1-CPU
   clients: Inverting Gradients at B = 1, 4 and 8 (PSNR, SSIM, identified), iLRG LnAcc at
   B = 8 and 30, ``--trials`` batches of each of ``--victims`` clients per cell.
-  ``--leak-noise 0.1,...`` adds the hybrid: those clients with ``plain_noise`` (noise on
-  the plaintext part, ``senseshield.engine.dp.relative_noise``).
+  ``--leak-noise 0.1,...`` adds the hybrid (``plain_noise``: noise on the plaintext part,
+  ``senseshield.engine.dp.relative_noise``) at every budget and for those two clients.
 * ``sweep``: SenseCrypt App. H (ratio 0..0.8, high / random / low sensitivity first; iLRG
   LeAcc/LnAcc on B = 30, Inverting Gradients PSNR on B = 1, MI) and the
   extreme-heterogeneity check (SenseCrypt clients with 32..1 CPUs attacked one by one, next
@@ -181,6 +181,10 @@ def bench_leakage(trials: int, victims: int, settings: AttackSettings, log, mode
         rows += [dict(name=f"leakage-first {label}", spec=plain_leak, order="high", ratio=ratio, victims=range(victims)),
                  dict(name=f"taylor-high-first {label}", spec=plain, order="high", ratio=ratio, victims=range(victims)),
                  dict(name=f"random {label}", spec=plain, order="random", ratio=ratio, victims=range(victims))]
+        for noise in noises:  # the hybrid at this budget: sensecrypt's noise on the plaintext part
+            hybrid = spec("sensecrypt", model=model, options=StrategyOptions(score="leakage", plain_noise=noise))
+            rows.append(dict(name=f"leakage-first {label}, plain_noise={noise:g}", spec=hybrid, order="high",
+                             ratio=ratio, victims=range(victims)))
     for cpus, victim in (("2-CPU (1/16)", 7), ("1-CPU (1/32)", 8)) if solver_rows else ():
         rows += [dict(name=f"sensecrypt {cpus}, score=leakage", spec=spec("sensecrypt", model=model, cpu=CPUS, options=leak),
                       order=None, ratio=None, victims=[victim]),

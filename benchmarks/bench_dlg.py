@@ -20,7 +20,9 @@ per-value masks; the server sees the plaintext outside the mask.
   hidden) and ``1/budget`` of the update encrypted, chosen Taylor-sensitivity-first
   ("high"), at random, and leakage-first (``score=leakage``, when registered); plus
   SenseCrypt's own masks for its 2- and 1-CPU clients (budgets 1/16 and 1/32 in a fleet of
-  32..1 CPUs) with the Taylor and the leakage score. PSNR, SSIM and identified share (IIP:
+  32..1 CPUs) with the Taylor and the leakage score. ``--noises R,...`` adds the hybrid
+  (``plain_noise=R``: noise of R times the plaintext part's norm on that part) at every
+  budget and for both SenseCrypt clients. PSNR, SSIM and identified share (IIP:
   the reconstruction's nearest neighbour in the client's data is its true input) for both
   attacks, for each batch size of ``--batches``; ``--victims`` clients x ``--trials``
   batches per cell.
@@ -153,6 +155,10 @@ def protected_rows(budgets: list[int], noises: list[float] = ()) -> list[dict[st
         rows.append(dict(name=f"random 1/{b}", strategy="plaintext", options=taylor, order="random", ratio=1 / b))
         if leak is not None:
             rows.append(dict(name=f"leakage-first 1/{b}", strategy="plaintext", options=leak, order="high", ratio=1 / b))
+        for noise in noises:  # the hybrid at a fixed budget: sensecrypt's noise on the plaintext part
+            options = StrategyOptions(score="leakage" if leak is not None else None, plain_noise=noise)
+            rows.append(dict(name=f"{'leakage' if leak is not None else 'Taylor-high'}-first 1/{b}, plain_noise={noise:g}",
+                             strategy="sensecrypt", options=options, order="high", ratio=1 / b))
     for cpus, victim in (("2-CPU (1/16)", 7), ("1-CPU (1/32)", 8)):
         for name, options in (("taylor", taylor), ("leakage", leak)):
             if options is not None:

@@ -60,6 +60,7 @@ from senseshield.strategies import (
     BootstrapReport,
     ClientContext,
     FleetPlan,
+    MaskChoice,
     Strategy,
     StrategyOptions,
     build_strategy,
@@ -462,7 +463,16 @@ def _capture(
             elif order is not None:
                 rng = np.random.default_rng([spec.seed, spec.round, trial, v, 17])
                 mask = order_mask(sensitivity, ratio=float(ratio), order=order, rng=rng)  # type: ignore[arg-type]
-                info = {"order": order, "ratio": ratio}
+                # the strategy's own client-side noise on what stays plaintext (a no-op for
+                # plaintext; sensecrypt's plain_noise hybrid), as in a real round
+                context = ClientContext(
+                    fleet.clients[v].id, spec.round, k, budget, shared, 1, participants=len(members)
+                )
+                delta, noise = strategy.privatise(
+                    context, delta, MaskChoice(mask), sensitivity=sensitivity,
+                    rng=np.random.default_rng([spec.seed, 3, spec.round, trial, v]),
+                )
+                info = {"order": order, "ratio": ratio, **noise}
             else:
                 context = ClientContext(
                     fleet.clients[v].id, spec.round, k, budget, shared, 1, participants=len(members)
