@@ -334,3 +334,30 @@ def test_label_search_recovers_a_digit_whose_output_layer_is_hidden(setting):
     assert searched.labels.tolist() == [data.y[i]] and searched.info["label_method"] == "search"
     assert float(psnr(searched.images, data.x[[i]])[0]) > 20
     assert identifiability_precision(searched.images, [i], data.x) == 1.0
+
+
+def test_the_hybrids_noise_reaches_the_captured_view_outside_the_mask_only():
+    """sensecrypt with plain_noise: the server's view of a captured update (its own mask, a
+    fixed-order mask, and the sweep's) is the update plus noise of the asked norm on what
+    stays visible; hidden positions stay hidden, nothing else moves."""
+    from senseshield.attacks.experiment import _plain_noised
+
+    base = dict(dataset="digits", clients=4, round=1, cpu=(32.0, 16.0, 2.0, 1.0), seed=0)
+    quiet = prepare_fleet(FleetSpec(strategy="sensecrypt", options=StrategyOptions(score="leakage"), **base))
+    noisy = prepare_fleet(FleetSpec(strategy="sensecrypt", options=StrategyOptions(score="leakage", plain_noise=0.5), **base))
+    for kwargs in ({}, {"order": "high", "ratio": 0.05}):
+        a = capture(quiet, [3], batch_size=1, trial=0, **kwargs)[0]
+        b = capture(noisy, [3], batch_size=1, trial=0, **kwargs)[0]
+        np.testing.assert_array_equal(a.view.unknown, b.view.unknown)
+        seen = ~a.view.unknown
+        diff = b.view.known[seen] - a.view.known[seen]
+        assert np.linalg.norm(diff) / np.linalg.norm(a.view.known[seen]) == pytest.approx(0.5, rel=0.1)
+        assert "noised" in b.mask_info
+    plain = prepare_fleet(FleetSpec(strategy="plaintext", **base))
+    cap = capture(plain, [0], batch_size=1, trial=0)[0]
+    mask = np.zeros(cap.view.size, bool)
+    mask[:100] = True
+    assert _plain_noised(cap, mask, 0.0, [0]) is cap
+    out = _plain_noised(cap, mask, 1.0, [0])
+    np.testing.assert_array_equal(out.view.known[:100], cap.view.known[:100])  # hidden by the mask anyway
+    assert np.all(out.view.known[100:] != cap.view.known[100:])

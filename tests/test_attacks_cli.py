@@ -90,6 +90,8 @@ def test_sweep_writes_points_heterogeneity_and_plots(tmp_path):
         (["sweep", "--orders", "high,up"], "--orders value 'up' is not allowed"),
         (["sweep", "--image-attack", "ilrg"], "does not reconstruct images"),
         (["sweep", "--cpus", "1,-2"], "--cpus value -2.0 is not allowed"),
+        (["sweep", "--plain-noise", "-1"], "plain_noise=-1.0 is not allowed; use a noise-to-signal ratio"),
+        (["sweep", "--score", "loud"], "score='loud' is not allowed; choose one of"),
     ],
 )
 def test_user_mistakes_exit_2_with_one_sentence(args, message):

@@ -15,6 +15,7 @@ All randomness is seeded: the same configuration gives the same numbers.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import platform
 import time
@@ -38,6 +39,7 @@ from senseshield.attacks.metrics import (
     ssim,
 )
 from senseshield.attacks.view import hide
+from senseshield.engine.dp import relative_noise
 from senseshield.errors import ConfigError
 from senseshield.strategies import STRATEGIES, StrategyOptions
 
@@ -439,8 +441,11 @@ def run_sweep(
                         if image_cap is not None
                         else None
                     )
+                    noise = config.options.plain_noise
                     records[(order, ratio)].append(
-                        _attack_pair(label_cap, image_cap, label_mask, image_mask, label_attack,
+                        _attack_pair(_plain_noised(label_cap, label_mask, noise, [config.seed, t, ri, 29]),
+                                     _plain_noised(image_cap, image_mask, noise, [config.seed, t, ri, 31]),
+                                     label_mask, image_mask, label_attack,
                                      image_attack, settings, seed, pool, fleet.num_classes)
                     )
                     done += 1
@@ -510,6 +515,16 @@ def _attack_pair(
         irow, _ = score_reconstruction(ic, irec, pool=pool, num_classes=num_classes)
         row.update(psnr=irow["psnr"], ssim=irow["ssim"], iip=irow["iip"], image_he_ratio=irow["he_ratio"])
     return row
+
+
+def _plain_noised(cap: Capture | None, mask: np.ndarray | None, ratio: float, seed: list[int]) -> Capture | None:
+    """``cap`` with SenseCrypt's hybrid noise (``plain_noise``, :func:`relative_noise`) on
+    what ``mask`` leaves visible, as the client would send it; unchanged at ratio 0."""
+    if cap is None or mask is None or ratio == 0:
+        return cap
+    visible = np.flatnonzero(~np.asarray(mask, dtype=bool) & ~cap.view.unknown)
+    known, _ = relative_noise(cap.view.known, visible, ratio=ratio, rng=np.random.default_rng(seed))
+    return dataclasses.replace(cap, view=dataclasses.replace(cap.view, known=known))
 
 
 def _masked(cap: Capture, mask: np.ndarray) -> Capture:
