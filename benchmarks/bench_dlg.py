@@ -1,7 +1,7 @@
 """A second, independent attack as a check on the project's own (issue 16, item 3).
 
-    nice -n 15 .venv/bin/python benchmarks/bench_dlg.py [--sections agreement,protected]
-        [--trials 2] [--victims 2] [--batches 1,4] [--budgets 64,32,16,8] [--steps 100]
+    nice -n 15 .venv/bin/python benchmarks/bench_dlg.py [--sections agreement,protected,layers]
+        [--trials 2] [--victims 2] [--batches 1,4] [--budgets 64,32,16,8] [--noises 0.1,0.3] [--steps 100]
         [--iterations 600] [--project-attack inverting] [--model M --activation A] [--out FILE]
 
 DLG (``senseshield_checks.dlg``: Zhu et al. 2019, L-BFGS on the Euclidean gradient
@@ -15,6 +15,9 @@ per-value masks; the server sees the plaintext outside the mask.
   model of ``bench_attacks.py``; and ReLU) and of the DLG paper's sigmoid LeNet
   (``senseshield_checks.dlg:dlg_lenet``). The two attacks agree when both reach 25 dB
   (mean PSNR) on the same model; only then do their protected figures on that model count.
+* ``layers``: the adaptive attacker against the hybrid: DLG given one layer's visible
+  gradient at a time (where the noise-to-signal ratio is lowest), on SenseCrypt's 1-CPU
+  client with ``score=leakage``, without noise and with each ``--noises`` ratio, B = 1.
 * ``protected``: on the DLG LeNet (where they agree; ``--model``/``--activation`` pick
   another model, e.g. ``--model lenet5 --activation sigmoid``): unprotected, blind (everything
   hidden) and ``1/budget`` of the update encrypted, chosen Taylor-sensitivity-first
@@ -55,7 +58,10 @@ from senseshield.attacks.metrics import (  # noqa: E402
     psnr,
     ssim,
 )
+from senseshield.attacks.view import hide  # noqa: E402
 from senseshield.engine.sensitivity import SCORES  # noqa: E402
+from senseshield.models import build_model  # noqa: E402
+from senseshield.training import layout_of  # noqa: E402
 from senseshield.strategies import StrategyOptions  # noqa: E402
 from senseshield_checks.dlg import DLG_LENET, DLGSettings, dlg  # noqa: E402
 from bench_attacks import CPUS, machine  # noqa: E402  (the same SenseCrypt fleet of 32..1 CPUs)
@@ -210,6 +216,39 @@ def bench_protected(args: argparse.Namespace, dlg_settings: DLGSettings, ig_sett
             "baseline_agrees": counts, "rows": out}
 
 
+def bench_layers(args: argparse.Namespace, dlg_settings: DLGSettings, log) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    """The adaptive attacker: DLG on one layer's visible gradient at a time (it matches only
+    where the signal-to-noise ratio is highest), on SenseCrypt's 1-CPU client (1/32,
+    score=leakage) with no noise and with each ``--noises`` ratio, B = 1."""
+    rows = []
+    for noise in [0.0, *args.noises]:
+        options = StrategyOptions(score="leakage" if "leakage" in SCORES else None, plain_noise=noise)
+        fleet = prepare_fleet(spec("sensecrypt", args.model, args.activation, options=options, cpu=CPUS))
+        layout = layout_of(build_model(args.model, fleet.input_shape, fleet.num_classes, **fleet.spec.model_options()))
+        modules: dict[str, list[slice]] = {}
+        for seg in layout.segments:
+            if seg.trainable:
+                modules.setdefault(seg.name.rsplit(".", 1)[0], []).append(slice(seg.offset, seg.stop))
+        victim = 8
+        pool = fleet.clients[victim].x_train
+        for trial in range(args.trials):
+            cap = capture(fleet, [victim], batch_size=1, trial=trial)[0]
+            for module in [None, *modules]:
+                hide_mask = np.zeros(cap.view.size, bool)
+                if module is not None:
+                    hide_mask[:] = True
+                    for sl in modules[module]:
+                        hide_mask[sl] = False
+                view = hide(cap.view, hide_mask)
+                d = dlg(view, settings=dlg_settings, seed=1000 * trial + victim)
+                got = score(d.images, cap, pool)
+                rows.append({"noise": noise, "layer": module or "all", "trial": trial,
+                             "psnr": got["psnr"], "iip": got["iip"]})
+                log(f"  plain_noise={noise:<5g} DLG on {module or 'all layers':<10} {got['psnr']:5.1f} dB "
+                    f"identified {got['iip']:.2f}")
+    return {"victim": "SenseCrypt 1-CPU (1/32)", "rows": rows}
+
+
 def markdown(result: dict[str, Any], project_attack: str) -> str:
     """The tables of the README and docs/attacks.md."""
     lines = []
@@ -284,9 +323,9 @@ def main() -> None:
         tag = "" if args.model == DLG_LENET else "-" + "-".join(filter(None, (args.model, args.activation)))
         args.out = ROOT / "benchmarks" / "results" / f"dlg{tag}.json"
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
-    unknown = sorted(set(sections) - {"agreement", "protected"})
+    unknown = sorted(set(sections) - {"agreement", "protected", "layers"})
     if unknown:
-        raise SystemExit(f"error: --sections {','.join(unknown)} is not allowed; choose from agreement, protected.")
+        raise SystemExit(f"error: --sections {','.join(unknown)} is not allowed; choose from agreement, protected, layers.")
     if args.project_attack not in ATTACKS or not ATTACKS.get(args.project_attack).reconstructs_images:
         images = [n for n, a in ATTACKS.items() if a.reconstructs_images]
         raise SystemExit(f"error: --project-attack {args.project_attack!r} is not allowed; choose one of: "
@@ -314,6 +353,9 @@ def main() -> None:
         if "protected" in sections:
             log(f"protected: selections x budgets on {model_label(args.model, args.activation)}")
             result["protected"] = bench_protected(args, dlg_settings, ig_settings, log)
+        if "layers" in sections:
+            log(f"layers: DLG on one layer at a time, SenseCrypt's 1-CPU client ({model_label(args.model, args.activation)})")
+            result["layers"] = bench_layers(args, dlg_settings, log)
     result["seconds"] = time.perf_counter() - started
     print()
     print(markdown(result, args.project_attack))
