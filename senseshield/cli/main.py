@@ -135,6 +135,7 @@ def simulate(
     rho_tot: Annotated[int, typer.Option(help="Alt-FL: period of the interleaving schedule.")] = 2,
     synthetic_epsilon: Annotated[float, typer.Option(help="Alt-FL: epsilon of the DP synthetic-data provider.")] = 1.0,
     score: Annotated[Optional[str], typer.Option(help="Clients' sensitivity score: taylor | fisher | grad_delta | leakage (input/output layers and biases first; docs/attacks.md). Default: the strategy's.")] = None,
+    plain_noise: Annotated[float, typer.Option(help="SenseCrypt hybrid: Gaussian noise of this times the plaintext part's norm on that part (against image reconstruction; not DP; docs/attacks.md). 0 = off.")] = 0.0,
     out_file: Annotated[Optional[Path], typer.Option("--out", help="Write the result JSON here.")] = None,
     job_file: _run.JobFile = None,
     data: _run.DataFiles = None,
@@ -168,6 +169,7 @@ def simulate(
             rho_tot=rho_tot,
             synthetic_epsilon=synthetic_epsilon,
             score=score,
+            plain_noise=plain_noise,
         )
         config = Job(
             strategy=strategy,
