@@ -81,6 +81,8 @@ def spec(strategy: str, **over: Any) -> FleetSpec:
     fields: dict[str, Any] = dict(strategy=strategy, dataset=DATASET, model=MODEL,
                                   activation=ACTIVATION, clients=10, round=ROUND, seed=0)
     fields.update(over)
+    if fields["model"] != "lenet5" and "activation" not in over:
+        fields["activation"] = None  # only lenet5 has an activation option (--models simplecnn)
     return FleetSpec(**fields)
 
 
@@ -266,6 +268,9 @@ def main() -> None:
     parser.add_argument("--image-attack", default="inverting",
                         help="leakage section: inverting, or inverting-search (tries every label of a one-image "
                              "update; B = 1 only, 10x the time)")
+    parser.add_argument("--leak-image-batches", default="",
+                        help="leakage section: batch sizes of the image attack (default 1,4,8; inverting-search: 1); "
+                             "models with BatchNorm (simplecnn) need >= 2, e.g. 4,8")
     parser.add_argument("--leak-noise", default="",
                         help="leakage section: plain_noise ratios of SenseCrypt hybrid rows (2- and 1-CPU clients), e.g. 0.1,0.3")
     parser.add_argument("--figures", type=Path, default=None, help="write the sweep PNGs here")
@@ -294,6 +299,8 @@ def main() -> None:
                 log(f"leakage: the leakage-aware selection vs the App. H orders ({model})")
                 key = model if args.image_attack == "inverting" else f"{model}/{args.image_attack}"
                 batches = LEAK_IMAGE_BATCHES if args.image_attack == "inverting" else (1,)
+                if args.leak_image_batches:
+                    batches = tuple(int(b) for b in _floats(args.leak_image_batches))
                 result.setdefault("leakage", {})[key] = bench_leakage(
                     args.trials, args.victims, settings, log, model=model, image_attack=args.image_attack,
                     image_batches=batches,
