@@ -71,6 +71,10 @@ class Capture:
         # per-value Paillier (~45 s): the fuzz test runs it by default, this one with make test-slow
         pytest.param("paillier-full", "linear", "iid", {"key_bits": 1024}, marks=pytest.mark.slow),
         ("sensecrypt", "mlp", "categories:2", {"key_bits": 1024}),
+        # the issue-16 hybrid: the plaintext part's noise is drawn alike in both (make test-slow)
+        pytest.param("sensecrypt", "mlp", "categories:2",
+                     {"key_bits": 1024, "options": StrategyOptions(score="leakage", plain_noise=0.3)},
+                     marks=pytest.mark.slow, id="sensecrypt-hybrid"),
     ],
 )
 def test_fleet_ends_with_the_simulators_model(mosquitto, tmp_path, strategy, model, partition, extra):
