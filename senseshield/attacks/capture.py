@@ -460,24 +460,20 @@ def _capture(
             withheld = None
             if v in unprotected:
                 mask, info = np.zeros(delta.size, dtype=bool), {"unprotected": True}
-            elif order is not None:
-                rng = np.random.default_rng([spec.seed, spec.round, trial, v, 17])
-                mask = order_mask(sensitivity, ratio=float(ratio), order=order, rng=rng)  # type: ignore[arg-type]
-                # the strategy's own client-side noise on what stays plaintext (a no-op for
-                # plaintext; sensecrypt's plain_noise hybrid), as in a real round
-                context = ClientContext(
-                    fleet.clients[v].id, spec.round, k, budget, shared, 1, participants=len(members)
-                )
-                delta, noise = strategy.privatise(
-                    context, delta, MaskChoice(mask), sensitivity=sensitivity,
-                    rng=np.random.default_rng([spec.seed, 3, spec.round, trial, v]),
-                )
-                info = {"order": order, "ratio": ratio, **noise}
             else:
                 context = ClientContext(
                     fleet.clients[v].id, spec.round, k, budget, shared, 1, participants=len(members)
                 )
-                choice = strategy.select_mask(context, sensitivity=sensitivity, weights=weights)
+                if order is not None:  # a fixed-order mask in place of the strategy's own
+                    rng = np.random.default_rng([spec.seed, spec.round, trial, v, 17])
+                    choice = MaskChoice(
+                        order_mask(sensitivity, ratio=float(ratio), order=order, rng=rng),  # type: ignore[arg-type]
+                        {"order": order, "ratio": ratio},
+                    )
+                else:
+                    choice = strategy.select_mask(context, sensitivity=sensitivity, weights=weights)
+                # the strategy's own client-side noise on what stays plaintext (DP strategies,
+                # sensecrypt's plain_noise hybrid; a no-op for plaintext), as in a real round
                 delta, noise = strategy.privatise(
                     context, delta, choice, sensitivity=sensitivity,
                     rng=np.random.default_rng([spec.seed, 3, spec.round, trial, v]),

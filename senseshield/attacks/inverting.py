@@ -29,6 +29,21 @@ from senseshield.attacks.view import ServerView
 __all__ = ["inverting_gradients", "inverting_with_label_search"]
 
 
+def _match(target: GradientTarget, labels: np.ndarray, shape: tuple[int, ...], settings: AttackSettings,
+           seed: int) -> tuple[np.ndarray, float]:
+    """Inputs of ``shape`` whose gradients under ``labels`` match ``target`` (cosine + TV),
+    and the final loss; the seeded start itself when nothing of the gradient is visible."""
+    y = torch.as_tensor(labels, dtype=torch.int64)
+
+    def loss_of(x: torch.Tensor) -> torch.Tensor:
+        loss = target.cosine(target.dummy_gradients(x, y))
+        return loss + settings.tv * total_variation(x) if settings.tv else loss
+
+    if not target.has_signal:
+        return noise_images(shape, seed=seed), float("nan")
+    return optimise_inputs(loss_of, shape, settings, seed=seed)
+
+
 def inverting_gradients(
     view: ServerView, *, settings: AttackSettings | None = None, seed: int = 0
 ) -> Reconstruction:
@@ -36,18 +51,7 @@ def inverting_gradients(
     settings = settings or AttackSettings()
     labels, counts, method = analytic_labels(view)
     target = GradientTarget(view)
-    y = torch.as_tensor(labels, dtype=torch.int64)
-
-    def loss_of(x: torch.Tensor) -> torch.Tensor:
-        loss = target.cosine(target.dummy_gradients(x, y))
-        return loss + settings.tv * total_variation(x) if settings.tv else loss
-
-    if target.has_signal:
-        images, loss = optimise_inputs(
-            loss_of, (view.n_samples, *view.input_shape), settings, seed=seed
-        )
-    else:
-        images, loss = noise_images((view.n_samples, *view.input_shape), seed=seed), float("nan")
+    images, loss = _match(target, labels, (view.n_samples, *view.input_shape), settings, seed)
     return Reconstruction(
         images=images,
         labels=labels,
@@ -82,13 +86,7 @@ def inverting_with_label_search(
         return inverting_gradients(view, settings=settings, seed=seed)
     best = None
     for label in range(view.num_classes):
-        y = torch.as_tensor([label], dtype=torch.int64)
-
-        def loss_of(x: torch.Tensor, y: torch.Tensor = y) -> torch.Tensor:
-            loss = target.cosine(target.dummy_gradients(x, y))
-            return loss + settings.tv * total_variation(x) if settings.tv else loss
-
-        images, loss = optimise_inputs(loss_of, (1, *view.input_shape), settings, seed=seed)
+        images, loss = _match(target, np.array([label]), (1, *view.input_shape), settings, seed)
         if best is None or loss < best[1]:
             best = (images, loss, label)
     images, loss, label = best
