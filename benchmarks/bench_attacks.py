@@ -48,7 +48,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from arglists import numbers  # noqa: E402
 from senseshield.attacks import ATTACKS, AttackSettings  # noqa: E402
 from senseshield.attacks.base import torch_threads  # noqa: E402
 from senseshield.attacks.capture import FleetSpec, capture, prepare_fleet  # noqa: E402
@@ -249,13 +251,6 @@ def _fmt(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def _floats(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise SystemExit(f"error: {text!r} is not a comma-separated list of numbers, e.g. 0.1,0.3.") from None
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sections", default="table,sweep")
@@ -263,15 +258,15 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=600)
     parser.add_argument("--victims", type=int, default=2, help="leakage section: attacked clients per cell")
     parser.add_argument("--models", default=MODEL, help="leakage section: comma-separated models (lenet5,simplecnn)")
-    parser.add_argument("--leak-budgets", default=None,
+    parser.add_argument("--leak-budgets", type=numbers(int, minimum=1), default=None,
                         help="leakage section: budgets as denominators, e.g. 32,8 (default 128,64,32,16,8)")
     parser.add_argument("--image-attack", default="inverting",
                         help="leakage section: inverting, or inverting-search (tries every label of a one-image "
                              "update; B = 1 only, 10x the time)")
-    parser.add_argument("--leak-image-batches", default="",
+    parser.add_argument("--leak-image-batches", type=numbers(int, minimum=1), default="",
                         help="leakage section: batch sizes of the image attack (default 1,4,8; inverting-search: 1); "
                              "models with BatchNorm (simplecnn) need >= 2, e.g. 4,8")
-    parser.add_argument("--leak-noise", default="",
+    parser.add_argument("--leak-noise", type=numbers(float, minimum=0), default="",
                         help="leakage section: plain_noise ratios of SenseCrypt hybrid rows (2- and 1-CPU clients), e.g. 0.1,0.3")
     parser.add_argument("--figures", type=Path, default=None, help="write the sweep PNGs here")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "attacks.json")
@@ -300,13 +295,13 @@ def main() -> None:
                 key = model if args.image_attack == "inverting" else f"{model}/{args.image_attack}"
                 batches = LEAK_IMAGE_BATCHES if args.image_attack == "inverting" else (1,)
                 if args.leak_image_batches:
-                    batches = tuple(int(b) for b in _floats(args.leak_image_batches))
+                    batches = tuple(args.leak_image_batches)
                 result.setdefault("leakage", {})[key] = bench_leakage(
                     args.trials, args.victims, settings, log, model=model, image_attack=args.image_attack,
                     image_batches=batches,
-                    budgets=(tuple(1 / int(x) for x in args.leak_budgets.split(",")) if args.leak_budgets
+                    budgets=(tuple(1 / b for b in args.leak_budgets) if args.leak_budgets
                              else LEAK_BUDGETS),
-                    solver_rows=args.leak_budgets is None, noises=_floats(args.leak_noise))
+                    solver_rows=args.leak_budgets is None, noises=tuple(args.leak_noise))
         if "sweep" in sections:
             log("sweep: SenseCrypt App. H + heterogeneity")
             t = time.perf_counter()

@@ -60,10 +60,10 @@ from senseshield.attacks.metrics import (  # noqa: E402
 )
 from senseshield.attacks.view import hide  # noqa: E402
 from senseshield.engine.sensitivity import SCORES  # noqa: E402
-from senseshield.models import build_model  # noqa: E402
 from senseshield.training import layout_of  # noqa: E402
 from senseshield.strategies import StrategyOptions  # noqa: E402
 from senseshield_checks.dlg import DLG_LENET, DLGSettings, dlg  # noqa: E402
+from arglists import numbers  # noqa: E402
 from bench_attacks import CPUS, machine  # noqa: E402  (the same SenseCrypt fleet of 32..1 CPUs)
 
 DATASET, ROUND, CLIENTS = "mnist5k", 1, 10
@@ -224,15 +224,14 @@ def bench_layers(args: argparse.Namespace, dlg_settings: DLGSettings, log) -> di
     for noise in [0.0, *args.noises]:
         options = StrategyOptions(score="leakage" if "leakage" in SCORES else None, plain_noise=noise)
         fleet = prepare_fleet(spec("sensecrypt", args.model, args.activation, options=options, cpu=CPUS))
-        layout = layout_of(build_model(args.model, fleet.input_shape, fleet.num_classes, **fleet.spec.model_options()))
-        modules: dict[str, list[slice]] = {}
-        for seg in layout.segments:
-            if seg.trainable:
-                modules.setdefault(seg.name.rsplit(".", 1)[0], []).append(slice(seg.offset, seg.stop))
         victim = 8
         pool = fleet.clients[victim].x_train
         for trial in range(args.trials):
             cap = capture(fleet, [victim], batch_size=1, trial=trial)[0]
+            modules: dict[str, list[slice]] = {}
+            for seg in layout_of(cap.view.build_model()).segments:
+                if seg.trainable:
+                    modules.setdefault(seg.name.rsplit(".", 1)[0], []).append(slice(seg.offset, seg.stop))
             for module in [None, *modules]:
                 hide_mask = np.zeros(cap.view.size, bool)
                 if module is not None:
@@ -284,28 +283,20 @@ def _fmt(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise SystemExit(f"error: {text!r} is not a comma-separated list of integers.") from None
-    if not values or min(values) < 1:
-        raise SystemExit(f"error: {text!r} is not allowed; give integers >= 1, e.g. 1,4.")
-    return values
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sections", default="agreement,protected")
     parser.add_argument("--trials", type=int, default=2, help="batches per victim and cell")
     parser.add_argument("--victims", type=int, default=2, help="attacked clients per cell")
-    parser.add_argument("--batches", default="1,4", help="batch sizes of the protected section")
-    parser.add_argument("--budgets", default="64,32,16,8", help="encrypted fractions as denominators")
+    parser.add_argument("--batches", type=numbers(int, minimum=1), default="1,4",
+                        help="batch sizes of the protected section")
+    parser.add_argument("--budgets", type=numbers(int, minimum=1), default="64,32,16,8",
+                        help="encrypted fractions as denominators")
     parser.add_argument("--model", default=DLG_LENET,
                         help="protected section: the attacked model (default: the DLG LeNet; lenet5 for the "
                              "project's benchmark model, where the two attacks do not agree)")
     parser.add_argument("--activation", default=None, help="protected section: lenet5's activation (sigmoid, relu)")
-    parser.add_argument("--noises", default="",
+    parser.add_argument("--noises", type=numbers(float, minimum=0), default="",
                         help="protected section: plain_noise ratios of the SenseCrypt hybrid rows, e.g. 0.3,1,3")
     parser.add_argument("--steps", type=int, default=100, help="DLG's L-BFGS steps")
     parser.add_argument("--iterations", type=int, default=600, help="the project attack's iterations")
@@ -314,11 +305,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None,
                         help="default benchmarks/results/dlg.json (dlg-MODEL.json with --model)")
     args = parser.parse_args()
-    args.batches, args.budgets = _ints(args.batches), _ints(args.budgets)
-    try:
-        args.noises = [float(x) for x in args.noises.split(",") if x.strip()]
-    except ValueError:
-        raise SystemExit(f"error: --noises {args.noises!r} is not a comma-separated list of numbers.") from None
+    if not args.batches or not args.budgets:
+        parser.error("--batches and --budgets need at least one value each, e.g. 1,4")
     if args.out is None:
         tag = "" if args.model == DLG_LENET else "-" + "-".join(filter(None, (args.model, args.activation)))
         args.out = ROOT / "benchmarks" / "results" / f"dlg{tag}.json"

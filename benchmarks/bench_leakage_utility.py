@@ -22,7 +22,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from arglists import numbers  # noqa: E402
 from senseshield.job import Job  # noqa: E402
 from senseshield.simulation import run_simulation  # noqa: E402
 from senseshield.strategies import StrategyOptions  # noqa: E402
@@ -36,19 +38,12 @@ def main() -> None:
     parser.add_argument("--model", default="mlp")
     parser.add_argument("--clients", type=int, default=20)
     parser.add_argument("--partition", default="categories:4")
-    parser.add_argument("--cpus", default="24,16,12,10,8",
+    parser.add_argument("--cpus", type=numbers(float, minimum=0), default="24,16,12,10,8",
                         help="the clients' CPU counts, cycled (bench_attacks' slow fleet: 32,24,16,12,10,8,4,2,1,1)")
-    parser.add_argument("--noises", default="", help="plain_noise ratios of hybrid rows, e.g. 0.3,1")
+    parser.add_argument("--noises", type=numbers(float, minimum=0), default="", help="plain_noise ratios of hybrid rows, e.g. 0.3,1")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/leakage-utility.json")
     args = parser.parse_args()
-    try:
-        noises = [float(x) for x in args.noises.split(",") if x.strip()]
-    except ValueError:
-        raise SystemExit(f"error: --noises {args.noises!r} is not a comma-separated list of numbers.") from None
-    try:
-        cpus = [float(x) for x in args.cpus.split(",") if x.strip()]
-    except ValueError:
-        raise SystemExit(f"error: --cpus {args.cpus!r} is not a comma-separated list of numbers.") from None
+    noises, cpus = args.noises, args.cpus
     rows = []
     for score, noise in [("taylor", 0.0), ("leakage", 0.0), *(("leakage", n) for n in noises)]:
         config = Job(strategy="sensecrypt", scheme="packed-paillier", dataset=args.dataset, model=args.model,
