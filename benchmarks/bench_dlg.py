@@ -64,7 +64,7 @@ from senseshield.training import layout_of  # noqa: E402
 from senseshield.strategies import StrategyOptions  # noqa: E402
 from senseshield_checks.dlg import DLG_LENET, DLGSettings, dlg  # noqa: E402
 from arglists import numbers  # noqa: E402
-from bench_attacks import CPUS, machine  # noqa: E402  (the same SenseCrypt fleet of 32..1 CPUs)
+from bench_attacks import CPUS, _fmt, machine  # noqa: E402  (the same SenseCrypt fleet of 32..1 CPUs)
 
 DATASET, ROUND, CLIENTS = "mnist5k", 1, 10
 AGREEMENT_MODELS = (("lenet5", "sigmoid"), ("lenet5", "relu"), (DLG_LENET, None))
@@ -277,10 +277,6 @@ def markdown(result: dict[str, Any], project_attack: str) -> str:
 def _cell(m: dict[str, Any]) -> str:
     text = f"{m['psnr']:.1f} / {m['ssim']:.2f} / {m['iip']:.2f}"
     return f"**{text}**" if m.get("stopped") else text
-
-
-def _fmt(value: float | None, digits: int = 2) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def main() -> None:
