@@ -46,7 +46,8 @@ from senseshield.data.shards import shards  # noqa: E402
 from senseshield.bench.he import _cpu_model  # noqa: E402
 from senseshield.he import SCHEMES  # noqa: E402
 from senseshield.job import Job, announced_run, build_job_model, train_config  # noqa: E402
-from senseshield.rounds import choice_report, client_bootstrap, client_seed, local_update, protect_local, protect_rng  # noqa: E402
+from senseshield.device_noise import DeviceNoise  # noqa: E402
+from senseshield.rounds import choice_report, client_bootstrap, client_seed, local_update, protect_local  # noqa: E402
 from senseshield.runtime.broker import MosquittoProcess  # noqa: E402
 from senseshield.runtime.fleet import Fleet, FleetOptions, agent_ids  # noqa: E402
 from senseshield.runtime.identity import SEALED_SEED_BYTES, b64, check_frame, unb64  # noqa: E402
@@ -247,7 +248,7 @@ class LoadGenerator:
             context = ClientContext(f"template-{t}", 1, plan.cluster, plan.encryption_budget, shared, plan.block_size,
                                     participants=plan.participants, noise_multiplier=plan.noise_multiplier)
             update, choice = protect_local(self.strategy, context, self.local[t], self.public,
-                                           n_samples=self.samples(t), rng=protect_rng(self.config.seed, 1, t))
+                                           n_samples=self.samples(t), rng=DeviceNoise().generator("protect", round=1, index=t))
             self.cache[key] = (update, update_to_message(update, self.public, report=choice_report(choice)))
         update, message = self.cache[key]
         fp = b""

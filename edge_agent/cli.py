@@ -51,6 +51,7 @@ def join(
     device_class: Annotated[Optional[str], typer.Option(help="What a job's select.device_class matches (default: the declared profile's name, else the board).")] = None,
     label: Annotated[Optional[list[str]], typer.Option("--label", help="KEY=VALUE a job's select.labels matches, repeatable (e.g. --label site=lab).")] = None,
     kill_at_round: Annotated[Optional[int], typer.Option(help="Fault drill: SIGKILL this agent when round R's plan arrives.", hidden=True)] = None,
+    dev_noise_seed: Annotated[Optional[int], typer.Option(help="Test only: replay this device's privacy noise from seed N (anyone who knows N can remove it); refused unless SENSESHIELD_DEVELOPMENT=1.")] = None,
 ) -> None:
     """Join a fleet and take its jobs: stays connected between jobs (SIGTERM ends it); with
     --once it exits 0 when the first job ends, 3 if refused."""
@@ -59,10 +60,12 @@ def join(
 
     from edge_agent.profile import is_measured, load_profile
     from edge_agent.service import DataSpec, EdgeAgent
+    from senseshield.device_noise import check_noise_seed
 
     setup_logging(log_level, f"agent:{agent_id or socket.gethostname()}")
     security = mqtt_security(broker, ca_file=ca_file, username=username, password_file=password_file)
     try:
+        noise = check_noise_seed(dev_noise_seed)
         if index is not None and index < 0:
             raise ConfigError(f"--index {index} is not allowed; use 0 or more.")
         if min_he_ratio is not None and not 0.0 <= min_he_ratio <= 1.0:
@@ -97,7 +100,7 @@ def join(
             broker, fleet=fleet, agent_id=name, identity=me, trust=trusted, bandwidth=device.bandwidth, cpu_speed=device.cpu_speed, profile=device.model_dump(mode="json"), data=spec, threads=threads,
             protocol=check_mqtt(mqtt), kill_at_round=kill_at_round, model_dir=model_dir, once=once,
             device_class=device_class, labels=labels, require_he=require_he,
-            min_he_ratio=min_he_ratio if min_he_ratio is not None else (device.min_he_ratio or 0.0),
+            min_he_ratio=min_he_ratio if min_he_ratio is not None else (device.min_he_ratio or 0.0), noise=noise,
         )
         agent.link.secure(**security)
         agent.install_signal_handlers()

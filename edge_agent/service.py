@@ -7,7 +7,9 @@ score, [propose and wait for the consensus mask], choose the mask, add DP noise,
 upload; on every new model of its cluster: merge its personalised zone, evaluate on its
 local test split, report accuracy and phase timings. The steps are the simulator's
 (:mod:`senseshield.rounds`), with the simulator's seeds, so a device computes what the
-simulator computes for the client with the same index.
+simulator computes for the client with the same index, except for its privacy noise: every
+privacy draw comes from secret OS entropy (:mod:`senseshield.device_noise`), unless a
+development-mode test hands the agent a replayable noise seed (``--dev-noise-seed``).
 
 paho reconnects after a broker or network loss; the agent then says hello again and
 re-sends its last update (the coordinator drops duplicates). SIGTERM ends it cleanly.
@@ -27,6 +29,7 @@ import torch
 from senseshield import defaults
 from senseshield.data import load_dataset
 from senseshield.errors import ConfigError, ProtocolError
+from senseshield.device_noise import SECRET, DeviceNoise
 from senseshield.he import SCHEMES, PublicKey
 from senseshield.runtime.protocol.messages import (
     Decline,
@@ -59,7 +62,6 @@ from senseshield.rounds import (
     local_update,
     merge_personal,
     protect_local,
-    protect_rng,
 )
 from senseshield.accounting import Accountant
 from senseshield.runtime.identity import SEALED_SEED_BYTES, Identity, Trust, b64, unb64
@@ -197,13 +199,16 @@ class EdgeAgent(Service):
         trust: Trust | None = None,
         min_he_ratio: float = 0.0,
         require_he: bool = False,
+        noise: DeviceNoise = SECRET,
     ) -> None:
         """``min_he_ratio``: in a job that encrypts, this agent encrypts at least this fraction
         of its parameters whatever budget the coordinator assigns (the budget is raised to it)
         and never sends an update that encrypts less; ``require_he``: decline jobs that encrypt
         nothing (otherwise they are taken with a warning). ``once``: exit when the first job ends (``fleet up``); otherwise the agent stays
         connected and takes every job the coordinator runs. ``device_class`` and ``labels``
-        are what a job's ``select`` matches."""
+        are what a job's ``select`` matches. ``noise``: where this device's privacy draws come
+        from (secret; a replayable seed only in development mode, see
+        :func:`senseshield.device_noise.check_noise_seed`)."""
         if not agent_id or any(c in agent_id for c in "/+#"):
             raise ConfigError(f"Agent id {agent_id!r} is not allowed; use letters, digits, '-' or '_'.")
         if not 0.0 <= min_he_ratio <= 1.0:
@@ -213,6 +218,10 @@ class EdgeAgent(Service):
             status_topic=f"agents/{agent_id}/status", identity=identity, trust=trust, role="agent",
         )
         self.agent_id = agent_id
+        self.noise = noise
+        if not noise.secret:
+            log.warning("privacy noise %s: the DP guarantees of this device's updates do not hold against "
+                        "anyone who knows it (development mode)", noise.describe())
         self.min_he_ratio, self.require_he = float(min_he_ratio), require_he
         self.model_dir = Path(model_dir) if model_dir is not None else Path.home() / ".senseshield" / fleet / agent_id
         self.model_dir.mkdir(parents=True, exist_ok=True)
@@ -507,14 +516,15 @@ class EdgeAgent(Service):
             self.send(f"agents/{self.agent_id}/bootstrap", BootstrapVector(sensitivity=vector))
         if strategy.needs_synthetic:
             fit_synthetic(run.client, data, num_classes=msg.num_classes, epsilon=config.options.synthetic_epsilon,
-                          delta=config.options.delta, seed=client_seed(config.seed, 0, index))
+                          delta=config.options.delta,
+                          rng=self.noise.generator("synthetic-fit", round=0, index=index))
         self.strategy = strategy
         self._start_pool(run)
         self.accountant_delta = config.options.delta
 
     def _bootstrap(self, run: RunState, strategy, model, data, index: int) -> np.ndarray:  # noqa: ANN001
         t = time.perf_counter()
-        vector = client_bootstrap(run.config, strategy, model, run.initial, data, index)
+        vector = client_bootstrap(run.config, strategy, model, run.initial, data, index, noise=self.noise)
         run.timings.setdefault(0, {})["bootstrap"] = time.perf_counter() - t
         return vector
 
@@ -630,7 +640,7 @@ class EdgeAgent(Service):
         local = local_update(
             strategy, run.model, merge_personal(start, run.client),
             run.data, train=train_config(config), seed=client_seed(config.seed, r, run.index), round=r,
-            state=run.client, noise_multiplier=plan.record_noise,
+            state=run.client, noise_multiplier=plan.record_noise, noise=self.noise, index=run.index,
         )
         shared = plan.mask()
         if plan.negotiate:
@@ -658,7 +668,7 @@ class EdgeAgent(Service):
         )
         update, choice = protect_local(
             strategy, context, local, self.public, n_samples=run.data.n_train,
-            rng=protect_rng(config.seed, r, run.index), min_encrypted=self.min_he_ratio if self.public else 0.0,
+            rng=self.noise.generator("protect", round=r, index=run.index), min_encrypted=self.min_he_ratio if self.public else 0.0,
         )
         if "topped_up" in choice.info:
             before, after = choice.info["topped_up"]

@@ -86,6 +86,7 @@ class RunResult(BaseModel):
     delta: float | None = None
     noise_multiplier: float | None = None  # sigma used (calibrated when target_epsilon is set)
     synthetic_epsilon: float | None = None  # epsilon of the DP synthetic-data provider
+    device_noise: str | None = None  # where the clients' privacy noise came from (senseshield.device_noise)
     # the final global model of every cluster (float64); not part of the JSON
     _models: dict[int, np.ndarray] = PrivateAttr(default_factory=dict)
     _trace: Trace | None = PrivateAttr(default=None)
@@ -123,6 +124,8 @@ def privacy_line(report: dict) -> str | None:
     pld = report.get("epsilon_pld"), report.get("epsilon_server_pld")
     how = (report.get("accountant") or "rdp").upper() + (f"; by PLD {pld[0]:.2f} and {pld[1]:.2f}" if None not in pld else "")
     adjacency = f" Adjacency: {report['adjacency']}." if report.get("adjacency") else ""
+    if str(report.get("device_noise") or "").startswith("replayed"):
+        adjacency += " The noise was replayed from a test-only seed: none of this holds against whoever knows it."
     return (f"privacy (δ = {report.get('delta'):g}): ε = {report['epsilon']:.2f} against an outside observer of "
             f"the models, {server:.2f} against the server, which knows who was sampled{who} ({how}).{adjacency}")
 

@@ -13,6 +13,9 @@ Client (after a round): :func:`merge_personal` (SelectiveShield's selective merg
 
 Per-client state that must live on the device (personalised values, DP-SGD accountant
 history, the fitted synthetic-data provider) is a :class:`ClientState`.
+
+Every privacy draw of a client step comes from a :class:`~senseshield.device_noise.DeviceNoise`
+(secret by default); the job's seed only fixes what is shared (training order, initial model).
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from senseshield.engine.clustering import noisy_mean, normalise_rows
 from senseshield.engine.masks import top_up_mask
 from senseshield.engine.sensitivity import SCORES, Score
 from senseshield.data.shards import LocalData  # a device's data; importable from here too
+from senseshield.device_noise import SECRET, DeviceNoise
+from senseshield.engine.csprng import ChaChaGenerator, NoiseSource
 from senseshield.errors import ConfigError
 from senseshield.he.base import PublicKey
 from senseshield.strategies import ClientContext, MaskChoice, Strategy
@@ -83,13 +88,14 @@ def keep_personal(state: ClientState, local: "LocalUpdate", withheld: np.ndarray
 
 
 def fit_synthetic(
-    state: ClientState, data: LocalData, *, num_classes: int, epsilon: float, delta: float, seed: int, provider: str = "dp-gaussian"
+    state: ClientState, data: LocalData, *, num_classes: int, epsilon: float, delta: float, rng: NoiseSource,
+    provider: str = "dp-gaussian",
 ) -> None:
-    """Fit the client's DP synthetic-data provider once (Alt-FL SI strategies)."""
+    """Fit the client's DP synthetic-data provider once (Alt-FL SI strategies); ``rng`` is the
+    device's secret ``synthetic-fit`` stream (:class:`~senseshield.device_noise.DeviceNoise`)."""
     model = PROVIDERS.get(provider)()
     report = model.fit(
-        data.x_train, data.y_train, num_classes=num_classes, epsilon=epsilon, delta=delta,
-        rng=np.random.default_rng([seed, 11]),
+        data.x_train, data.y_train, num_classes=num_classes, epsilon=epsilon, delta=delta, rng=rng,
     )
     state.synthetic, state.synthetic_epsilon = model, report.epsilon
 
@@ -117,7 +123,7 @@ def bootstrap_vector(
     *,
     train: TrainConfig,
     seed: int,
-    rng: np.random.Generator,
+    rng: NoiseSource,
 ) -> np.ndarray | None:
     """The sensitivity vector a client reports once at bootstrap (SenseCrypt Alg. 1 l. 1).
 
@@ -134,7 +140,7 @@ def bootstrap_vector(
 
 def _bootstrap_vector(
     strategy: Strategy, model: torch.nn.Module, initial: np.ndarray, data: LocalData, *,
-    train: TrainConfig, seed: int, rng: np.random.Generator,
+    train: TrainConfig, seed: int, rng: NoiseSource,
 ) -> np.ndarray:
     options = strategy.options
     set_vector(model, initial)
@@ -165,6 +171,8 @@ def local_update(
     round: int = 1,
     state: ClientState | None = None,
     noise_multiplier: float | None = None,
+    noise: DeviceNoise = SECRET,
+    index: int = 0,
 ) -> LocalUpdate:
     """Train from the global model, then score the parameters (Alg. 1 lines 7-8).
 
@@ -173,15 +181,18 @@ def local_update(
     or the client's DP synthetic data) and the optimiser (SGD or Opacus DP-SGD with
     ``noise_multiplier`` and per-sample clip ``options.clip``; the history is kept in
     ``state``). Runs on ``train.threads`` torch threads (the determinism contract).
+    ``seed`` fixes the training order of plain SGD (shared); DP-SGD's sampling and noise come
+    from ``noise`` (client ``index``'s ``dpsgd`` stream of this round, secret by default).
     """
     with torch_threads(train.threads):
         return _local_update(strategy, model, global_vector, data, train=train, seed=seed, round=round,
-                             state=state, noise_multiplier=noise_multiplier)
+                             state=state, noise_multiplier=noise_multiplier, noise=noise, index=index)
 
 
 def _local_update(
     strategy: Strategy, model: torch.nn.Module, global_vector: np.ndarray, data: LocalData, *,
     train: TrainConfig, seed: int, round: int, state: ClientState | None, noise_multiplier: float | None,
+    noise: DeviceNoise, index: int,
 ) -> LocalUpdate:
     score: Score = SCORES.get(strategy.score_name)
     plan = strategy.round_plan(round)
@@ -199,9 +210,10 @@ def _local_update(
         if state is None:
             raise ValueError(f"{strategy.name} runs DP-SGD and needs the client's state for its accountant.")
         sigma = strategy.options.sigma if noise_multiplier is None else noise_multiplier
+        sampling, gaussian = noise.torch_generators("dpsgd", round=round, index=index)
         _, state.dp_history = train_dpsgd(
-            model, x, y, train, seed=seed, noise_multiplier=sigma,
-            max_grad_norm=strategy.options.clip, history=state.dp_history,
+            model, x, y, train, noise_multiplier=sigma, max_grad_norm=strategy.options.clip,
+            history=state.dp_history, sampling_generator=sampling, noise_generator=gaussian,
         )
     else:
         train_local(model, x, y, train, seed=seed)
@@ -246,13 +258,15 @@ def protect_local(
     public_key: PublicKey | None,
     *,
     n_samples: int,
-    rng: np.random.Generator | None = None,
+    rng: NoiseSource | None = None,
     min_encrypted: float = 0.0,
 ) -> tuple[ProtectedUpdate, MaskChoice]:
     """Choose this round's mask, privatise what is sent, encrypt (Alg. 1 lines 9-10).
 
     The strategy's :meth:`~Strategy.privatise` adds its client-side DP noise (only on
-    values that travel in plaintext) and ``choice.withheld`` marks positions never sent.
+    values that travel in plaintext), drawn from ``rng``: the device's secret ``protect``
+    stream (``DeviceNoise.generator``); None draws from fresh OS entropy.
+    ``choice.withheld`` marks positions never sent.
     ``min_encrypted``: the device's own floor (``--min-he-ratio``); with a scheme that lets
     each client choose its blocks, a mask below it is topped up with the most sensitive
     blocks (:func:`~senseshield.engine.masks.top_up_mask`) and ``choice.info["topped_up"]``
@@ -268,7 +282,7 @@ def protect_local(
         choice.info["topped_up"] = [before, float(choice.mask.mean())]
     t_mask = time.perf_counter() - t
     t = time.perf_counter()
-    rng = rng if rng is not None else np.random.default_rng()
+    rng = rng if rng is not None else ChaChaGenerator.fresh()
     delta, noise_info = strategy.privatise(context, local.delta, choice, sensitivity=local.sensitivity, rng=rng)
     choice.info.update(noise_info)
     t_noise = time.perf_counter() - t
@@ -309,9 +323,11 @@ def apply_mean(global_vector: np.ndarray, mean: np.ndarray, *, server_lr: float)
 
 
 def client_bootstrap(
-    config: Job, strategy: Strategy, model: torch.nn.Module, initial: np.ndarray, data: LocalData, index: int
+    config: Job, strategy: Strategy, model: torch.nn.Module, initial: np.ndarray, data: LocalData, index: int,
+    *, noise: DeviceNoise = SECRET,
 ) -> np.ndarray | None:
-    """Client ``index``'s bootstrap vector (the same on a device and in the simulator)."""
+    """Client ``index``'s bootstrap vector (the same on a device and in the simulator when
+    both replay one noise seed); Alg. 2's sketch noise is ``noise``'s ``bootstrap-sketch`` draw."""
     return bootstrap_vector(
         strategy,
         model,
@@ -319,10 +335,5 @@ def client_bootstrap(
         data,
         train=TrainConfig(config.bootstrap_epochs, config.batch_size, config.lr, threads=config.train_threads),
         seed=client_seed(config.seed, 0, index),
-        rng=np.random.default_rng([config.seed, 7, index]),
+        rng=noise.generator("bootstrap-sketch", round=0, index=index),
     )
-
-
-def protect_rng(seed: int, round: int, index: int) -> np.random.Generator:
-    """The generator of client ``index``'s privatisation noise in ``round``."""
-    return np.random.default_rng([seed, 3, round, index])

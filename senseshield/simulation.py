@@ -45,8 +45,8 @@ from senseshield.rounds import (
     merge_personal,
     negotiate,
     protect_local,
-    protect_rng,
 )
+from senseshield.device_noise import DeviceNoise
 from senseshield.strategies import BootstrapReport, ClientContext, FleetPlan, Strategy, build_strategy
 from senseshield.training import evaluate, layout_of, set_vector
 
@@ -75,11 +75,13 @@ def bootstrap_reports(
     model: torch.nn.Module,
     initial: np.ndarray,
     progress: Progress | None = None,
+    *,
+    noise: DeviceNoise = DeviceNoise(),
 ) -> list[BootstrapReport]:
     """Every client's bootstrap report (profile + sensitivity vector, Alg. 1 lines 1-2)."""
     reports = []
     for client in clients:
-        vector = client_bootstrap(config, strategy, model, initial, client.data, client.index)
+        vector = client_bootstrap(config, strategy, model, initial, client.data, client.index, noise=noise)
         reports.append(
             BootstrapReport(client.id, client.data.n_train, client.bandwidth, client.cpu_speed, vector)
         )
@@ -90,6 +92,7 @@ def bootstrap_reports(
 
 def run_simulation(
     config: Job, progress: Progress | None = None, *, trace: bool = False, devices: Sequence[LocalData] | None = None,
+    noise_seed: int | None = None,
 ) -> RunResult:
     """Run ``config.rounds`` rounds of ``config.strategy`` and return the results.
 
@@ -97,8 +100,12 @@ def run_simulation(
     :func:`senseshield.data.local.load_local_data`) instead of shards of ``config.dataset``;
     the job must then give ``input_shape`` and ``num_classes``.
     ``trace``: also record what decided the run (``result.trace``, a
-    :class:`senseshield.determinism.Trace`: budgets, every mask, every round's models)."""
+    :class:`senseshield.determinism.Trace`: budgets, every mask, every round's models).
+    ``noise_seed``: replay every client's privacy noise from this seed (reproducible runs,
+    and the same noise as a fleet given the same seed; :mod:`senseshield.device_noise`); None
+    (default) draws it from OS entropy, as devices do, so noisy strategies differ run to run."""
     started = time.perf_counter()
+    noise = DeviceNoise(noise_seed)
     np.random.seed(config.seed % 2**32)
     strategy = build_strategy(config.strategy, config.options)
     if devices is not None:
@@ -119,14 +126,14 @@ def run_simulation(
     scheme = effective_scheme(config, strategy)
     public_key, secret_key = key_pair(scheme, config.key_bits)
 
-    reports = bootstrap_reports(config, strategy, clients, model, initial, progress)
+    reports = bootstrap_reports(config, strategy, clients, model, initial, progress, noise=noise)
     o = config.options
     sigma_user, sigma_record = noise_multipliers(config, strategy, {c.id: c.data.n_train for c in clients})
     if strategy.needs_synthetic:
         for c in clients:
             fit_synthetic(
                 c.state, c.data, num_classes=num_classes, epsilon=o.synthetic_epsilon,
-                delta=o.delta, seed=client_seed(config.seed, 0, c.index),
+                delta=o.delta, rng=noise.generator("synthetic-fit", round=0, index=c.index),
             )
     user_accountant = Accountant()
     participations: dict[str, int] = {}  # user-DP rounds each client was sampled in (the server knows)
@@ -165,6 +172,8 @@ def run_simulation(
                     round=r,
                     state=c.state,
                     noise_multiplier=sigma_record.get(c.id),
+                    noise=noise,
+                    index=c.index,
                 )
                 for c in members
             }
@@ -182,7 +191,7 @@ def run_simulation(
                 )
                 update, choice = protect_local(
                     strategy, context, local[client.id], public_key, n_samples=client.data.n_train,
-                    rng=protect_rng(config.seed, r, client.index),
+                    rng=noise.generator("protect", round=r, index=client.index),
                 )
                 keep_personal(client.state, local[client.id], choice.withheld)
                 round_masks[client.id] = mask_digest(update.mask, update.withheld)
@@ -272,6 +281,7 @@ def run_simulation(
         synthetic_epsilon=(
             max(c.state.synthetic_epsilon or 0.0 for c in clients) if strategy.needs_synthetic else None
         ),
+        device_noise=noise.describe(),
     )
     result._models = {k: v.copy() for k, v in globals_.items()}
     result._trace = recorder

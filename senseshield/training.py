@@ -1,6 +1,7 @@
 """The torch side of a client: flat model vectors, local training, evaluation, scoring inputs.
 
-Everything here is deterministic for a given seed (CPU, fixed generators). The privacy
+Plain training is deterministic for a given seed (CPU, fixed generators); DP-SGD's sampling
+and noise come from the generators its caller passes (secret on a device). The privacy
 engine never imports torch; this module turns models into the arrays it works on.
 """
 
@@ -224,10 +225,11 @@ def train_dpsgd(
     y: np.ndarray,
     config: TrainConfig,
     *,
-    seed: int,
     noise_multiplier: float,
     max_grad_norm: float,
     history: list | None = None,
+    sampling_generator: torch.Generator | None = None,
+    noise_generator: torch.Generator | None = None,
 ) -> tuple[float, list]:
     """Record-level DP-SGD (Abadi et al. 2016) on (x, y) through Opacus' PrivacyEngine.
 
@@ -236,8 +238,14 @@ def train_dpsgd(
     weights are copied back into ``model`` (which Opacus never wraps). ``history`` is the
     client's RDP accountant history so far; the extended history is returned with the
     mean loss of the last epoch.
+
+    ``sampling_generator`` draws the Poisson batches and ``noise_generator`` the gradient noise;
+    both must be secret for the guarantee to hold against the server (a device passes the ones
+    of :meth:`senseshield.device_noise.DeviceNoise.torch_generators`); None seeds each with 63
+    bits from the OS CSPRNG.
     """
     import copy
+    import secrets
     import warnings
 
     from opacus import PrivacyEngine
@@ -245,7 +253,10 @@ def train_dpsgd(
 
     if _has_batchnorm(model):
         raise ValueError("DP-SGD needs a model without BatchNorm (use mlp, linear or lenet5).")
-    generator = torch.Generator().manual_seed(seed)
+    if sampling_generator is None:
+        sampling_generator = torch.Generator().manual_seed(secrets.randbits(63))
+    if noise_generator is None:
+        noise_generator = torch.Generator().manual_seed(secrets.randbits(63))
     work = copy.deepcopy(model)
     work.train()
     optimizer = torch.optim.SGD(work.parameters(), lr=config.lr, momentum=config.momentum)
@@ -253,7 +264,7 @@ def train_dpsgd(
         TensorDataset(torch.as_tensor(x), torch.as_tensor(y)),
         batch_size=min(config.batch_size, len(y)),
         shuffle=True,
-        generator=generator,
+        generator=sampling_generator,  # Opacus' Poisson sampler draws from the loader's generator
     )
     engine = PrivacyEngine(accountant="rdp")
     engine.accountant.history = list(history or [])
@@ -266,7 +277,7 @@ def train_dpsgd(
             noise_multiplier=noise_multiplier,
             max_grad_norm=max_grad_norm,
             poisson_sampling=True,
-            noise_generator=torch.Generator().manual_seed(seed + 1),
+            noise_generator=noise_generator,
         )
     loss_fn = nn.CrossEntropyLoss()
     last = 0.0

@@ -42,6 +42,7 @@ import torch
 from senseshield.attacks.base import torch_threads
 from senseshield.attacks.view import ServerView, server_view
 from senseshield.data import load_dataset, partition_dataset, split_train_test
+from senseshield.device_noise import DeviceNoise
 from senseshield.engine.clustering import normalise_rows
 from senseshield.engine.masks import budget_count, top_fraction_mask
 from senseshield.engine.sensitivity import SCORES
@@ -237,7 +238,7 @@ def _prepare_fleet(spec: FleetSpec, progress: Progress | None) -> Fleet:
             fit_synthetic(
                 c.state, c.data, num_classes=dataset.num_classes,
                 epsilon=spec.options.synthetic_epsilon, delta=spec.options.delta,
-                seed=_seed(spec.seed, 0, c.index),
+                rng=np.random.default_rng([_seed(spec.seed, 0, c.index), 11]),
             )
     globals_ = {k: initial.copy() for k in plan.clusters}
     accuracy: list[float] = []
@@ -284,6 +285,9 @@ def _train_round(
             c.id: local_update(
                 strategy, model, merge_personal(start, c.state), c.data, train=train,
                 seed=_seed(spec.seed, r, c.index), round=r, state=c.state,
+                # experiments replay the clients' noise for reproducible tables (devices never
+                # do); the attacker is never handed this seed
+                noise=DeviceNoise(replay_seed=spec.seed), index=c.index,
             )
             for c in members
         }

@@ -32,6 +32,7 @@ import yaml
 
 from senseshield import defaults
 from senseshield.data import load_dataset
+from senseshield.device_noise import DEVELOPMENT_ENV
 from senseshield.errors import ConfigError
 from senseshield.data.shards import device_shards, shards
 from senseshield.job import Job, with_shape
@@ -63,6 +64,9 @@ class FleetOptions:
     broker_host: str = "127.0.0.1"  # where the embedded broker listens (and clients connect)
     data: list[Path | None] | None = None  # agent i's own data file data[i] (None: shard i/N)
     serve: bool = False  # long-running: no job at start (submit with JobClient); agents stay between jobs
+    # test only: the agents replay their privacy noise from this seed (development mode), so the
+    # fleet ends with the model of run_simulation(config, noise_seed=...); None: secret noise
+    noise_seed: int | None = None
 
 
 def _python(module: str) -> list[str]:
@@ -160,6 +164,7 @@ class Fleet:
         self._spawn(agent, [
             *_python("edge_agent.cli"), "join", *self.common, "--agent-id", agent, "--profile", str(self.profiles[i]),
             *source, "--threads", str(self.threads), *([] if self.options.serve else ["--once"]),
+            *([] if self.options.noise_seed is None else ["--dev-noise-seed", str(self.options.noise_seed)]),
             "--model-dir", str(self.out / "agents" / agent), "--identity", str(self.identity_file(agent)),
             *self.options.extra_agent_args.get(agent, []),
         ])
@@ -227,6 +232,8 @@ class Fleet:
             argv = self.options.wrap(name, list(argv))
         log = (self.out / "logs" / f"{name}.log").open("ab")
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(self.threads))
+        if self.options.noise_seed is not None:
+            env[DEVELOPMENT_ENV] = "1"  # the agents accept --dev-noise-seed only in development mode
         self.processes[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
                                                 start_new_session=True)
 
