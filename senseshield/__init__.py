@@ -53,13 +53,14 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'senseshield' has no attribute {name!r}")
 
 
-def simulate(job: Any, *, devices: Any = None, trace: bool = False) -> Any:
+def simulate(job: Any, *, devices: Any = None, trace: bool = False, noise_seed: int | None = None) -> Any:
     """Run ``job`` in this process (real training, encryption and DP accounting); ``devices``:
-    one :class:`LocalData` per client (else shards of ``job.dataset``). Returns a
-    :class:`RunResult` (``result.models``: the final model of every cluster)."""
+    one :class:`LocalData` per client (else shards of ``job.dataset``); ``noise_seed``: replay
+    the clients' privacy noise from it (reproducible; default: fresh OS entropy, as devices
+    draw it). Returns a :class:`RunResult` (``result.models``: the final model of every cluster)."""
     from senseshield.simulation import run_simulation
 
-    return run_simulation(job, devices=devices, trace=trace)
+    return run_simulation(job, devices=devices, trace=trace, noise_seed=noise_seed)
 
 
 def run_local_fleet(job: Any, *, agents: int, out: Any, data: Any = None, broker: str | None = None,

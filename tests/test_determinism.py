@@ -81,9 +81,11 @@ def test_check_determinism_command_reports_same_runs(tmp_path):
 
     from senseshield.cli import app
 
-    result = CliRunner().invoke(app, ["check", "determinism", "--strategy", "plaintext", "--model", "linear",
+    # dp-fedavg: device noise on every value, replayed from the test-only seed in all three runs
+    result = CliRunner().invoke(app, ["check", "determinism", "--strategy", "dp-fedavg", "--model", "linear",
                                       "--agents", "2", "--rounds", "1", "--partition", "iid",
                                       "--out", str(tmp_path), "--quiet"])
     assert result.exit_code == 0, result.output
     assert result.output.count("same:") == 2, result.output
+    assert "device noise replayed from the test-only seed 0" in result.output.replace("\n", " ")
     assert (tmp_path / "report.json").exists()

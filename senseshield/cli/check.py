@@ -1,7 +1,10 @@
 """``senseshield check determinism``: the same run twice in the simulator and once on a fleet.
 
-Prints the first difference (round, client, budget, mask, weight) or that the three runs
-are the same; exits 1 when they differ (a broken promise is a bug), 2 on a user mistake.
+Prints what it compared and the first difference (round, client, budget, mask, weight) or
+that the three runs are the same; exits 1 when they differ (a broken promise is a bug), 2 on
+a user mistake. Devices draw their privacy noise from secret OS entropy, so the three runs
+replay one test-only noise seed (the agents run in development mode for it,
+:mod:`senseshield.device_noise`); everything else is compared as a real fleet runs it.
 """
 
 from __future__ import annotations
@@ -34,10 +37,12 @@ def determinism(
     set_: _run.Sets = None,
     broker: Annotated[Optional[str], typer.Option(help="MQTT broker for the fleet run (default: the embedded one).")] = None,
     out_dir: Annotated[Optional[Path], typer.Option("--out", help="Keep the fleet run here (default: a temporary directory).")] = None,
+    noise_seed: Annotated[int, typer.Option(help="Test-only seed all three runs replay their device noise from (a real fleet's is secret).")] = 0,
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
 ) -> None:
     """Run one strategy twice in the simulator and once as a local fleet (real processes)
-    with the same seed; print the first difference (round, client, budget, mask, weight)."""
+    with the same seed and the same test-only device-noise seed; print what was compared and
+    the first difference (round, client, budget, mask, weight)."""
     import warnings
 
     from senseshield.determinism import describe, first_difference, fleet_trace
@@ -49,6 +54,8 @@ def determinism(
 
     if agents < 1:
         fail(f"--agents {agents} is not allowed; use 1 or more.")
+    if noise_seed < 0:
+        fail(f"--noise-seed {noise_seed} is not allowed; use 0 or more.")
     config = _run.build_run_config(
         strategy=strategy, rounds=rounds, dataset=dataset, model=model, partition=partition, seed=seed,
         local_epochs=defaults.LOCAL_EPOCHS, batch_size=defaults.BATCH_SIZE, lr=defaults.LR, scheme=None, key_bits=key_bits, clients=agents, sets=set_,
@@ -62,13 +69,14 @@ def determinism(
         run_dir = out_dir or Path(tmp)
         with progress_bar(quiet) as bar:
             task = bar.add_task(f"{strategy}: simulator, simulator, fleet", total=3)
-            first = run_simulation(config, trace=True)
+            first = run_simulation(config, trace=True, noise_seed=noise_seed)
             bar.advance(task)
-            second = run_simulation(config, trace=True)
+            second = run_simulation(config, trace=True, noise_seed=noise_seed)
             bar.advance(task)
             try:
                 fleet_up(config, FleetOptions(agents=agents, out=run_dir, broker=broker, fleet="determinism",
-                                              round_deadline=120, min_contributors=1), timeout=900)
+                                              round_deadline=120, min_contributors=1, noise_seed=noise_seed),
+                         timeout=900)
             except ConfigError as exc:
                 bar.stop()
                 fail(str(exc))
@@ -77,6 +85,9 @@ def determinism(
     assert first.trace is not None and second.trace is not None
     checks = (("simulator run 1", "simulator run 2", first.trace, second.trace),
               ("simulator", "fleet", first.trace, fleet))
+    out.print(f"compared: clusters, encryption budgets, every round's protection masks and cluster models; "
+              f"device noise replayed from the test-only seed {noise_seed} in all three runs (agents in "
+              "development mode); a real fleet's device noise is secret and is not compared")
     broken = False
     for x, y, a, b in checks:
         diff = first_difference(a, b, (x, y), atol=atol)

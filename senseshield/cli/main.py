@@ -139,10 +139,13 @@ def simulate(
     out_file: Annotated[Optional[Path], typer.Option("--out", help="Write the result JSON here.")] = None,
     job_file: _run.JobFile = None,
     data: _run.DataFiles = None,
+    noise_seed: Annotated[Optional[int], typer.Option(help="Replay the clients' privacy noise from this seed (reproducible runs; a fleet's noise is secret). Default: fresh OS entropy, as on devices.")] = None,
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
 ) -> None:
     """Run a strategy in one process with real training and real encryption (a job file
     and each device's own data with --job/--data)."""
+    if noise_seed is not None and noise_seed < 0:
+        _fail(f"--noise-seed {noise_seed} is not allowed; use 0 or more.")
     from senseshield.job import Job
     from senseshield.simulation import run_simulation
     from senseshield.strategies import StrategyOptions
@@ -212,7 +215,7 @@ def simulate(
         progress = phase_progress(bar, config.strategy)
 
         try:
-            result = run_simulation(config, progress=progress, devices=devices)
+            result = run_simulation(config, progress=progress, devices=devices, noise_seed=noise_seed)
         except ConfigError as exc:
             bar.stop()
             _fail(str(exc))
