@@ -9,9 +9,11 @@ the float32 vector devices receive). The simulator records one when asked
 
 :func:`first_difference` walks two traces in that order and names the first thing that
 differs (round, client, budget, mask, weight), so a broken promise says where it broke.
-The promise, on one machine: the same config (seed and ``train_threads`` included) gives
-the same trace bit for bit, in the simulator and on a fleet; CKKS strategies differ by
-their encryption noise only (weights within ~1e-8, masks and budgets equal).
+The promise, on one machine: the same config (seed and ``train_threads`` included) and the
+same test-only device-noise seed (:mod:`senseshield.device_noise`; devices otherwise draw
+their privacy noise from secret OS entropy) give the same trace bit for bit, in the
+simulator and on a fleet; CKKS strategies differ by their encryption noise only (weights
+within ~1e-8, masks and budgets equal).
 """
 
 from __future__ import annotations
