@@ -47,6 +47,8 @@ from senseshield.rounds import (
     protect_local,
 )
 from senseshield.device_noise import DeviceNoise
+from senseshield.he.base import round_context
+from senseshield.runtime.identity import Identity
 from senseshield.strategies import BootstrapReport, ClientContext, FleetPlan, Strategy, build_strategy
 from senseshield.training import evaluate, layout_of, set_vector
 
@@ -127,6 +129,8 @@ def run_simulation(
     public_key, secret_key = key_pair(scheme, config.key_bits)
 
     reports = bootstrap_reports(config, strategy, clients, model, initial, progress, noise=noise)
+    # each client's box key, as a device's identity holds it (the masked scheme's pads)
+    boxes = {c.id: Identity.generate(c.id) for c in clients}
     o = config.options
     sigma_user, sigma_record = noise_multipliers(config, strategy, {c.id: c.data.n_train for c in clients})
     if strategy.needs_synthetic:
@@ -189,8 +193,10 @@ def run_simulation(
                     client.id, r, k, plan.budget_of[client.id], shared, block_size,
                     participants=len(members), noise_multiplier=sigma_user,
                 )
+                key = (public_key.for_contributor(boxes[client.id].exchange, round_context("simulation", "", r, k))
+                       if public_key is not None else None)
                 update, choice = protect_local(
-                    strategy, context, local[client.id], public_key, n_samples=client.data.n_train,
+                    strategy, context, local[client.id], key, n_samples=client.data.n_train,
                     rng=noise.generator("protect", round=r, index=client.index),
                 )
                 keep_personal(client.state, local[client.id], choice.withheld)
@@ -202,6 +208,11 @@ def run_simulation(
             aggregate = aggregate_updates(updates, public_key, round=r, cluster=k)
             tally.phases["aggregate"] += time.perf_counter() - t
             t = time.perf_counter()
+            if aggregate.ciphertext is not None:
+                weights = {u.client_id: u.n_samples for u in updates}
+                secret_key.bind_contributions(
+                    aggregate.ciphertext, [(boxes[c].box_key, weights[c]) for c in aggregate.contributors],
+                    round_context("simulation", "", r, k))
             mean = decrypt_aggregate(aggregate, secret_key)
             tally.phases["decrypt"] += time.perf_counter() - t
             tally.union_ratios.append(float(aggregate.union_mask.mean()))

@@ -15,6 +15,7 @@ from senseshield.he.base import (
 from senseshield.he import paillier as _paillier  # noqa: F401  (registers "paillier")
 from senseshield.he import ckks as _ckks  # noqa: F401  (registers "ckks")
 from senseshield.he import packed as _packed  # noqa: F401  (registers "packed-paillier")
+from senseshield.he import masked as _masked  # noqa: F401  (registers "masked")
 
 __all__ = [
     "SCHEMES",

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -181,6 +181,12 @@ class PublicKey(ABC):
         :class:`PartsAccumulator`)."""
         return PartsAccumulator(self)
 
+    def for_contributor(self, exchange: Callable[[bytes], bytes], context: bytes) -> "PublicKey":
+        """This key as one contributor encrypts with it in ``context`` (fleet/run/round/cluster).
+        ``exchange``: X25519 with the contributor's own box key. Public-key schemes need
+        neither and return the key itself; the masked scheme derives the contributor's pads."""
+        return self
+
     @abstractmethod
     def to_bytes(self) -> bytes:
         """Serialise the public material (safe to publish)."""
@@ -225,6 +231,13 @@ class SecretKey(ABC):
     def decrypt(self, vector: EncryptedVector, *, threads: int = 1) -> np.ndarray:
         """Return the float64 values of ``vector`` in the order of ``vector.positions``
         (``threads``: decryption threads, where the scheme can use them)."""
+
+    def bind_contributions(self, vector: EncryptedVector, contributions: Sequence[tuple[bytes, int]],
+                           context: bytes) -> None:
+        """Name the verified contributors of aggregate ``vector`` before :meth:`decrypt`:
+        (box key, weight) each, from their signed receipts, and the context of the round.
+        Public-key schemes decrypt without them (no-op); the masked scheme removes exactly
+        these contributors' pads."""
 
     def verify_aggregate(self, aggregate: EncryptedVector, seed: bytes,
                          contributions: Sequence[tuple[bytes, int]], plain: bytes) -> bool:
@@ -287,6 +300,12 @@ class Scheme(ABC):
 
 
 SCHEMES: Registry[type[Scheme]] = Registry("HE scheme")
+
+
+def round_context(fleet: str, run_id: str, round: int, cluster: int) -> bytes:
+    """What binds a contribution to one round of one cluster of one job (the masked scheme's
+    pads are derived in it, so a masked vector is worthless anywhere else)."""
+    return f"{fleet}/{run_id}/{int(round)}/{int(cluster)}".encode()
 
 
 def short_hash(*chunks: bytes) -> str:

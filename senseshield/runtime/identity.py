@@ -132,6 +132,11 @@ class Identity:
         except (InvalidTag, ValueError):
             raise ProtocolError("A sealed value does not open with this identity (wrong key or tampered).") from None
 
+    def exchange(self, peer_box: bytes) -> bytes:
+        """X25519 with this identity's box key: the shared secret with ``peer_box`` (for keys
+        derived on both sides, e.g. the masked scheme's pads; never sent anywhere)."""
+        return self._box.exchange(X25519PublicKey.from_public_bytes(peer_box))
+
     def seal(self, data: bytes, recipient_box: bytes, context: bytes) -> bytes:
         """``data`` readable only by the holder of ``recipient_box`` (and this identity);
         ``context`` (fleet, run, round) is bound into the key and the tag."""
