@@ -421,6 +421,9 @@ def measure_encryption(
     else:
         scheme = public_key.scheme
         key_bits = getattr(public_key, "key_bits", None)
+    from senseshield.he.base import ephemeral_exchange
+
+    public_key = public_key.for_contributor(ephemeral_exchange, b"measuring")  # masked: pads of no round
     rng = np.random.default_rng(0)
     n = max(1, int(public_key.block_size))
 

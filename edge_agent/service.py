@@ -31,6 +31,7 @@ from senseshield.data import load_dataset
 from senseshield.errors import ConfigError, ProtocolError
 from senseshield.device_noise import SECRET, DeviceNoise
 from senseshield.he import SCHEMES, PublicKey
+from senseshield.he.base import ephemeral_exchange, round_context
 from senseshield.runtime.protocol.messages import (
     Decline,
     Assignment,
@@ -559,17 +560,18 @@ class EdgeAgent(Service):
         block = max(1, int(self.public.block_size))
         count = block * max(1, 2048 // block)
         values, positions = np.zeros(count), np.arange(count, dtype=np.int64)
+        public = self.public.for_contributor(ephemeral_exchange, b"measuring")  # masked: pads of no round
         done, t, calls = 0, time.perf_counter(), []
         while True:
             start = time.perf_counter()
-            vec = self.public.encrypt(values, positions)
+            vec = public.encrypt(values, positions)
             calls.append(count / max(time.perf_counter() - start, 1e-9))
             done += count
             elapsed = time.perf_counter() - t
             if elapsed >= 0.5:
                 break
         rate = done / elapsed
-        per_value = len(self.public.ciphertext_bytes(vec)) / count
+        per_value = len(public.ciphertext_bytes(vec)) / count
         latency = float(self.profile.get("latency_ms") or 0.0) / 1000.0
         measured = {"train_s": float(train_s), "encrypt_per_s": float(rate),
                     "bytes_per_encrypted": float(per_value), "latency_s": latency,
@@ -666,8 +668,11 @@ class EdgeAgent(Service):
             self.agent_id, r, plan.cluster, budget, shared, plan.block_size,
             participants=plan.participants, noise_multiplier=plan.noise_multiplier,
         )
+        # the masked scheme's pads are this device's and the key server's alone, for this round
+        key = (self.public.for_contributor(self.identity.exchange, round_context(self.fleet, run.run_id, r, plan.cluster))
+               if self.public is not None else None)
         update, choice = protect_local(
-            strategy, context, local, self.public, n_samples=run.data.n_train,
+            strategy, context, local, key, n_samples=run.data.n_train,
             rng=self.noise.generator("protect", round=r, index=run.index), min_encrypted=self.min_he_ratio if self.public else 0.0,
         )
         if "topped_up" in choice.info:

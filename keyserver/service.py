@@ -26,6 +26,7 @@ whose decryption is ~4x faster than the standard key's.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import logging
@@ -40,6 +41,7 @@ from senseshield import defaults
 from senseshield.engine.aggregation import decrypt_aggregate
 from senseshield.errors import ConfigError, ProtocolError
 from senseshield.he import SCHEMES, PublicKey, SecretKey
+from senseshield.he.base import round_context
 from senseshield.he.fingerprint import SEED_BYTES
 from senseshield.he.packed import STRUCTURES
 from senseshield.runtime.identity import b64, check_frame, unb64
@@ -56,6 +58,7 @@ from senseshield.runtime.protocol.messages import (
     FleetConfig,
     PublicKeyAnnouncement,
     aggregate_from_message,
+    pack_mask,
 )
 from senseshield.rounds import apply_mean
 from senseshield.runtime.identity import Identity, Trust
@@ -155,6 +158,7 @@ class KeyServer(Service):
         self.seeds: dict[int, bytes] = {}
         self.spent: dict[int, dict[str, int]] = {}
         self.challenges: dict[int, Challenge] = {}
+        self.boxes: dict[int, dict[str, bytes]] = {}  # round -> agent -> X25519 box key (masked pads)
         self.on(FleetConfig, self._on_config)
         self.on(RoundOpen, self._on_round_open)
         self.on(AggregateRequest, self._on_request)
@@ -170,7 +174,7 @@ class KeyServer(Service):
         config, _, scheme = announced_run(msg.config)  # checked before anything changes
         self.run_id, self.config, self.initial = msg.run_id, config, msg.initial.copy()
         self.models, self.results = {}, {}
-        self.plans, self.seeds, self.spent, self.challenges = {}, {}, {}, {}
+        self.plans, self.seeds, self.spent, self.challenges, self.boxes = {}, {}, {}, {}, {}
         self.pending, self.reserved = {}, {}  # a late result of the previous run is dropped
         if scheme is None:
             self.secret = self.public = None
@@ -210,9 +214,10 @@ class KeyServer(Service):
         aggregate = aggregate_from_message(msg, self.public, round=r, size=self.initial.size)
         t = time.perf_counter()
         try:
-            refusal, distinct = self._verify(r, k, msg, aggregate.ciphertext)
+            refusal, weights = self._verify(r, k, msg, aggregate)
         except ProtocolError as exc:  # a malformed receipt or ciphertext: a verdict, not silence
-            refusal, distinct = str(exc), []
+            refusal, weights = str(exc), {}
+        distinct = sorted(weights)
         t_verify = time.perf_counter() - t
         if refusal is not None:
             reason = f"refused: {refusal}"
@@ -224,6 +229,9 @@ class KeyServer(Service):
         # while this one decrypts) and spent when the verdict is recorded
         self.reserved.setdefault(r, {}).update({a: k for a in distinct})
         run_id, secret, threads = self.run_id, self.secret, self.threads
+        if aggregate.ciphertext is not None and self.public.needs_contributors:  # masked: remove exactly their pads
+            secret.bind_contributions(aggregate.ciphertext, [(self.boxes[r][a], weights[a]) for a in distinct],
+                                      round_context(self.fleet, self.run_id, r, k))
 
         def decrypt() -> tuple[np.ndarray, float]:  # a worker thread: pure computation
             t = time.perf_counter()
@@ -284,7 +292,7 @@ class KeyServer(Service):
         self.plans[r] = plan
         self.seeds[r] = os.urandom(SEED_BYTES)
         context = f"{self.fleet}/{self.run_id}/{r}".encode()
-        sealed = {}
+        sealed, boxes = {}, {}
         for agent in members:
             box = self.trust.box_key(agent) if not self.trust.tofu else None
             if box is None and self.trust.tofu and msg.box_keys.get(agent):
@@ -292,64 +300,78 @@ class KeyServer(Service):
             if box is None:
                 self.log.warning("round %d: no box key for %s; it cannot sign a fingerprint this round", r, agent)
                 continue
+            boxes[agent] = box
             sealed[agent] = b64(self.identity.seal(self.seeds[r], box, context))
+        self.boxes[r] = boxes
         self.challenges[r] = Challenge(run_id=self.run_id, box_key=b64(self.identity.box_key), sealed=sealed)
         self._checkpoint()
         self.send("keyserver/challenges", self.challenges[r], round=r, retain=True)
         self.log.info("round %d opened: clusters %s; challenge sealed to %d agents", r,
                       {k: len(v) for k, v in plan.items()}, len(sealed))
 
-    def _verify(self, r: int, k: int, msg: AggregateRequest, ciphertext) -> tuple[str | None, list[str]]:  # noqa: ANN001
-        """``(None, contributors)`` if round ``r``'s aggregate of cluster ``k`` may be
-        decrypted, else ``(reason, [])``: the plan, every receipt's signature, round, run,
+    def _verify(self, r: int, k: int, msg: AggregateRequest, aggregate) -> tuple[str | None, dict[str, int]]:  # noqa: ANN001
+        """``(None, {contributor: weight})`` if round ``r``'s aggregate of cluster ``k`` may be
+        decrypted, else ``(reason, {})``: the plan, every receipt's signature, round, run,
         cluster and membership, no contribution used twice in the round, the minimum of
-        contributors, the weights, and (verifiable schemes) the fingerprint equation."""
+        contributors, the weights, (shared-mask schemes) every receipt signs the aggregate's
+        mask, (verifiable schemes) the fingerprint equation, and (the masked scheme) a box
+        key for every contributor."""
+        ciphertext = aggregate.ciphertext
         plan = self.plans.get(r)
         if plan is None:
-            return f"round {r} was never opened (no round plan); nothing of it is decrypted", []
+            return f"round {r} was never opened (no round plan); nothing of it is decrypted", {}
         if k not in plan:
-            return f"cluster {k} is not in round {r}'s plan (clusters {sorted(plan)})", []
+            return f"cluster {k} is not in round {r}'s plan (clusters {sorted(plan)})", {}
         receipts: dict[str, Receipt] = {}
         for raw in unpack_frames(msg.receipts):
             frame = decode_frame(raw)
             check_frame(self.trust, frame)  # signed by the agent it names, with its pinned key
             receipt = from_frame(frame)
             if not isinstance(receipt, Receipt):
-                return f"a receipt of {frame.sender!r} is a {frame.schema!r} message", []
+                return f"a receipt of {frame.sender!r} is a {frame.schema!r} message", {}
             if frame.round != r or receipt.run_id != self.run_id:
-                return f"the receipt of {frame.sender!r} is for round {frame.round} of run {receipt.run_id!r}", []
+                return f"the receipt of {frame.sender!r} is for round {frame.round} of run {receipt.run_id!r}", {}
             if receipt.cluster != k or frame.sender not in plan[k]:
-                return f"{frame.sender!r} signed for cluster {receipt.cluster}, and is not a member of cluster {k}", []
+                return f"{frame.sender!r} signed for cluster {receipt.cluster}, and is not a member of cluster {k}", {}
             if frame.sender in receipts:
-                return f"two receipts of {frame.sender!r}", []
+                return f"two receipts of {frame.sender!r}", {}
             receipts[frame.sender] = receipt
         names = sorted(receipts)
         if sorted(set(msg.contributors)) != names or len(msg.contributors) != len(names):
             return (f"the contributor list {sorted(msg.contributors)} is not the signed receipts' "
-                    f"{names}; decrypting would reveal an individual update"), []
+                    f"{names}; decrypting would reveal an individual update"), {}
         taken = {**self.spent.get(r, {}), **self.reserved.get(r, {})}
         used = {a: taken.get(a) for a in names}
         reused = sorted(a for a, c in used.items() if c is not None)
         if reused:
             return (f"the contributions of {reused} in round {r} were already decrypted in cluster "
-                    f"{used[reused[0]]}'s aggregate; each enters one aggregate per round"), []
+                    f"{used[reused[0]]}'s aggregate; each enters one aggregate per round"), {}
         need = max(self.min_contributors, math.ceil(self.min_fraction * len(plan[k]) - 1e-9))
         if len(names) < need:
             return (f"{len(names)} distinct contributor(s) {names}, fewer than the minimum {need} "
                     f"(--min-contributors {self.min_contributors}, --min-fraction {self.min_fraction:g} of "
-                    f"{len(plan[k])}); decrypting would reveal an individual update"), []
+                    f"{len(plan[k])}); decrypting would reveal an individual update"), {}
         weight = sum(rc.n_samples for rc in receipts.values())
         if weight != msg.total_weight:
-            return f"the aggregate weighs {msg.total_weight} samples; the receipts sign {weight}", []
+            return f"the aggregate weighs {msg.total_weight} samples; the receipts sign {weight}", {}
         if ciphertext is not None and self.public is not None and self.public.verifiable:
             missing = [a for a, rc in receipts.items() if rc.key_id != self.public.key_id]
             if missing:
-                return f"the receipts of {missing} are not under the current key", []
+                return f"the receipts of {missing} are not under the current key", {}
             parts = [(rc.fingerprint, rc.n_samples) for rc in receipts.values() if rc.fingerprint]
             if not self.secret.verify_aggregate(ciphertext, self.seeds[r], parts, msg.plain_fold):
                 return ("the aggregate is not the product of the signed contributions under round "
-                        f"{r}'s challenge (forged, altered or from another round)"), []
-        return None, names
+                        f"{r}'s challenge (forged, altered or from another round)"), {}
+        if ciphertext is not None and self.public is not None and not self.public.ragged_masks:
+            union = hashlib.sha256(pack_mask(aggregate.union_mask).tobytes()).hexdigest()
+            other = sorted(a for a, rc in receipts.items() if rc.mask_digest != union)
+            if other:
+                return (f"the receipts of {other} sign another mask than the aggregate's; a shared-mask "
+                        "scheme's contributors all encrypt the same positions"), {}
+            unknown = sorted(a for a in names if a not in self.boxes.get(r, {}))
+            if unknown and self.public.needs_contributors:
+                return f"no box key for {unknown} in round {r}; their contributions cannot be unmasked", {}
+        return None, {a: receipts[a].n_samples for a in names}
 
     def _answer(self, r: int, k: int, result: AggregateResult) -> None:
         """Record the verdict with the model it produced (one checkpoint: a restart never
@@ -387,7 +409,8 @@ class KeyServer(Service):
                 "plans": {str(r): {str(k): v for k, v in p.items()} for r, p in self.plans.items()},
                 "seeds": {str(r): seed.hex() for r, seed in self.seeds.items()},
                 "spent": {str(r): v for r, v in self.spent.items()},
-                "challenges": {str(r): c.model_dump(mode="json") for r, c in self.challenges.items()}}
+                "challenges": {str(r): c.model_dump(mode="json") for r, c in self.challenges.items()},
+                "boxes": {str(r): {a: b.hex() for a, b in v.items()} for r, v in self.boxes.items()}}
         tmp = self.key_dir / f".models-{self.fleet}.tmp.npz"
         np.savez(tmp, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
         os.replace(tmp, self._state_path())
@@ -406,6 +429,7 @@ class KeyServer(Service):
             self.seeds = {int(r): bytes.fromhex(h) for r, h in meta.get("seeds", {}).items()}
             self.spent = {int(r): v for r, v in meta.get("spent", {}).items()}
             self.challenges = {int(r): Challenge(**c) for r, c in meta.get("challenges", {}).items()}
+            self.boxes = {int(r): {a: bytes.fromhex(b) for a, b in v.items()} for r, v in meta.get("boxes", {}).items()}
         for k in sorted(self.models):
             self._publish_model(k)
         self.log.info("resumed run %s: cluster rounds %s, %d verdicts", self.run_id,

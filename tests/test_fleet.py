@@ -71,6 +71,8 @@ class Capture:
         # per-value Paillier (~45 s): the fuzz test runs it by default, this one with make test-slow
         pytest.param("paillier-full", "linear", "iid", {"key_bits": 1024}, marks=pytest.mark.slow),
         ("sensecrypt", "mlp", "categories:2", {"key_bits": 1024}),
+        # every parameter masked through the key server (issue 22): exact, so bit for bit
+        ("masked", "mlp", "categories:2", {}),
         # the issue-16 hybrid: its plaintext noise is secret on devices, so both replay one
         # test-only noise seed (development mode) to compare bit for bit (make test-slow)
         pytest.param("sensecrypt", "mlp", "categories:2",

@@ -133,6 +133,9 @@ class PublicKey(ABC):
     scheme: ClassVar[str]
     ragged_masks: ClassVar[bool]
     block_size: int = 1
+    needs_contributors: ClassVar[bool] = False
+    """Decryption needs the contributors' box keys and weights (:meth:`SecretKey.bind_contributions`):
+    the masked scheme."""
     verifiable: ClassVar[bool] = False
     """The key server can check an aggregate against the contributors' signed fingerprints
     (:mod:`senseshield.he.fingerprint`): Paillier-family schemes, whose aggregate is a
@@ -300,6 +303,14 @@ class Scheme(ABC):
 
 
 SCHEMES: Registry[type[Scheme]] = Registry("HE scheme")
+
+
+def ephemeral_exchange(peer_box: bytes) -> bytes:
+    """X25519 with a throw-away key: binds a key for measuring or benchmarking encryption,
+    never for a contribution (nobody can remove pads made with it)."""
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+
+    return X25519PrivateKey.generate().exchange(X25519PublicKey.from_public_bytes(peer_box))
 
 
 def round_context(fleet: str, run_id: str, round: int, cluster: int) -> bytes:

@@ -140,6 +140,7 @@ class MaskedPublicKey(PublicKey):
 
     scheme = SCHEME
     ragged_masks = False
+    needs_contributors = True
     block_size = 1
 
     def __init__(self, box: bytes, *, pad: bytes | None = None) -> None:
