@@ -251,6 +251,11 @@ class KeyServer(Service):
             self.reserved.get(r, {}).pop(a, None)
         try:
             mean, t_decrypt = future.result()
+        except ProtocolError as exc:  # the scheme's own check (masked: a sum that is not the named one)
+            self.log.warning("round %d cluster %d refused at decryption: %s", r, k, exc)
+            self._answer(r, k, AggregateResult(run_id=self.run_id, cluster=k, accepted=False,
+                                               reason=f"refused: {exc}", timings={"verify": t_verify}))
+            return
         except Exception as exc:  # noqa: BLE001 - a verdict, and the service goes on
             self.log.exception("round %d cluster %d: decryption failed", r, k)
             self._answer(r, k, AggregateResult(run_id=self.run_id, cluster=k, accepted=False,

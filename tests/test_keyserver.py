@@ -19,6 +19,7 @@ from senseshield.engine.aggregation import aggregate_updates, decrypt_aggregate,
 from senseshield.rounds import apply_mean
 from senseshield.errors import ConfigError
 from senseshield.he import SCHEMES
+from senseshield.he.base import round_context
 from senseshield.job import Job
 from senseshield.runtime.identity import Identity, Trust, unb64
 from senseshield.runtime.protocol.messages import (
@@ -69,6 +70,7 @@ class Harness:
         time.sleep(0.3)
         self.rng = np.random.default_rng(0)
         self.seeds: dict[int, bytes] = {}
+        self.deltas: dict[tuple[str, int], np.ndarray] = {}
 
     def stop(self) -> None:
         self.link.stop()
@@ -92,7 +94,7 @@ class Harness:
     # -- the run --------------------------------------------------------------------------
     def start_run(self, strategy: str = "sensecrypt") -> object:
         config = Job(strategy=strategy, model="linear", clients=2, key_bits=1024,
-                     scheme="packed-paillier" if strategy != "plaintext" else None)
+                     scheme=None if strategy in ("plaintext", "masked") else "packed-paillier")
         self.send("fleet/config", FleetConfig(run_id="run-1", config=config.model_dump(mode="json"),
                                               input_shape=[1, 8, 8], num_classes=10, round_deadline=30,
                                               initial=np.zeros(SIZE)))
@@ -117,10 +119,13 @@ class Harness:
         mask = np.zeros(SIZE, bool)
         if self.public is not None:
             mask[: self.public.block_size * 4] = True
-        update = protect_update(self.rng.normal(size=SIZE) * 0.01, mask, self.public, client_id=agent, round=r,
-                                cluster=cluster, n_samples=n)
+        key = self.public.for_contributor(self.ids[agent].exchange, round_context(FLEET, "run-1", r, cluster)) \
+            if self.public is not None else None  # the masked scheme's pads; others ignore it
+        delta = self.rng.normal(size=SIZE) * 0.01
+        self.deltas[(agent, r)] = delta
+        update = protect_update(delta, mask, key, client_id=agent, round=r, cluster=cluster, n_samples=n)
         cipher = self.public.ciphertext_bytes(update.ciphertext) if update.ciphertext is not None else b""
-        fp = self.public.fingerprint(update.ciphertext, self.seeds[seed_round or r]) if cipher else b""
+        fp = self.public.fingerprint(update.ciphertext, self.seeds[seed_round or r]) if cipher and self.public.verifiable else b""
         receipt = Receipt(run_id="run-1", cluster=cluster, n_samples=n, key_id=self.public.key_id if self.public else "",
                           mask_digest=hashlib.sha256(pack_mask(mask).tobytes()).hexdigest(),
                           ciphertext_digest=hashlib.sha256(cipher).hexdigest() if cipher else "", fingerprint=fp)
@@ -208,6 +213,36 @@ def test_honest_aggregates_pass_and_each_attack_is_refused_with_its_reason(harne
     result = harness.verdict(4, harness.request(4, 0, [harness.contribution(x, 4, 0) for x in "abc"]))
     assert result.accepted, result.reason
     assert harness.server.spent == {1: {"d": 1, "e": 1}, 4: {"a": 0, "b": 0, "c": 0}}
+    assert harness.thread.is_alive()
+
+
+def test_masked_aggregates_unmask_only_as_the_signed_sum(harness):
+    """The masked scheme (issue 22): an honest aggregate is unmasked and applied; one that
+    leaves a signed contributor's update out, or offers a receipt of another mask, is
+    refused with its reason, and what the key server would have decrypted is noise."""
+    announcement = harness.start_run("masked")
+    assert announcement.scheme == "masked"
+    plan = {0: ["a", "b", "c"], 1: ["d", "e"]}
+    harness.open_round(1, plan)
+    a, b, c = (harness.contribution(x, 1, 0) for x in "abc")
+    result = harness.verdict(1, harness.request(1, 0, [a, b, c]))
+    assert result.accepted, result.reason
+    model, _ = harness.wait(ClusterModel)
+    expected = sum(harness.deltas[(x, 1)] for x in "abc") / 3  # equal weights: the plain mean
+    assert np.allclose(model.weights, expected, atol=1e-6)
+    # a forged subset: only d's update summed, but d's and e's receipts named
+    d, e = (harness.contribution(x, 1, 1) for x in "de")
+    only_d = harness.request(1, 1, [d], contributors=["d", "e"], receipts=[d[1], e[1]])
+    result = harness.verdict(1, only_d.model_copy(update={"total_weight": 20}))
+    assert not result.accepted and "not the sum of exactly the named contributions" in result.reason
+    harness.open_round(2, plan)
+    # a receipt that signs another mask than the aggregate's
+    d2, e2 = (harness.contribution(x, 2, 1) for x in "de")
+    other = harness.contribution("e", 2, 1)[1]
+    receipt = from_frame(decode_frame(other)).model_copy(update={"mask_digest": "0" * 64})
+    forged_receipt = to_frame(receipt, fleet=FLEET, sender="e", round=2, signer=harness.ids["e"])
+    result = harness.verdict(2, harness.request(2, 1, [d2, (e2[0], forged_receipt)]))
+    assert not result.accepted and "sign another mask" in result.reason
     assert harness.thread.is_alive()
 
 

@@ -114,7 +114,7 @@ def encode(values: np.ndarray) -> np.ndarray:
     values = np.asarray(values, dtype=np.float64)
     too_big = np.flatnonzero(np.abs(values) >= VALUE_LIMIT)
     if too_big.size:
-        raise ValueError(f"Value {values[too_big[0]]!r} at index {int(too_big[0])} is outside the masked "
+        raise ValueError(f"Value {float(values[too_big[0]])!r} at index {int(too_big[0])} is outside the masked "
                          f"encoding's range |x| < {VALUE_LIMIT:g}; clip the update.")
     return np.rint(values * SCALE).astype(np.int64).view(np.uint64)
 

@@ -1,0 +1,169 @@
+"""The masked scheme (issue 22): one-time pads agreed with the key server, sums modulo 2^64.
+
+Properties against brute force (integers): whatever values in range, weights and subset of
+contributors, unmasking the coordinator's sum gives exactly Σ w · round(x · 2^24). Every
+aggregate that is not the sum of exactly the named contributions is refused; what the
+coordinator holds of one contribution is uniform noise, fresh every round.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy import stats
+
+from senseshield.errors import ConfigError, KeyMismatchError, ProtocolError
+from senseshield.he import SCHEMES, generate_keys
+from senseshield.he.base import CipherPart, PlainPart, round_context
+from senseshield.he.masked import FRACTION_BITS, MAX_TOTAL_WEIGHT, VALUE_LIMIT, MaskedPublicKey, decode, encode
+from senseshield.runtime.identity import Identity
+
+SECRET = generate_keys("masked")
+PUBLIC = SECRET.public_key
+AGENTS = [Identity.generate(f"c{i:03d}") for i in range(5)]
+CONTEXT = round_context("fleet", "run-1", 3, 0)
+
+
+def _mask(agent: Identity, values, positions, context=CONTEXT):  # noqa: ANN001, ANN202
+    return PUBLIC.for_contributor(agent.exchange, context).encrypt(np.asarray(values, float), np.asarray(positions))
+
+
+def _unmask(vector, named, context=CONTEXT) -> np.ndarray:  # noqa: ANN001
+    SECRET.bind_contributions(vector, [(AGENTS[i].box_key, w) for i, w in named], context)
+    return SECRET.decrypt(vector)
+
+
+def _fixed(x) -> np.ndarray:  # noqa: ANN001
+    """Brute force: the integer fixed-point encoding, one value at a time."""
+    return np.array([round(float(v) * 2**FRACTION_BITS) for v in x], dtype=object)
+
+
+values = st.lists(st.floats(-VALUE_LIMIT + 1, VALUE_LIMIT - 1, allow_nan=False), min_size=1, max_size=40)
+
+
+@given(data=st.data(), n=st.integers(1, 40), subset=st.sets(st.integers(0, 4), min_size=1),
+       weights=st.lists(st.integers(1, 5000), min_size=5, max_size=5))
+@settings(max_examples=60, deadline=None)
+def test_any_subset_unmasks_to_the_exact_weighted_fixed_point_sum(data, n, subset, weights):
+    xs = {i: np.array(data.draw(st.lists(st.floats(-100, 100, allow_nan=False), min_size=n, max_size=n)))
+          for i in subset}
+    positions = np.arange(n)
+    aggregate = PUBLIC.aggregate([CipherPart(_mask(AGENTS[i], xs[i], positions), weights[i]) for i in sorted(subset)],
+                                 positions)
+    got = _unmask(aggregate, [(i, weights[i]) for i in sorted(subset)])
+    expected = sum(weights[i] * _fixed(xs[i]) for i in subset)
+    assert [int(round(g * 2**FRACTION_BITS)) for g in got] == list(expected)
+
+
+@given(x=values)
+@settings(max_examples=40, deadline=None)
+def test_mask_then_unmask_round_trips_every_value_in_range(x):
+    positions = np.arange(len(x))
+    vector = _mask(AGENTS[0], x, positions)
+    assert np.array_equal(decode(encode(np.array(x))), _unmask(PUBLIC.aggregate([CipherPart(vector, 1)], positions), [(0, 1)]))
+    assert np.max(np.abs(_unmask(PUBLIC.aggregate([CipherPart(vector, 1)], positions), [(0, 1)]) - x)) <= 2.0 ** -(FRACTION_BITS + 1)
+
+
+def test_the_streaming_sum_does_not_depend_on_arrival_order_and_plaintext_parts_add_in():
+    positions = np.arange(6)
+    parts = [CipherPart(_mask(AGENTS[i], np.full(6, 0.25 * i), positions), i + 1) for i in range(3)]
+    plain = PlainPart(np.arange(10), np.linspace(-1, 1, 10), 7)  # only positions 0..5 are used
+    a, b = PUBLIC.accumulator(10), PUBLIC.accumulator(10)
+    for part in [*parts, plain]:
+        a.add(part)
+    for part in [plain, *reversed(parts)]:
+        b.add(part)
+    va, vb = a.result(positions), b.result(positions)
+    assert np.array_equal(va.payload, vb.payload)
+    got = _unmask(va, [(0, 1), (1, 2), (2, 3)])
+    assert np.allclose(got, sum((i + 1) * 0.25 * i for i in range(3)) + 7 * np.linspace(-1, 1, 10)[:6], atol=1e-6)
+
+
+@pytest.mark.parametrize("forgery", ["one left out", "one unnamed added", "a word altered", "another round",
+                                     "another cluster", "weights changed"])
+def test_an_aggregate_that_is_not_the_named_sum_is_refused(forgery):
+    positions = np.arange(2000)
+    rng = np.random.default_rng(1)
+    xs = [rng.normal(0, 0.01, positions.size) for _ in range(3)]
+    named = [(0, 10), (1, 20), (2, 30)]
+    parts = [CipherPart(_mask(AGENTS[i], xs[i], positions), w) for i, w in named]
+    if forgery == "one left out":
+        parts = parts[:2]
+    elif forgery == "one unnamed added":
+        parts.append(CipherPart(_mask(AGENTS[3], xs[0], positions), 5))
+    elif forgery == "another round":
+        parts[1] = CipherPart(_mask(AGENTS[1], xs[1], positions, round_context("fleet", "run-1", 2, 0)), 20)
+    elif forgery == "another cluster":
+        parts[1] = CipherPart(_mask(AGENTS[1], xs[1], positions, round_context("fleet", "run-1", 3, 1)), 20)
+    elif forgery == "weights changed":
+        parts[2] = CipherPart(parts[2].vector, 31)
+    aggregate = PUBLIC.aggregate(parts, positions)
+    if forgery == "a word altered":
+        aggregate.payload[17] += np.uint64(1 << 50)
+    with pytest.raises(ProtocolError, match="not the sum of exactly the named contributions"):
+        _unmask(aggregate, named)
+    # the honest aggregate goes through
+    honest = PUBLIC.aggregate([CipherPart(_mask(AGENTS[i], xs[i], positions), w) for i, w in named], positions)
+    assert np.allclose(_unmask(honest, named), sum(w * xs[i] for i, w in named), atol=1e-5)
+
+
+def test_overflow_is_refused_before_it_can_happen():
+    with pytest.raises(ValueError, match=r"Value 4096.0 at index 1 is outside the masked encoding's range \|x\| < 4096"):
+        _mask(AGENTS[0], [0.0, 4096.0], [0, 1])
+    positions = np.arange(4)
+    vector = _mask(AGENTS[0], np.zeros(4), positions)
+    with pytest.raises(ProtocolError, match=f"above the masked head-room {MAX_TOTAL_WEIGHT}"):
+        PUBLIC.aggregate([CipherPart(vector, MAX_TOTAL_WEIGHT + 1)], positions)
+    aggregate = PUBLIC.aggregate([CipherPart(vector, MAX_TOTAL_WEIGHT // 2)] * 2, positions)
+    with pytest.raises(ProtocolError, match="allows fewer than 67108864"):
+        _unmask(aggregate, [(0, MAX_TOTAL_WEIGHT // 2), (0, MAX_TOTAL_WEIGHT // 2)])
+
+
+def test_the_coordinators_view_is_uniform_noise_fresh_every_round():
+    positions = np.arange(20_000)
+    signal = np.sin(np.arange(20_000) / 50.0)  # a strongly structured update
+    for x in (np.zeros(20_000), signal):
+        words = _mask(AGENTS[0], x, positions).payload
+        top = (words >> np.uint64(56)).astype(np.int64)  # the top byte of every word
+        assert stats.chisquare(np.bincount(top, minlength=256)).pvalue > 1e-4
+        assert abs(np.corrcoef(words[:-1].astype(np.float64), words[1:].astype(np.float64))[0, 1]) < 0.03
+        assert abs(np.corrcoef(decode(words), x + 1e-12 * positions)[0, 1]) < 0.03  # nothing of x shows
+    again = _mask(AGENTS[0], signal, positions, round_context("fleet", "run-1", 4, 0)).payload
+    assert np.mean(again == _mask(AGENTS[0], signal, positions).payload) < 1e-3  # new pads each round
+
+
+def test_the_wire_format_round_trips_and_bad_input_is_one_sentence():
+    positions = np.array([0, 1, 2, 7, 8, 20])
+    vector = _mask(AGENTS[0], np.linspace(-1, 1, 6), positions)
+    data = PUBLIC.ciphertext_bytes(vector)
+    assert len(data) == 25 + 16 * 3 + 8 * 6  # header, three runs of positions, one word each
+    back = PUBLIC.vector_from_bytes(data)
+    assert np.array_equal(back.positions, positions) and np.array_equal(back.payload, vector.payload)
+    full = _mask(AGENTS[0], np.zeros(50_826), np.arange(50_826))
+    assert len(PUBLIC.ciphertext_bytes(full)) / 50_826 < 8.001  # 8 bytes per parameter
+    with pytest.raises(ProtocolError, match="shorter than its header"):
+        PUBLIC.vector_from_bytes(data[:10])
+    with pytest.raises(ProtocolError, match="its header announces"):
+        PUBLIC.vector_from_bytes(data[:-1])
+    with pytest.raises(KeyMismatchError, match="not the current key"):
+        generate_keys("masked").public_key.vector_from_bytes(data)
+    with pytest.raises(ConfigError, match="bind the key with for_contributor"):
+        PUBLIC.encrypt(np.zeros(2), np.arange(2))
+    with pytest.raises(ProtocolError, match="must not"):
+        MaskedPublicKey.from_bytes(b'{"scheme": "masked", "box": "00", "fraction_bits": 24, "secret": "x"}')
+    assert SCHEMES.get("masked").public_key_from_bytes(PUBLIC.to_bytes()).key_id == PUBLIC.key_id
+
+
+def test_the_key_server_and_the_agent_derive_the_same_pads_and_nobody_else_does():
+    positions = np.arange(100)
+    vector = _mask(AGENTS[0], np.zeros(100), positions)
+    # the agent's identity and the key server's secret agree; another identity's pads do not
+    assert np.allclose(_unmask(PUBLIC.aggregate([CipherPart(vector, 1)], positions), [(0, 1)]), 0.0)
+    with pytest.raises(ProtocolError, match="not the sum"):
+        _unmask(PUBLIC.aggregate([CipherPart(vector, 1)], positions), [(1, 1)])
+    # the secret key is only serialised when asked to
+    with pytest.raises(Exception, match="include_secret=True"):
+        SECRET.to_bytes()
+    assert SCHEMES.get("masked").secret_key_from_bytes(SECRET.to_bytes(include_secret=True)).public_key.key_id == PUBLIC.key_id
