@@ -102,21 +102,34 @@ def pads(key: bytes, positions: np.ndarray) -> np.ndarray:
     if positions.size == 0:
         return np.zeros(0, dtype=np.uint64)
     n = int(positions[-1]) + 1
-    stream = Cipher(algorithms.ChaCha20(key, b"\x00" * 16), mode=None).encryptor().update(bytes(8 * n))
-    words = np.frombuffer(stream, dtype="<u8")
+    buffer = bytearray(8 * n + 15)  # update_into wants room for a block more than it writes
+    Cipher(algorithms.ChaCha20(key, b"\x00" * 16), mode=None).encryptor().update_into(_zeros(8 * n), buffer)
+    words = np.frombuffer(buffer, dtype="<u8", count=n)
     if positions.size == n:  # every position up to the last: the whole stream
-        return words.astype(np.uint64, copy=True)
-    return words[positions].astype(np.uint64)
+        return words
+    return words[positions]
+
+
+_ZERO_CACHE: list[bytes] = [b""]
+
+
+def _zeros(nbytes: int) -> memoryview:
+    """``nbytes`` zero bytes (the keystream is ChaCha20 applied to zeros), kept for reuse."""
+    if len(_ZERO_CACHE[0]) < nbytes:
+        _ZERO_CACHE[0] = bytes(nbytes)
+    return memoryview(_ZERO_CACHE[0])[:nbytes]
 
 
 def encode(values: np.ndarray) -> np.ndarray:
     """Fixed-point ``round(x · 2^24)`` as uint64 (two's complement); |x| < 2^12 or ValueError."""
     values = np.asarray(values, dtype=np.float64)
-    too_big = np.flatnonzero(np.abs(values) >= VALUE_LIMIT)
-    if too_big.size:
+    if values.size and (values.max() >= VALUE_LIMIT or values.min() <= -VALUE_LIMIT):
+        too_big = np.flatnonzero(np.abs(values) >= VALUE_LIMIT)
         raise ValueError(f"Value {float(values[too_big[0]])!r} at index {int(too_big[0])} is outside the masked "
                          f"encoding's range |x| < {VALUE_LIMIT:g}; clip the update.")
-    return np.rint(values * SCALE).astype(np.int64).view(np.uint64)
+    scaled = values * SCALE
+    np.rint(scaled, out=scaled)
+    return scaled.astype(np.int64).view(np.uint64)
 
 
 def decode(words: np.ndarray) -> np.ndarray:
@@ -128,6 +141,8 @@ def _runs(positions: np.ndarray) -> np.ndarray:
     """Sorted positions as runs (start, length): one run for a full mask."""
     if positions.size == 0:
         return np.zeros((0, 2), dtype=np.int64)
+    if int(positions[-1]) - int(positions[0]) + 1 == positions.size:  # sorted and unique: one run
+        return np.array([[positions[0], positions.size]], dtype=np.int64)
     breaks = np.flatnonzero(np.diff(positions) != 1) + 1
     starts = positions[np.concatenate([[0], breaks])]
     lengths = np.diff(np.concatenate([[0], breaks, [positions.size]]))
@@ -164,7 +179,8 @@ class MaskedPublicKey(PublicKey):
             raise ConfigError("Masked encryption needs the contributor's pads; bind the key with "
                               "for_contributor(exchange, context) first.")
         values, positions = check_values(values, positions)
-        words = encode(values) + pads(self._pad, positions)  # wraps modulo 2^64
+        words = encode(values)
+        words += pads(self._pad, positions)  # wraps modulo 2^64
         return EncryptedVector(SCHEME, self._key_id, positions, words, self._nbytes(positions))
 
     def _nbytes(self, positions: np.ndarray) -> int:
@@ -324,7 +340,11 @@ class MaskedSecretKey(SecretKey):
                                 f"allows fewer than {MAX_TOTAL_WEIGHT}.")
         words = np.asarray(vector.payload, dtype=np.uint64).copy()
         for box, weight in contributions:
-            words -= pads(self.contributor_pad_key(box, vector.meta["context"]), vector.positions) * np.uint64(weight)
+            pad = pads(self.contributor_pad_key(box, vector.meta["context"]), vector.positions)
+            if weight == 1:
+                words -= pad
+            else:
+                words -= pad * np.uint64(weight)
         signed = words.view(np.int64)
         # a genuine sum is below Σw · 2^12 · 2^24 in magnitude; a leftover pad is uniform on 2^64
         limit = float(total_weight) * VALUE_LIMIT * SCALE
