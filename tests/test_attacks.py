@@ -361,3 +361,31 @@ def test_the_hybrids_noise_reaches_the_captured_view_outside_the_mask_only():
     out = _plain_noised(cap, mask, 1.0, [0])
     np.testing.assert_array_equal(out.view.known[:100], cap.view.known[:100])  # hidden by the mask anyway
     assert np.all(out.view.known[100:] != cap.view.known[100:])
+
+
+def test_what_the_coordinator_holds_of_a_masked_update_gives_inverting_gradients_nothing(setting):
+    """Issue 22: a one-image update masked through the key server. The coordinator's view has
+    every position hidden, and an attacker who reads the masked words as if they were the
+    update (its best use of what it holds) lands at the random-image floor, as blind."""
+    from senseshield.he.base import round_context
+    from senseshield.he.masked import decode
+    from senseshield.runtime.identity import Identity
+
+    data = setting[0]
+    i = distinct_label_batch(data, 1)[0]
+    view, delta = one_step(setting, [i])
+    clear = run_attack("inverting", view, settings=AttackSettings(iterations=300, restarts=1), seed=1)
+    assert float(psnr(clear.images, data.x[[i]])[0]) > 20  # the same update in the clear is readable
+    key = generate_keys("masked").public_key.for_contributor(Identity.generate("c0").exchange,
+                                                             round_context("f", "j", 1, 0))
+    mask = np.ones(delta.size, dtype=bool)
+    update = protect_update(delta, mask, key, client_id="c0", round=1, cluster=0, n_samples=1)
+    common = dict(global_vector=view.global_vector, model="lenet5", model_options=OPTIONS,
+                  input_shape=(1, 8, 8), num_classes=10, lr=LR)
+    seen = view_from_update(update, **common)
+    assert seen.unknown.all() and update.plaintext.size == 0
+    as_values = server_view(decode(update.ciphertext.payload), np.zeros(delta.size, bool), n_samples=1, **common)
+    for v in (seen, as_values):
+        rec = run_attack("inverting", v, settings=AttackSettings(iterations=300, restarts=1), seed=1)
+        assert float(psnr(rec.images, data.x[[i]])[0]) < 10
+        assert identifiability_precision(rec.images, [i], data.x) == 0.0
