@@ -274,6 +274,29 @@ class PackedPayload:
         return len(self.ciphertexts)
 
 
+def _repeats(positions: np.ndarray) -> bool:
+    """Whether ``positions`` repeats a value: O(n) for the sorted positions updates carry,
+    a sort otherwise."""
+    if positions.size < 2:
+        return False
+    steps = np.diff(positions)
+    if np.all(steps > 0):
+        return False
+    return np.unique(positions).size != positions.size
+
+
+def _groups(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(keys, return_counts=True)``, in O(n) when ``keys`` is sorted (block indices
+    of sorted positions), else by ``np.unique``."""
+    if keys.size == 0:
+        return keys[:0], np.zeros(0, dtype=np.int64)
+    steps = np.diff(keys)
+    if np.any(steps < 0):
+        return np.unique(keys, return_counts=True)
+    edges = np.concatenate([[0], np.flatnonzero(steps) + 1, [keys.size]])
+    return keys[edges[:-1]], np.diff(edges)
+
+
 def _block_layout(positions: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
     """``(blocks, lengths)`` of sorted unique positions that form whole blocks.
 
@@ -753,9 +776,9 @@ class PackedPaillierPublicKey(PublicKey):
                         f"Plaintext part {k} has value {vals[bad[0]]} at position "
                         f"{int(ipos[bad[0]])}; only finite values can be aggregated."
                     )
-                if np.unique(ipos).size != ipos.size:
+                if _repeats(ipos):
                     raise ProtocolError(f"Plaintext part {k} repeats a position.")
-                pblocks, pcounts = np.unique(ipos // B, return_counts=True)
+                pblocks, pcounts = _groups(ipos // B)
                 rows = np.searchsorted(ublocks, pblocks)
                 short = np.flatnonzero(pcounts != ulengths[rows])
                 if short.size:
@@ -1086,7 +1109,7 @@ class PackedAccumulator(Accumulator):
                 raise ProtocolError(f"Plaintext part {k} has {pvals.size} values for {ppos.size} positions.")
             if ppos.size and (ppos.min() < 0 or ppos.max() >= self.size):
                 raise ProtocolError(f"Plaintext part {k} has positions outside the model's 0..{self.size - 1}.")
-            if np.unique(ppos).size != ppos.size:
+            if _repeats(ppos):
                 raise ProtocolError(f"Plaintext part {k} repeats a position.")
             bad = np.flatnonzero(~np.isfinite(pvals))
             if bad.size:
@@ -1095,7 +1118,7 @@ class PackedAccumulator(Accumulator):
             q, _ = lay.quantise(pvals)
             self.plain[ppos] += (q + lay.offset) * weight
             self.plain_clipped[ppos] += (np.abs(pvals) > lay.clip).astype(np.int32)
-            blocks, counts = np.unique(ppos // pk.block_size, return_counts=True)
+            blocks, counts = _groups(ppos // pk.block_size)
             self.plain_weight[blocks] += weight
             self.plain_min[blocks] = np.minimum(self.plain_min[blocks], counts)
             self.plain_max[blocks] = np.maximum(self.plain_max[blocks], counts)
