@@ -15,7 +15,7 @@ MQTT = "5"
 LOG_LEVEL = "info"
 
 # a job (senseshield.job.Job's field defaults)
-STRATEGY = "sensecrypt"
+STRATEGY = "masked"  # every parameter masked through the key server (issue 22); sensecrypt et al. by name
 DATASET = "digits"
 MODEL = "mlp"
 CLIENTS = 20
