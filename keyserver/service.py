@@ -252,6 +252,9 @@ class KeyServer(Service):
         try:
             mean, t_decrypt = future.result()
         except ProtocolError as exc:  # the scheme's own check (masked: a sum that is not the named one)
+            # the contributions are spent all the same: a refusal after unmasking is an answer
+            # about their sum, which a coordinator must not be able to ask for twice in a round
+            self.spent.setdefault(r, {}).update({a: k for a in distinct})
             self.log.warning("round %d cluster %d refused at decryption: %s", r, k, exc)
             self._answer(r, k, AggregateResult(run_id=self.run_id, cluster=k, accepted=False,
                                                reason=f"refused: {exc}", timings={"verify": t_verify}))

@@ -235,6 +235,11 @@ def test_masked_aggregates_unmask_only_as_the_signed_sum(harness):
     only_d = harness.request(1, 1, [d], contributors=["d", "e"], receipts=[d[1], e[1]])
     result = harness.verdict(1, only_d.model_copy(update={"total_weight": 20}))
     assert not result.accepted and "not the sum of exactly the named contributions" in result.reason
+    # the refusal answered something about d's and e's sum: the verdict is final and their
+    # contributions are spent, so the range check cannot be asked again this round (no oracle)
+    result = harness.verdict(1, harness.request(1, 1, [d, e]))
+    assert not result.accepted and "not the sum of exactly the named contributions" in result.reason
+    assert harness.server.spent[1] == {"a": 0, "b": 0, "c": 0, "d": 1, "e": 1}
     harness.open_round(2, plan)
     # a receipt that signs another mask than the aggregate's
     d2, e2 = (harness.contribution(x, 2, 1) for x in "de")
