@@ -49,7 +49,7 @@ def test_simulate_writes_the_result_contract(tmp_path):
         (["--bandwidth", "50,abc"], "--bandwidth"),
         (["--cpu", "0,1"], "cpu"),
         (["--he-ratio", "2"], "he-ratio"),
-        (["--scheme", "ckks"], "needs every client to encrypt the same positions"),
+        (["--strategy", "sensecrypt", "--scheme", "ckks"], "needs every client to encrypt the same positions"),
         (["--scheme", "rot13"], "Unknown HE scheme 'rot13'"),
         (["--plain-noise", "-2"], "plain_noise=-2.0 is not allowed; use a noise-to-signal ratio in [0, 10]"),
         (["--plain-noise", "nan"], "plain_noise=nan is not allowed"),
