@@ -33,9 +33,10 @@ import yaml
 from senseshield import defaults
 from senseshield.data import load_dataset
 from senseshield.device_noise import DEVELOPMENT_ENV
-from senseshield.errors import ConfigError
+from senseshield.errors import STORAGE_EXIT, ConfigError, StorageError
 from senseshield.data.shards import device_shards, shards
 from senseshield.job import Job, with_shape
+from senseshield.runtime.files import write_atomic
 from senseshield.runtime.identity import Identity, Trust, check_frame
 from senseshield.runtime.service import writable_dir
 
@@ -85,8 +86,7 @@ def job_file(config: Job, options: "FleetOptions", path: Path) -> Path:
     job = with_shape(config.model_copy(update={
         "clients": options.agents, "min_devices": options.agents, "round_deadline": options.round_deadline or config.round_deadline,
     }))
-    path.write_text(yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False))
-    return path
+    return write_atomic(path, yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False))
 
 
 class Fleet:
@@ -291,12 +291,17 @@ class Fleet:
         if self.progress:
             self.progress("round", max(self.seen["rounds"], default=0), self.config.rounds)
         report = self.out / "report.json"
+        if coordinator.returncode == STORAGE_EXIT:  # it could not write --out or --state-dir: its last line says which
+            log = (self.out / "logs" / "coordinator.log").read_text(errors="replace")
+            said = [line for line in log.splitlines() if "Cannot write" in line][-1:] or ["Cannot write its files"]
+            sentence = said[0][said[0].index("Cannot write"):].split("; the coordinator stopped")[0]
+            raise StorageError(f"The coordinator stopped: {sentence}")
         if coordinator.returncode != 0 or not report.exists():
             tail = (self.out / "logs" / "coordinator.log").read_text(errors="replace").strip().splitlines()[-3:]
             raise ConfigError(f"The coordinator failed (exit {coordinator.returncode}): {' / '.join(tail)}")
         data = json.loads(report.read_text())
         self._augment(data)
-        report.write_text(json.dumps(data, indent=2))
+        write_atomic(report, json.dumps(data, indent=2))
         return data
 
     def _augment(self, data: dict) -> None:
@@ -349,5 +354,5 @@ def fleet_up(config: Job, options: FleetOptions, progress: Progress | None = Non
         fleet.start()
         report = fleet.wait(timeout)
     report["exit_codes"] = fleet.stop()
-    (Path(options.out) / "report.json").write_text(json.dumps(report, indent=2))
+    write_atomic(Path(options.out) / "report.json", json.dumps(report, indent=2))
     return report
