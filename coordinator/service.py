@@ -68,7 +68,9 @@ from senseshield.runtime.identity import Identity, Trust, check_frame
 from senseshield.runtime.protocol.envelope import decode_frame
 from senseshield.runtime.service import Inbound, Service, check_sender, writable_dir
 from coordinator.jobs import OPEN, JobBook, JobRecord
-from senseshield.job import Job, effective_scheme, initial_model, job_from_dict, job_shape, noise_multipliers
+from senseshield.job import (
+    Job, check_job, effective_scheme, initial_model, job_from_dict, job_shape, noise_multipliers,
+)
 from senseshield.results import (
     ClientRecord,
     RoundRecord,
@@ -318,12 +320,9 @@ class Coordinator(Service):
     def submit(self, job: Job, job_id: str | None = None) -> JobRecord:
         """Queue ``job`` after checking it as the fleet will run it (strategy, scheme, shape,
         the model builds here); ConfigError naming what is wrong."""
-        from senseshield.strategies import build_strategy
-
         if job_id is not None and (job_id in self.book.records or not job_id.replace("-", "").isalnum()):
             raise ConfigError(f"Job id {job_id!r} is not allowed; it is taken or not of letters, digits and '-'.")
-        effective_scheme(job, build_strategy(job.strategy, job.options))
-        initial_model(job, *job_shape(job))
+        check_job(job)
         record = self.book.add(job, job_id)
         self.log.info("job %s queued: %s", record.id, job.label)
         self._publish_board()

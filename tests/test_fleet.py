@@ -284,6 +284,31 @@ def test_fleet_up_bad_input_is_one_sentence(tmp_path):
         assert "Traceback" not in result.output
 
 
+def test_fleet_up_refuses_a_zero_deadline_and_a_bad_model_before_starting_anything(tmp_path):
+    """Issue 23: `--round-deadline 0` ran silently with the job's 120 s, and a job whose model
+    does not build was found only after every process had started (55-72 s). Both are one
+    sentence now (exit 2), and no process starts (no logs/ folder)."""
+    from typer.testing import CliRunner
+
+    from senseshield.cli import app
+
+    bad_model = tmp_path / "bad-model.yaml"
+    bad_model.write_text("strategy: plaintext\nmodel: linear\nmodel_args: {depth: 3}\nrounds: 1\n")
+    small = ["--agents", "2", "--strategy", "plaintext", "--model", "linear", "--rounds", "1", "--min-contributors", "1"]
+    for args, needles in (
+        ([*small, "--round-deadline", "0"], ["--round-deadline 0 is not allowed", "more than 0", "120 s"]),
+        ([*small, "--round-deadline", "-5"], ["--round-deadline -5 is not allowed"]),
+        (["--agents", "2", "--job", str(bad_model), "--min-contributors", "1"], ["'linear'", "depth"]),
+    ):
+        out = tmp_path / f"run{len(args)}"
+        result = CliRunner().invoke(app, ["fleet", "up", *args, "--out", str(out), "--quiet"])
+        assert result.exit_code == 2, (args, result.output)
+        text = " ".join(result.output.split())
+        assert all(n in text for n in needles), (needles, text)
+        assert "Traceback" not in result.output
+        assert not (out / "logs").exists()  # nothing was started
+
+
 def _run_id(url: str, fleet: str, timeout: float = 30) -> str:
     got: list[str] = []
     link = Link(url, client_id="peek", fleet=fleet, on_frame=lambda t, f: got.append(f.fields.get("run_id")))

@@ -35,7 +35,7 @@ from senseshield.data import load_dataset
 from senseshield.device_noise import DEVELOPMENT_ENV
 from senseshield.errors import STORAGE_EXIT, ConfigError, StorageError
 from senseshield.data.shards import device_shards, shards
-from senseshield.job import Job, with_shape
+from senseshield.job import Job, check_job, with_shape
 from senseshield.runtime.files import write_atomic
 from senseshield.runtime.identity import Identity, Trust, check_frame
 from senseshield.runtime.service import writable_dir
@@ -83,8 +83,9 @@ def job_file(config: Job, options: "FleetOptions", path: Path) -> Path:
     """Write the job ``coordinator serve --job`` runs: ``config`` for ``options.agents``
     devices (its ``min_devices``), the fleet's round deadline, and the model's input shape
     and classes (from the built-in dataset unless the job gives them)."""
+    deadline = options.round_deadline if options.round_deadline is not None else config.round_deadline
     job = with_shape(config.model_copy(update={
-        "clients": options.agents, "min_devices": options.agents, "round_deadline": options.round_deadline or config.round_deadline,
+        "clients": options.agents, "min_devices": options.agents, "round_deadline": deadline,
     }))
     return write_atomic(path, yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False))
 
@@ -97,7 +98,12 @@ class Fleet:
             raise ConfigError(f"--agents {options.agents} is not allowed; a fleet needs at least 1 agent.")
         if options.data is not None and len(options.data) != options.agents:
             raise ConfigError(f"--data gives {len(options.data)} file(s) for {options.agents} agents; give one per agent.")
+        if options.round_deadline is not None and not options.round_deadline > 0:
+            raise ConfigError(f"--round-deadline {options.round_deadline:g} is not allowed; give the seconds a round "
+                              f"waits for updates, more than 0 (or leave it out: the job's, {config.round_deadline:g} s).")
         self.config = config.model_copy(update={"clients": options.agents})
+        if not options.serve:  # the job's model, built as the coordinator will, before any process starts
+            check_job(with_shape(self.config))
         self.options = options
         self.threads = options.threads or defaults.shared_threads(options.agents)
         self.progress = progress
