@@ -566,6 +566,8 @@ class Coordinator(Service):
         msg: Decline = item.message  # type: ignore[assignment]
         if self.job is None or msg.run_id != self.run_id or agent_id in self.declined:
             return
+        if agent_id in self.agents:  # it said hello to this job: it takes part, whatever it says now
+            raise ProtocolError(f"Decline of job {msg.run_id} from {agent_id!r}, which takes part in it; ignored.")
         self.declined[agent_id] = msg.reason
         if msg.selected:
             self._event(f"agent {agent_id} refused the job: {msg.reason}")

@@ -653,3 +653,32 @@ def test_forged_keys_models_configs_and_impersonated_updates_are_rejected(mosqui
     assert f"Frame from '{other}' is signed with key" in coordinator_log
     sim = run_simulation(config)
     assert [r["accuracy"] for r in report["rounds"]] == pytest.approx([r.accuracy for r in sim.rounds], abs=1e-9)
+
+
+def test_a_participating_device_never_appears_under_declined(mosquitto, tmp_path):
+    """Issue 23: a device that took part in the job sends (signed with its own key) a decline
+    of that job mid-run, as a buggy or compromised device can; the coordinator rejects it
+    with its reason, the device stays in the rounds, and the report does not list it under
+    ``declined``."""
+    from senseshield.runtime.protocol.messages import Decline, to_frame
+
+    config = Job(strategy="plaintext", model="linear", clients=3, rounds=3)
+    fleet_name = "decline"
+    options = FleetOptions(agents=3, out=tmp_path, broker=mosquitto.url, fleet=fleet_name, round_deadline=60,
+                           min_contributors=1)
+    wire = Wire(mosquitto.url, fleet_name)
+    with Fleet(config, options) as fleet:
+        fleet.start()
+        load_signers(fleet)
+        wait_for(lambda: wire.newest_plan >= 1, timeout=240)
+        _, _, real = wire.pick(random.Random(0), "fleet-config")
+        decline = Decline(run_id=real.fields["run_id"], reason="changed my mind", selected=True)
+        wire.publish("agents/c000/decline", to_frame(decline, fleet=fleet_name, sender="c000", round=0,
+                                                     signer=SIGNERS["c000"]))
+        report = fleet.wait(timeout=300)
+    wire.stop()
+    assert report["declined"] == {}
+    assert "c000" in {c["id"] for c in report["clients"]}
+    assert all("c000" in r["clusters"]["0"]["updates"] for r in report["server"])
+    log = (tmp_path / "logs" / "coordinator.log").read_text()
+    assert "Decline of job" in log and "from 'c000', which takes part in it; ignored" in log

@@ -257,7 +257,8 @@ class Fleet:
                 self.seen["agents"].add(msg.agent_id)
             elif isinstance(msg, AggregateResult):
                 self.seen["rounds"].add(frame.round)
-            elif isinstance(msg, Decline) and msg.selected and topic.endswith(f"agents/{frame.sender}/decline"):
+            elif (isinstance(msg, Decline) and msg.selected and topic.endswith(f"agents/{frame.sender}/decline")
+                  and frame.sender not in self.seen["agents"]):  # one that said hello takes part (as the coordinator rules)
                 self.seen["declined"].setdefault(frame.sender, msg.reason)
 
         self.observer = Link(self.url, client_id="fleet-up-observer", fleet=self.options.fleet,
