@@ -8,12 +8,12 @@ from typing import Annotated, Optional
 import typer
 
 from senseshield import defaults
-from senseshield.cli.common import console, fail, version_option
+from senseshield.cli.common import console, fail, storage_stop, version_option
 from senseshield.cli.run import (
     Broker, CaFile, Fleet, IdentityFile, LogLevel, Mqtt, PasswordFile, Scheme, Sets, TrustFile, Username,
     build_run_config, check_mqtt, identity_and_trust, mqtt_security, setup_logging,
 )
-from senseshield.errors import ConfigError
+from senseshield.errors import ConfigError, StorageError
 
 app = typer.Typer(help="SenseShield coordinator: clusters agents and aggregates ciphertexts it cannot read.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -113,6 +113,9 @@ def serve(
         server.link.secure(**security)
         server.install_signal_handlers()
         server.serve()
+    except StorageError as exc:  # --out or --state-dir: disk full, read-only, permission
+        storage_stop(exc, "the coordinator", "its job stays running in --state-dir and resumes after the last round "
+                     "it saved when the coordinator is started again (the key server answers rounds it already applied)")
     except (ConfigError, ConnectionError) as exc:
         fail(str(exc))
     except KeyboardInterrupt:

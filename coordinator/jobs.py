@@ -11,7 +11,6 @@ keeps the queue) and published as the retained ``jobs/board`` message (what ``jo
 from __future__ import annotations
 
 import json
-import os
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from senseshield.job import Job
+from senseshield.runtime.files import write_atomic
 
 STATES = ("queued", "waiting", "running", "done", "failed", "cancelled")
 OPEN = ("queued", "waiting", "running")
@@ -102,6 +102,4 @@ class JobBook:
     def save(self) -> None:
         if self.path is None:
             return
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps([asdict(r) for r in self.records.values()]))
-        os.replace(tmp, self.path)
+        write_atomic(self.path, json.dumps([asdict(r) for r in self.records.values()]))

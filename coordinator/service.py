@@ -63,11 +63,14 @@ from senseshield.runtime.protocol.messages import (
     update_from_message,
 )
 from senseshield.accounting import Accountant, Epsilons, epsilons
+from senseshield.runtime.files import npy_bytes, write_atomic
 from senseshield.runtime.identity import Identity, Trust, check_frame
 from senseshield.runtime.protocol.envelope import decode_frame
 from senseshield.runtime.service import Inbound, Service, check_sender, writable_dir
 from coordinator.jobs import OPEN, JobBook, JobRecord
-from senseshield.job import Job, effective_scheme, initial_model, job_from_dict, job_shape, noise_multipliers
+from senseshield.job import (
+    Job, check_job, effective_scheme, initial_model, job_from_dict, job_shape, noise_multipliers,
+)
 from senseshield.results import (
     ClientRecord,
     RoundRecord,
@@ -317,12 +320,9 @@ class Coordinator(Service):
     def submit(self, job: Job, job_id: str | None = None) -> JobRecord:
         """Queue ``job`` after checking it as the fleet will run it (strategy, scheme, shape,
         the model builds here); ConfigError naming what is wrong."""
-        from senseshield.strategies import build_strategy
-
         if job_id is not None and (job_id in self.book.records or not job_id.replace("-", "").isalnum()):
             raise ConfigError(f"Job id {job_id!r} is not allowed; it is taken or not of letters, digits and '-'.")
-        effective_scheme(job, build_strategy(job.strategy, job.options))
-        initial_model(job, *job_shape(job))
+        check_job(job)
         record = self.book.add(job, job_id)
         self.log.info("job %s queued: %s", record.id, job.label)
         self._publish_board()
@@ -566,6 +566,8 @@ class Coordinator(Service):
         msg: Decline = item.message  # type: ignore[assignment]
         if self.job is None or msg.run_id != self.run_id or agent_id in self.declined:
             return
+        if agent_id in self.agents:  # it said hello to this job: it takes part, whatever it says now
+            raise ProtocolError(f"Decline of job {msg.run_id} from {agent_id!r}, which takes part in it; ignored.")
         self.declined[agent_id] = msg.reason
         if msg.selected:
             self._event(f"agent {agent_id} refused the job: {msg.reason}")
@@ -955,8 +957,8 @@ class Coordinator(Service):
             raise ProtocolError(f"Cluster model of {msg.weights.size} parameters; the model has {self.size}.")
         if self.plan is None or msg.cluster not in self.plan.clusters or not 1 <= item.round <= self.round:
             raise ProtocolError(f"Cluster model of cluster {msg.cluster} for round {item.round}; the run is at round {self.round}.")
-        if item.round < self.models.get(msg.cluster, (0, None))[0]:
-            return  # an older model (a repeat of a retained message)
+        if item.round <= self.models.get(msg.cluster, (0, None))[0]:
+            return  # an older model or the same again (a repeat of a retained message): saved already
         self.models[msg.cluster] = (item.round, msg.weights)
         self.model_bytes = item.nbytes
         cr = self.clusters.get(msg.cluster)
@@ -1263,9 +1265,7 @@ class Coordinator(Service):
     def _save_model(self, r: int, k: int, weights: np.ndarray) -> None:
         if self.job_out is None:
             return
-        folder = self.job_out / "models" / f"round-{r}"
-        folder.mkdir(parents=True, exist_ok=True)
-        np.save(folder / f"cluster-{k}.npy", weights.astype(np.float64))
+        write_atomic(self.job_out / "models" / f"round-{r}" / f"cluster-{k}.npy", npy_bytes(weights.astype(np.float64)))
 
     # ---- checkpoint ---------------------------------------------------------------------
     def _state_file(self) -> Path | None:
@@ -1275,7 +1275,6 @@ class Coordinator(Service):
         path = self._state_file()
         if path is None or self.plan is None:
             return
-        path.parent.mkdir(parents=True, exist_ok=True)
         state = {
             "run_id": self.run_id,
             "config": self.config.model_dump(mode="json"),
@@ -1302,9 +1301,7 @@ class Coordinator(Service):
             "active": sorted(self.active),
             "bootstrap_seconds": self.bootstrap_seconds,
         }
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state))
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(state))
 
     def _resume(self) -> None:
         path = self._state_file()
@@ -1430,8 +1427,7 @@ class Coordinator(Service):
         if self.plan is not None and state != "running":
             report = self.report()
             if self.job_out is not None:
-                self.job_out.mkdir(parents=True, exist_ok=True)
-                (self.job_out / "report.json").write_text(json.dumps(report.model_dump(mode="json"), indent=2))
+                write_atomic(self.job_out / "report.json", json.dumps(report.model_dump(mode="json"), indent=2))
                 self.book.set(record, out=str(self.job_out))
         final = report.final_accuracy if report is not None else None
         self.book.set(record, state=state, reason=reason, accuracy=final if final is not None else record.accuracy,

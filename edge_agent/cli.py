@@ -8,12 +8,12 @@ from typing import Annotated, Optional
 import typer
 
 from senseshield import defaults
-from senseshield.cli.common import fail, version_option
+from senseshield.cli.common import fail, storage_stop, version_option
 from senseshield.cli.run import (
     Broker, CaFile, Fleet, IdentityFile, LogLevel, Mqtt, PasswordFile, Threads, TrustFile, Username, check_mqtt,
     identity_and_trust, mqtt_security, setup_logging,
 )
-from senseshield.errors import ConfigError
+from senseshield.errors import ConfigError, StorageError
 
 app = typer.Typer(help="SenseShield edge agent: trains locally and sends protected updates.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -105,6 +105,8 @@ def join(
         agent.link.secure(**security)
         agent.install_signal_handlers()
         code = agent.serve()
+    except StorageError as exc:  # --model-dir: disk full, read-only, permission
+        storage_stop(exc, "the agent", "started again, it joins the running job")
     except (ConfigError, ConnectionError) as exc:
         fail(str(exc))
     raise typer.Exit(code)

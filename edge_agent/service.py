@@ -68,7 +68,7 @@ from senseshield.accounting import Accountant
 from senseshield.runtime.identity import SEALED_SEED_BYTES, Identity, Trust, b64, unb64
 from senseshield.runtime.service import Inbound, Service, WaitNote
 from senseshield.data.shards import shards
-from senseshield.data.local import describe_data, load_local_data
+from senseshield.data.local import check_source, describe_data, load_local_data
 from senseshield.job import Job, announced_run, build_job_model, device_index, train_config
 from senseshield.strategies import ClientContext
 from senseshield.inference import export_onnx, latency, load_session
@@ -237,6 +237,8 @@ class EdgeAgent(Service):
         self.bandwidth, self.cpu_speed = bandwidth, cpu_speed
         self.profile = profile or {}
         self.data_spec = data
+        for name, source in sorted(data.sources.items()):  # a broken file stops the agent now, not at a job
+            log.info("data %s: %s (%s)", name, source, check_source(source))
         torch.set_num_threads(threads if threads is not None else defaults.shared_threads())
         self.run: RunState | None = None
         self.pending_config: PreparedRun | None = None

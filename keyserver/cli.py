@@ -8,12 +8,12 @@ from typing import Annotated, Optional
 import typer
 
 from senseshield import defaults
-from senseshield.cli.common import fail, version_option
+from senseshield.cli.common import fail, storage_stop, version_option
 from senseshield.cli.run import (
     Broker, CaFile, Fleet, IdentityFile, LogLevel, MinContributors, Mqtt, PasswordFile, Threads, TrustFile, Username, check_mqtt, identity_and_trust, mqtt_security,
     setup_logging,
 )
-from senseshield.errors import ConfigError
+from senseshield.errors import ConfigError, StorageError
 
 app = typer.Typer(help="SenseShield key server: holds the secret key, decrypts aggregates only.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -59,6 +59,9 @@ def serve(
         server.link.secure(**security)
         server.install_signal_handlers()
         server.run()
+    except StorageError as exc:  # --key-dir: disk full, read-only, permission
+        storage_stop(exc, "the key server", "it answers nothing it could not save, so when it is started again it "
+                     "resumes from its checkpoint and the coordinator re-sends what is pending")
     except (ConfigError, ConnectionError) as exc:
         fail(str(exc))
 

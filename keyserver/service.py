@@ -62,6 +62,7 @@ from senseshield.runtime.protocol.messages import (
 )
 from senseshield.rounds import apply_mean
 from senseshield.runtime.identity import Identity, Trust
+from senseshield.runtime.files import npz_bytes, write_atomic
 from senseshield.runtime.keyfiles import check_private, secure_dir, write_secret
 from senseshield.runtime.service import Inbound, Service
 from senseshield.job import Job, announced_run
@@ -91,7 +92,7 @@ def load_or_generate(key_dir: Path, scheme: str, key_bits: int, structure: str =
     t = time.perf_counter()
     secret = factory.generate(**options)
     write_secret(path, secret.to_bytes(include_secret=True))
-    (key_dir / (path.stem + ".pub")).write_bytes(secret.public_key.to_bytes())
+    write_atomic(key_dir / (path.stem + ".pub"), secret.public_key.to_bytes())
     log.info("generated %s key %s%s in %.1f s; secret in %s", scheme, secret.public_key.key_id, _structure(secret),
              time.perf_counter() - t, path)
     return secret
@@ -419,9 +420,7 @@ class KeyServer(Service):
                 "spent": {str(r): v for r, v in self.spent.items()},
                 "challenges": {str(r): c.model_dump(mode="json") for r, c in self.challenges.items()},
                 "boxes": {str(r): {a: b.hex() for a, b in v.items()} for r, v in self.boxes.items()}}
-        tmp = self.key_dir / f".models-{self.fleet}.tmp.npz"
-        np.savez(tmp, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
-        os.replace(tmp, self._state_path())
+        write_atomic(self._state_path(), npz_bytes(meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays))
 
     def _restore(self) -> None:
         path = self._state_path()

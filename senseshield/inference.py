@@ -234,19 +234,6 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write via a temporary file in the same directory, so readers never see a partial file."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 @contextlib.contextmanager
 def _quiet_torch_onnx() -> Iterator[None]:
     """Silence the exporters' warnings, log lines and progress prints for one export."""
@@ -406,8 +393,10 @@ def export_onnx(
         exporter=used,
         torch_version=torch.__version__,
     )
-    _write_atomic(out_path, data)
-    _write_atomic(sidecar_path(out_path), sidecar.to_json().encode("utf-8"))
+    from senseshield.runtime.files import write_atomic
+
+    write_atomic(out_path, data)
+    write_atomic(sidecar_path(out_path), sidecar.to_json().encode("utf-8"))
     return sidecar
 
 
@@ -982,10 +971,13 @@ def export_command(
     ),
 ) -> None:
     """Export a cluster's model of a fleet run to ONNX (opset 18) with a JSON sidecar."""
-    from senseshield.cli.common import console, fail
+    from senseshield.cli.common import console, fail, storage_stop
+    from senseshield.errors import StorageError
 
     try:
         sidecar, _ = export_run(run, cluster, round, out)
+    except StorageError as exc:
+        storage_stop(exc, "export", "nothing was written")
     except ConfigError as exc:
         fail(str(exc))
         return

@@ -186,6 +186,17 @@ def initial_model(config: Job, input_shape: tuple[int, ...], num_classes: int) -
     return model, get_vector(model).astype(np.float64)
 
 
+def check_job(job: Job) -> None:
+    """What a coordinator checks before it queues ``job``: the strategy and scheme go
+    together and the model builds for the job's input shape and classes (a forward pass);
+    :class:`ConfigError` naming what is wrong. ``fleet up`` calls it before it starts any
+    process."""
+    from senseshield.strategies import build_strategy
+
+    effective_scheme(job, build_strategy(job.strategy, job.options))
+    initial_model(job, *job_shape(job))
+
+
 def device_index(agent_id: str) -> int:
     """The seed index of a device that holds its own data (no ``--shard``): a stable hash
     of its id, so its randomness never depends on who else is in the fleet."""

@@ -31,7 +31,7 @@ from senseshield.runtime.fleet import Fleet, FleetOptions, agent_ids
 from senseshield.runtime.identity import Identity
 from senseshield.runtime.protocol.messages import pack_mask
 from senseshield.runtime.protocol import CHUNK_SCHEMA, Frame, decode_frame, encode_frame
-from senseshield.runtime.protocol.envelope import MAGIC
+from senseshield.runtime.protocol.envelope import FRAME_VERSION, MAGIC
 from senseshield.runtime.protocol.messages import from_frame
 from senseshield.job import Job
 from senseshield.simulation import run_simulation
@@ -111,8 +111,9 @@ def reframe(frame: Frame, **changes) -> bytes:  # noqa: ANN003
     return encode_frame(**args)
 
 
-def raw_frame(header: dict, blobs: list[bytes], *, version: int = 1, magic: bytes = MAGIC) -> bytes:
-    """A frame built by hand (NaN allowed in the JSON, any descriptor)."""
+def raw_frame(header: dict, blobs: list[bytes], *, version: int = FRAME_VERSION, magic: bytes = MAGIC) -> bytes:
+    """A frame built by hand (NaN allowed in the JSON, any descriptor), of the frame version
+    this build speaks (so it gets past the version check to the checks it is meant for)."""
     encoded = json.dumps(header, separators=(",", ":")).encode()
     return b"".join([struct.pack(">4sBI", magic, version, len(encoded)), encoded, *blobs])
 
@@ -406,6 +407,47 @@ def test_fuzzed_fleet_ends_like_the_simulator_10k(mosquitto, tmp_path, config):
     check_fuzzed_run(result, config, min_messages=10_000)
 
 
+def test_the_fuzzers_descriptor_and_nan_frames_reach_the_checks_they_exercise():
+    """Issue 23: the hand-built frames were of frame version 1, so every descriptor and
+    header-NaN case was refused at the version check. Built from signed frames of the current
+    versions, each is refused for what it breaks."""
+    from senseshield.errors import ProtocolError
+    from senseshield.runtime.protocol.messages import (
+        Assignment, BootstrapVector, Hello, Metrics, RoundPlan, to_frame,
+    )
+
+    signer = Identity.generate("c000")
+    material = [
+        ("agents/c000/hello", Hello(run_id="r", agent_id="c000", n_samples=10, bandwidth=5.0, cpu_speed=2.0)),
+        ("agents/c000/metrics", Metrics(cluster=0, accuracy=0.5, n_test=10)),
+        ("agents/c000/inbox", Assignment(cluster=0, encryption_budget=0.25)),
+        ("agents/c000/inbox", RoundPlan(cluster=0, encryption_budget=0.2, deadline=1e9, block_size=1, size=9,
+                                        shared_mask=np.zeros(0, np.uint8))),
+        ("agents/c000/bootstrap", BootstrapVector(sensitivity=np.linspace(0, 1, 9))),
+    ]
+    wire = Wire.__new__(Wire)  # no broker: the captured material is built here
+    wire.fleet, wire.keep, wire.lock, wire.newest_plan, wire.mine = "f", 40, threading.Lock(), 0, set()
+    wire.frames = {}
+    for suffix, msg in material:
+        payload = to_frame(msg, fleet="f", sender="c000", round=1, signer=signer)
+        wire.frames.setdefault(msg.schema_name, []).append((suffix, payload, decode_frame(payload)))
+    fuzzer = Fuzzer(wire, ["c000"], seed=3)
+    reasons: Counter[str] = Counter()
+    for kind in ("descriptor", "nan_inf"):
+        for _ in range(60):
+            _, payload = getattr(fuzzer, kind)()
+            with pytest.raises(ProtocolError) as caught:
+                from_frame(decode_frame(payload))
+            reason = str(caught.value)
+            assert "Frame version" not in reason, reason
+            reasons[kind] += 1
+            if kind == "descriptor":
+                assert "Section" in reason or "section" in reason or "trailing bytes" in reason, reason
+            else:
+                assert "NaN" in reason or "Infinity" in reason or "inf" in reason, reason
+    assert reasons == {"descriptor": 60, "nan_inf": 60}
+
+
 # ---- regression tests of the defects of issue 17 ------------------------------------------------
 
 
@@ -611,3 +653,32 @@ def test_forged_keys_models_configs_and_impersonated_updates_are_rejected(mosqui
     assert f"Frame from '{other}' is signed with key" in coordinator_log
     sim = run_simulation(config)
     assert [r["accuracy"] for r in report["rounds"]] == pytest.approx([r.accuracy for r in sim.rounds], abs=1e-9)
+
+
+def test_a_participating_device_never_appears_under_declined(mosquitto, tmp_path):
+    """Issue 23: a device that took part in the job sends (signed with its own key) a decline
+    of that job mid-run, as a buggy or compromised device can; the coordinator rejects it
+    with its reason, the device stays in the rounds, and the report does not list it under
+    ``declined``."""
+    from senseshield.runtime.protocol.messages import Decline, to_frame
+
+    config = Job(strategy="plaintext", model="linear", clients=3, rounds=3)
+    fleet_name = "decline"
+    options = FleetOptions(agents=3, out=tmp_path, broker=mosquitto.url, fleet=fleet_name, round_deadline=60,
+                           min_contributors=1)
+    wire = Wire(mosquitto.url, fleet_name)
+    with Fleet(config, options) as fleet:
+        fleet.start()
+        load_signers(fleet)
+        wait_for(lambda: wire.newest_plan >= 1, timeout=240)
+        _, _, real = wire.pick(random.Random(0), "fleet-config")
+        decline = Decline(run_id=real.fields["run_id"], reason="changed my mind", selected=True)
+        wire.publish("agents/c000/decline", to_frame(decline, fleet=fleet_name, sender="c000", round=0,
+                                                     signer=SIGNERS["c000"]))
+        report = fleet.wait(timeout=300)
+    wire.stop()
+    assert report["declined"] == {}
+    assert "c000" in {c["id"] for c in report["clients"]}
+    assert all("c000" in r["clusters"]["0"]["updates"] for r in report["server"])
+    log = (tmp_path / "logs" / "coordinator.log").read_text()
+    assert "Decline of job" in log and "from 'c000', which takes part in it; ignored" in log

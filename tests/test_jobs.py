@@ -184,3 +184,36 @@ def test_job_cli_submit_list_status_cancel_and_bad_files(mosquitto, tmp_path):
         assert missing.exit_code == 2 and "No job 'j-nope'" in missing.output
         with fleet.job_client() as client:
             assert len(client.board()) == 2
+
+
+def test_job_submit_with_an_operator_the_trust_file_does_not_pin_says_so_at_once(mosquitto, tmp_path):
+    """Issue 23: an operator key the trust file does not pin waited 60 s, then blamed the
+    coordinator ("No answer from the coordinator ..."). The coordinator must not act on, or
+    answer, an unpinned signer; the client knows from its own trust file and says so at once
+    (one sentence, exit 2), before it sends anything."""
+    from typer.testing import CliRunner
+
+    from senseshield.cli import app
+    from senseshield.runtime.identity import Identity, Trust
+
+    import yaml
+
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(with_shape(Job(strategy="plaintext", model="linear", clients=2, rounds=1))
+                                  .model_dump(mode="json")))
+    pinned = Identity.load_or_create("operator", tmp_path / "pinned.key")
+    stranger = tmp_path / "stranger.key"
+    Identity.load_or_create("operator", stranger)
+    coordinator = Identity.generate("coordinator")
+    cases = {
+        "pins another key for 'operator'": {"operator": (pinned, "operator"), "coordinator": (coordinator, "coordinator")},
+        "does not list 'operator'": {"coordinator": (coordinator, "coordinator")},
+    }
+    for needle, identities in cases.items():
+        trust = Trust.for_identities(identities, fleet="pins").save(tmp_path / "trust.json")
+        result = CliRunner().invoke(app, ["job", "submit", str(job), "--broker", mosquitto.url, "--fleet", "pins",
+                                          "--identity", str(stranger), "--trust", str(trust)])
+        text = " ".join(result.output.split())
+        assert result.exit_code == 2, text
+        assert f"The trust file of fleet 'pins' {needle}, so the coordinator ignores jobs signed" in text, text
+        assert "No answer" not in text and "No online status" not in text and "Traceback" not in text

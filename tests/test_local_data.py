@@ -336,3 +336,34 @@ def test_describe(tmp_path: Path) -> None:
     assert summary.line() == ("5 train + 2 test samples of shape (3, 4); 3 classes present; "
                               "train per class 0:2 2:3")
     assert summary.to_dict()["train_counts"] == {"0": 2, "2": 3}
+
+
+def test_a_corrupt_npz_is_our_sentence_and_stops_the_agent_at_start(tmp_path: Path) -> None:
+    """Issue 23: a corrupt npz was reported only when a job arrived, with numpy's message
+    ("Cannot load file containing pickled data when allow_pickle=False"). It is one sentence
+    of ours naming the file, and `edge-agent join --data` refuses it at start (exit 2)."""
+    from typer.testing import CliRunner
+
+    from edge_agent.cli import app
+    from senseshield.data.local import check_source
+
+    garbage = tmp_path / "garbage.npz"
+    garbage.write_bytes(b"\x93NUMPY this is not a zip archive")
+    cut = tmp_path / "cut.npz"
+    np.savez(tmp_path / "whole.npz", x=np.zeros((40, 3)), y=np.zeros(40))
+    cut.write_bytes((tmp_path / "whole.npz").read_bytes()[:300])
+    objects = tmp_path / "objects.npz"
+    np.savez(objects, x=np.array([{"a": 1}] * 3, dtype=object), y=np.zeros(3))
+    for path, needle in ((garbage, "is not a .npz archive"), (cut, "is not a .npz archive"),
+                         (objects, "holds an array of Python objects")):
+        for check in (check_source, lambda p: load_local_data(p, input_shape=(3,), num_classes=2)):
+            with pytest.raises(ConfigError) as caught:
+                check(path)
+            text = str(caught.value)
+            assert str(path) in text and needle in text and "pickle" not in text, text
+    assert check_source(tmp_path / "whole.npz") == "npz, 40 samples"
+    result = CliRunner().invoke(app, ["join", "--broker", "mqtt://127.0.0.1:9", "--agent-id", "d1",
+                                      "--profile", "rpi4", "--data", str(garbage), "--model-dir", str(tmp_path / "m")])
+    assert result.exit_code == 2, result.output
+    output = " ".join(result.output.split())
+    assert f"{str(garbage)!r} is not a .npz archive" in output and "Traceback" not in output, output

@@ -124,6 +124,16 @@ def test_public_key_announcement_carries_no_secret(keys):
         (dict(schema="status", version=1, fields={"online": True, "evil": 1}), "field 'evil'"),
         (dict(schema="hello", version=2, fields={"run_id": "r", "agent_id": "a", "n_samples": 0, "bandwidth": 1, "cpu_speed": 1}), "n_samples"),
         (dict(schema="cluster-model", version=1, fields={"cluster": 0, "model": "mlp"}), "expected ['weights']"),
+        # issue 23: no coercion (a signed {"online": "no"} took a connected device out of rounds)
+        (dict(schema="status", version=1, fields={"online": "no"}), "field 'online' input should be a valid boolean"),
+        (dict(schema="status", version=1, fields={"online": 0}), "field 'online'"),
+        (dict(schema="hello", version=2, fields={"run_id": "r", "agent_id": "a", "n_samples": "12", "bandwidth": 1,
+                                                 "cpu_speed": 1}), "field 'n_samples' input should be a valid integer"),
+        (dict(schema="assignment", version=1, fields={"cluster": 1.0, "encryption_budget": 0.5}), "field 'cluster'"),
+        (dict(schema="assignment", version=1, fields={"cluster": 0, "encryption_budget": "0.5"}), "encryption_budget"),
+        (dict(schema="notice", version=1, fields={"run_id": 7, "kind": "done"}), "field 'run_id'"),
+        (dict(schema="aggregate-result", version=1, fields={"run_id": "r", "cluster": 0, "accepted": "yes"}),
+         "field 'accepted'"),
     ],
 )
 def test_bad_messages_are_refused_with_a_reason(frame_kwargs, reason):
@@ -145,3 +155,39 @@ def test_every_message_is_registered_once():
     classes = Message.__subclasses__()
     assert sorted(MESSAGES.names()) == sorted(c.schema_name for c in classes)
     assert len(set(MESSAGES.names())) == len(classes) >= 15
+
+
+def test_a_coerced_status_is_rejected_with_its_reason_and_the_service_goes_on(mosquitto):
+    """A status signed by a genuine device but saying ``{"online": "no"}``: the service logs
+    and rejects it (the device is not marked offline), and handles the next frame."""
+    import logging
+    import threading
+    import time
+
+    from senseshield.runtime.identity import Identity, Trust
+    from senseshield.runtime.service import Service
+    from senseshield.runtime.transport import Link
+
+    device = Identity.generate("pi-1")
+    trust = Trust({"pi-1": device.principal("agent")}, fleet="strict")
+    service = Service(mosquitto.url, fleet="strict", client_id="watcher", logger=logging.getLogger("test.strict"),
+                      trust=trust, role="coordinator")
+    seen: list[bool] = []
+    service.on(Status, lambda item: seen.append(item.message.online))
+    service.start(["agents/+/status"])
+    thread = threading.Thread(target=lambda: service.wait_until(lambda: len(seen) >= 1, 60), daemon=True)
+    thread.start()
+    sender = Link(mosquitto.url, client_id="pi-1", fleet="strict", on_frame=lambda t, f: None)
+    sender.start()
+    try:
+        for online in ("no", True):
+            sender.publish("agents/pi-1/status", encode_frame(schema="status", version=1, fleet="strict",
+                                                              sender="pi-1", round=0, fields={"online": online},
+                                                              signer=device))
+        thread.join(60)
+        assert seen == [True]
+        reasons = " | ".join(service.rejected)
+        assert "field 'online' input should be a valid boolean" in reasons, reasons
+    finally:
+        sender.stop()
+        service.stop()

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from senseshield.errors import ConfigError
+from senseshield.errors import STORAGE_EXIT, ConfigError, StorageError
 
 console = Console(stderr=True)  # progress, errors, notes
 out = Console()  # results
@@ -22,6 +22,20 @@ def fail(message: str) -> None:
     """Print ``error: <message>`` on stderr and exit with code 2."""
     console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     raise typer.Exit(2)
+
+
+def storage_stop(exc: StorageError, service: str, then: str) -> None:
+    """A service that could not write a file: one sentence naming the path, the OS reason
+    and what happens next, in the service's log (stderr when it has none), and exit code 74
+    (no traceback)."""
+    import logging
+
+    line = f"{exc}; {service} stopped (exit {STORAGE_EXIT}): {then}."
+    if logging.getLogger().handlers:  # a service: setup_logging
+        logging.getLogger().error("%s", line)
+    else:
+        console.print(f"[bold red]error:[/] {line}", highlight=False, soft_wrap=True)
+    raise typer.Exit(STORAGE_EXIT)
 
 
 def validation_sentence(exc: ValidationError) -> str:

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from rich.markup import escape
 from rich.table import Table
 
-from senseshield.errors import ConfigError, SenseShieldError
+from senseshield.errors import ConfigError, SenseShieldError, StorageError
 
 app = typer.Typer(
     help="SenseShield: federated learning with sensitivity-guided selective HE and DP.",
@@ -47,7 +47,7 @@ app.add_typer(identity_app, name="identity")
 from senseshield.cli import run as _run  # noqa: E402
 from senseshield.cli.common import console, out  # noqa: E402
 from senseshield.cli.common import fail as _fail  # noqa: E402
-from senseshield.cli.common import phase_progress, progress_bar  # noqa: E402
+from senseshield.cli.common import phase_progress, progress_bar, storage_stop  # noqa: E402
 from senseshield.cli.common import validation_sentence as _validation_sentence  # noqa: E402
 
 
@@ -395,6 +395,9 @@ def fleet_up(
         signal.signal(signal.SIGTERM, _terminated)
         try:
             report = _fleet_up(config, options, progress)
+        except StorageError as exc:
+            bar.stop()
+            storage_stop(exc, "fleet up", f"free space or fix {out_dir} and run it again")
         except ConfigError as exc:
             bar.stop()
             _fail(str(exc))

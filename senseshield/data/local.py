@@ -121,6 +121,25 @@ def load_local_data(
     return _finish(text, raw, job, test_fraction)
 
 
+def check_source(source: str | Path) -> str:
+    """Read a device's data source once, before any job (``edge-agent join`` at start): its
+    format must be known and, for files read without the job's shape (npz, csv), ``x`` and
+    ``y`` must load as non-empty numeric arrays. :class:`ConfigError` naming the file and
+    what is wrong. What depends on the job (shape, classes, NaN after conversion) is checked
+    when a job arrives. Returns a short description, e.g. ``npz, 300 samples``."""
+    text = str(source)
+    fmt = _detect(text)
+    if fmt.name not in ("npz", "csv"):  # images and Python loaders need the job's shape
+        return fmt.name
+    raw = fmt.load(text, Job((1,), 2, 0), {})  # these formats do not use the job
+    x = _as_array("x", raw.x, text)
+    _as_array("y", raw.y, text)
+    n = len(x) if x.ndim else 0
+    if n == 0:
+        raise ConfigError(f"Data {text!r} holds no samples.")
+    return f"{fmt.name}, {n} samples"
+
+
 def _detect(text: str) -> DataFormat:
     for _, fmt in FORMATS.items():
         if fmt.claims(text):
@@ -246,13 +265,29 @@ def _has_suffix(*suffixes: str) -> Callable[[str], bool]:
 
 
 def _load_npz(text: str, job: Job, options: dict[str, Any]) -> Raw:
+    import zipfile
+
+    if not zipfile.is_zipfile(text):  # numpy would try it as a pickle and say so
+        raise ConfigError(
+            f"Data file {text!r} is not a .npz archive (not a zip file: damaged, cut short or "
+            f"another format); write it with numpy.savez(path, x=..., y=...)."
+        )
     try:
         with np.load(text, allow_pickle=False) as npz:
             arrays = {k: npz[k] for k in npz.files}
-    except Exception as exc:
+    except ValueError as exc:
+        if "pickle" not in str(exc):
+            raise ConfigError(f"Data file {text!r} holds an array numpy cannot read; write it again with "
+                              "numpy.savez(path, x=..., y=...).") from None
         raise ConfigError(
-            f"Data file {text!r} is not a readable .npz archive of numeric arrays: {exc}."
-        ) from exc
+            f"Data file {text!r} holds an array of Python objects; only numeric arrays (x, y, "
+            f"optionally x_test and y_test) are allowed."
+        ) from None
+    except Exception:  # noqa: BLE001 - a damaged member: our sentence, not numpy's
+        raise ConfigError(
+            f"Data file {text!r} is a damaged .npz archive (an array in it cannot be read); write "
+            f"it again with numpy.savez(path, x=..., y=...)."
+        ) from None
     missing = [k for k in ("x", "y") if k not in arrays]
     if missing:
         raise ConfigError(

@@ -33,9 +33,10 @@ import yaml
 from senseshield import defaults
 from senseshield.data import load_dataset
 from senseshield.device_noise import DEVELOPMENT_ENV
-from senseshield.errors import ConfigError
+from senseshield.errors import STORAGE_EXIT, ConfigError, StorageError
 from senseshield.data.shards import device_shards, shards
-from senseshield.job import Job, with_shape
+from senseshield.job import Job, check_job, with_shape
+from senseshield.runtime.files import write_atomic
 from senseshield.runtime.identity import Identity, Trust, check_frame
 from senseshield.runtime.service import writable_dir
 
@@ -82,11 +83,11 @@ def job_file(config: Job, options: "FleetOptions", path: Path) -> Path:
     """Write the job ``coordinator serve --job`` runs: ``config`` for ``options.agents``
     devices (its ``min_devices``), the fleet's round deadline, and the model's input shape
     and classes (from the built-in dataset unless the job gives them)."""
+    deadline = options.round_deadline if options.round_deadline is not None else config.round_deadline
     job = with_shape(config.model_copy(update={
-        "clients": options.agents, "min_devices": options.agents, "round_deadline": options.round_deadline or config.round_deadline,
+        "clients": options.agents, "min_devices": options.agents, "round_deadline": deadline,
     }))
-    path.write_text(yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False))
-    return path
+    return write_atomic(path, yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False))
 
 
 class Fleet:
@@ -97,7 +98,12 @@ class Fleet:
             raise ConfigError(f"--agents {options.agents} is not allowed; a fleet needs at least 1 agent.")
         if options.data is not None and len(options.data) != options.agents:
             raise ConfigError(f"--data gives {len(options.data)} file(s) for {options.agents} agents; give one per agent.")
+        if options.round_deadline is not None and not options.round_deadline > 0:
+            raise ConfigError(f"--round-deadline {options.round_deadline:g} is not allowed; give the seconds a round "
+                              f"waits for updates, more than 0 (or leave it out: the job's, {config.round_deadline:g} s).")
         self.config = config.model_copy(update={"clients": options.agents})
+        if not options.serve:  # the job's model, built as the coordinator will, before any process starts
+            check_job(with_shape(self.config))
         self.options = options
         self.threads = options.threads or defaults.shared_threads(options.agents)
         self.progress = progress
@@ -251,7 +257,8 @@ class Fleet:
                 self.seen["agents"].add(msg.agent_id)
             elif isinstance(msg, AggregateResult):
                 self.seen["rounds"].add(frame.round)
-            elif isinstance(msg, Decline) and msg.selected and topic.endswith(f"agents/{frame.sender}/decline"):
+            elif (isinstance(msg, Decline) and msg.selected and topic.endswith(f"agents/{frame.sender}/decline")
+                  and frame.sender not in self.seen["agents"]):  # one that said hello takes part (as the coordinator rules)
                 self.seen["declined"].setdefault(frame.sender, msg.reason)
 
         self.observer = Link(self.url, client_id="fleet-up-observer", fleet=self.options.fleet,
@@ -291,12 +298,17 @@ class Fleet:
         if self.progress:
             self.progress("round", max(self.seen["rounds"], default=0), self.config.rounds)
         report = self.out / "report.json"
+        if coordinator.returncode == STORAGE_EXIT:  # it could not write --out or --state-dir: its last line says which
+            log = (self.out / "logs" / "coordinator.log").read_text(errors="replace")
+            said = [line for line in log.splitlines() if "Cannot write" in line][-1:] or ["Cannot write its files"]
+            sentence = said[0][said[0].index("Cannot write"):].split("; the coordinator stopped")[0]
+            raise StorageError(f"The coordinator stopped: {sentence}")
         if coordinator.returncode != 0 or not report.exists():
             tail = (self.out / "logs" / "coordinator.log").read_text(errors="replace").strip().splitlines()[-3:]
             raise ConfigError(f"The coordinator failed (exit {coordinator.returncode}): {' / '.join(tail)}")
         data = json.loads(report.read_text())
         self._augment(data)
-        report.write_text(json.dumps(data, indent=2))
+        write_atomic(report, json.dumps(data, indent=2))
         return data
 
     def _augment(self, data: dict) -> None:
@@ -349,5 +361,5 @@ def fleet_up(config: Job, options: FleetOptions, progress: Progress | None = Non
         fleet.start()
         report = fleet.wait(timeout)
     report["exit_codes"] = fleet.stop()
-    (Path(options.out) / "report.json").write_text(json.dumps(report, indent=2))
+    write_atomic(Path(options.out) / "report.json", json.dumps(report, indent=2))
     return report

@@ -90,9 +90,33 @@ class JobClient:
                                       "is `coordinator serve` running on this broker and fleet?")
                 self._changed.wait(min(left, 0.5))
 
+    def check_operator(self) -> None:
+        """A coordinator with a trust file acts only on jobs signed by an operator it pins,
+        and says nothing to anyone else (docs/security.md). So this client checks its own
+        identity against the trust file it was given, and says at once, instead of waiting
+        for an answer that never comes. :class:`ConfigError` naming the identity."""
+        if self.trust.tofu:
+            return
+        me = self.identity
+        pinned = self.trust.principals.get(me.name)
+        if pinned is None:
+            why = f"does not list {me.name!r}"
+        elif pinned.role != "operator":
+            why = f"gives {me.name!r} role {pinned.role!r}, not operator"
+        elif (pinned.sign != me.sign_key) if pinned.sign is not None else (pinned.pinned_fingerprint != me.fingerprint):
+            why = f"pins another key for {me.name!r}"
+        else:
+            return
+        raise ConfigError(
+            f"The trust file of fleet {self.fleet!r} {why}, so the coordinator ignores jobs signed with this "
+            f"identity (key {me.fingerprint}); give the --identity the trust file pins, or add this one to the "
+            f"trust file (`senseshield identity show --name {me.name} --identity FILE`, then `senseshield "
+            "identity build`).")
+
     def _ask(self, suffix: str, message: JobSubmit | JobCancel, timeout: float) -> JobReply:
         """Send ``message`` once the coordinator is online, again every few seconds until it
         answers (it answers a repeated request id with its first answer)."""
+        self.check_operator()
         self.link.subscribe(f"jobs/replies/{message.request_id}")
         end = time.monotonic() + timeout
         self._wait(lambda: self._online is True, timeout, "online status")

@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 from senseshield.errors import ConfigError
+from senseshield.runtime.files import write_atomic
 
 log = logging.getLogger("senseshield.keyfiles")
 
@@ -70,9 +71,6 @@ def check_private(path: Path) -> None:
 
 
 def write_secret(path: Path, data: bytes) -> None:
-    """Write ``data`` to a file only its owner can read (0600 from creation on)."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    """Write ``data`` to a file only its owner can read (0600 from creation on), atomically
+    (:func:`senseshield.runtime.files.write_atomic`)."""
+    write_atomic(path, data, mode=0o600)

@@ -10,8 +10,11 @@ A handler that raises :class:`ProtocolError`, :class:`ConfigError` or
 :class:`KeyMismatchError` rejects that one message: the reason is logged and kept in
 ``rejected`` (the latest 1,000; ``rejected_total`` counts all), and the service carries on.
 Any other exception is logged with its traceback and the service carries on too: one
-message never stops a service. The services' own loop steps (closing a round, joining a
-run, training) run under the same :meth:`Service.guard`.
+message never stops a service. The one exception is :class:`StorageError` (a file the
+service must keep could not be written): going on would leave rounds unsaved, so it ends
+the service's loop and the CLI stops the service with one sentence (exit 74). The
+services' own loop steps (closing a round, joining a run, training) run under the same
+:meth:`Service.guard`.
 
 Liveness: every service has a retained status topic (``agents/<id>/status``,
 ``coordinator/status``, ``keyserver/status``) with an "offline" last will, and
@@ -33,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from senseshield.errors import ConfigError, KeyMismatchError, ProtocolError
+from senseshield.errors import ConfigError, KeyMismatchError, ProtocolError, StorageError
 from senseshield.runtime.protocol import Frame
 from senseshield.runtime.protocol.envelope import DEFAULT_MAX_FRAME_BYTES
 from senseshield.runtime.identity import Identity, Trust, check_frame
@@ -315,10 +318,12 @@ class Service:
 
     def guard(self, where: str, fn: Callable[[], None]) -> bool:
         """Run one handler or loop step; an exception rejects/logs it and the service goes
-        on. True if ``fn`` finished."""
+        on. True if ``fn`` finished. A :class:`StorageError` is raised on: the service stops."""
         try:
             fn()
             return True
+        except StorageError:
+            raise
         except (ProtocolError, ConfigError, KeyMismatchError) as exc:
             self.reject(where, str(exc))
         except Exception:  # noqa: BLE001 - one message never stops a service

@@ -854,9 +854,9 @@ def run_trial(
 
 
 def _write(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    os.replace(tmp, path)
+    from senseshield.runtime.files import write_atomic
+
+    write_atomic(path, json.dumps(data, indent=2))
 
 
 def _machine() -> dict:

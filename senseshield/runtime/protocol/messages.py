@@ -8,6 +8,10 @@ section dtype ``u8``, with the vector length in a field).
 Version rule: a receiver accepts exactly the version it was built with and otherwise
 rejects the message saying which side is older, so old agents fail clearly.
 
+Strict rule: fields are never coerced. A bool must be a JSON boolean, an int an integer, a
+str a string (a float field takes an integer too): a signed status ``{"online": "no"}`` is
+refused with its reason, not read as offline (pydantic's strict mode on :class:`Message`).
+
 Validation rule: a message class checks everything it can know by itself (bitset lengths
 against ``size``, section lengths against the masks, sample counts within
 :data:`MAX_SAMPLES`, a ciphertext exactly when a mask selects positions), so a typed
@@ -17,10 +21,10 @@ message that exists is internally consistent; :func:`update_from_message` and
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
 
 from senseshield.engine.aggregation import EncryptedAggregate, ProtectedUpdate, validate_update
 from senseshield.errors import ProtocolError
@@ -32,7 +36,8 @@ from senseshield.registry import Registry
 class Message(BaseModel):
     """Base of all messages. Array fields are declared in ``sections``."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+    # strict: no coercion of what arrives ("no" is not False, "12" is not 12, 1.0 is not 1)
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True, strict=True)
 
     schema_name: ClassVar[str]
     version: ClassVar[int] = 1
@@ -273,7 +278,8 @@ class Metrics(Message):
     n_test: int = Field(ge=0)
     timings: dict[str, float] = {}
     epsilon: float | None = None
-    dp_history: list[tuple[float, float, int]] = []
+    # JSON has no tuples: each entry arrives as a list (its items are still strict)
+    dp_history: list[Annotated[tuple[float, float, int], Strict(False)]] = []
     inference: dict[str, float] = {}  # onnxruntime latency of the model: p50/p95 ms, batch 1 and 32
 
 

@@ -1,0 +1,85 @@
+"""The one way SenseShield writes a file: atomically, or not at all.
+
+:func:`write_atomic` writes to a temporary file in the same directory (created with
+``O_EXCL | O_NOFOLLOW``, so a planted file or link is never written through), flushes and
+fsyncs it, renames it over the target (``os.replace``) and fsyncs the directory. A reader
+sees the old file or the new one, never a part; a crash or a full disk leaves the old file
+and no temporary one. Any OS error becomes :class:`~senseshield.errors.StorageError`, one
+sentence naming the path and the reason, which stops a service (exit 74) instead of letting
+it go on with files it could not save.
+
+Every file the services write goes through here: the coordinator's report, cluster models,
+checkpoint and job book, the key server's checkpoint and secret key files, the agents' ONNX
+models.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import secrets
+from pathlib import Path
+
+from senseshield.errors import StorageError
+
+
+def write_atomic(path: str | Path, data: bytes | str, *, mode: int = 0o666) -> Path:
+    """Replace ``path`` with ``data`` (str: UTF-8) atomically; its directory is created if
+    missing. ``mode`` is the new file's permission before the umask (0o600 for secrets: the
+    file is never readable by others, not even for a moment). :class:`StorageError` if
+    anything fails; then ``path`` is as it was and no temporary file is left."""
+    path = Path(path)
+    raw = data.encode() if isinstance(data, str) else bytes(data)
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
+    created = False
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), mode)
+        created = True
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(raw)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        created = False
+        _sync_dir(path.parent)
+    except OSError as exc:
+        raise StorageError.writing(path, exc) from None
+    finally:
+        if created:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+    return path
+
+
+def npy_bytes(array) -> bytes:  # noqa: ANN001 - a numpy array
+    """``array`` as the bytes of a ``.npy`` file (for :func:`write_atomic`)."""
+    import numpy as np
+
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    return buffer.getvalue()
+
+
+def npz_bytes(**arrays) -> bytes:  # noqa: ANN003 - numpy arrays
+    """``arrays`` as the bytes of an uncompressed ``.npz`` file (for :func:`write_atomic`)."""
+    import numpy as np
+
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    return buffer.getvalue()
+
+
+def _sync_dir(folder: Path) -> None:
+    """Make the rename durable (best effort: some file systems cannot fsync a directory)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
