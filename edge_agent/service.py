@@ -31,7 +31,7 @@ from senseshield.data import load_dataset
 from senseshield.errors import ConfigError, ProtocolError
 from senseshield.device_noise import SECRET, DeviceNoise
 from senseshield.he import SCHEMES, PublicKey
-from senseshield.he.base import ephemeral_exchange, round_context
+from senseshield.he.base import ephemeral_exchange, model_digest, round_context
 from senseshield.runtime.protocol.messages import (
     Decline,
     Assignment,
@@ -366,8 +366,9 @@ class EdgeAgent(Service):
         box = unb64(msg.box_key, "the key server's box key")
         self.seeds[(msg.run_id, item.round)] = self.identity.open(sealed, box, context)
 
-    def _receipt(self, r: int, plan: RoundPlan, update, message: UpdateMessage) -> bytes:  # noqa: ANN001
-        """This update's signed receipt (its fingerprint under round ``r``'s sealed challenge)."""
+    def _receipt(self, r: int, plan: RoundPlan, update, message: UpdateMessage, start: np.ndarray) -> bytes:  # noqa: ANN001
+        """This update's signed receipt (its fingerprint under round ``r``'s sealed challenge,
+        and the digest of the cluster model ``start`` it was trained from)."""
         run = self.run
         assert run is not None
         fp = b""
@@ -383,7 +384,7 @@ class EdgeAgent(Service):
             key_id=self.public.key_id if self.public is not None else "",
             mask_digest=hashlib.sha256(message.mask.tobytes()).hexdigest(),
             ciphertext_digest=hashlib.sha256(message.ciphertext).hexdigest() if message.ciphertext else "",
-            fingerprint=fp,
+            fingerprint=fp, start_digest=model_digest(start),
         )
         return self.frame(receipt, round=r)
 
@@ -693,7 +694,7 @@ class EdgeAgent(Service):
         message = update_to_message(update, self.public, report=choice_report(choice))
         t_serialize = time.perf_counter() - t
         t = time.perf_counter()
-        receipt = self._receipt(r, plan, update, message)
+        receipt = self._receipt(r, plan, update, message, start)
         t_receipt = time.perf_counter() - t
         t = time.perf_counter()
         frame = self.frame(message.model_copy(update={"receipt": receipt}), round=r)

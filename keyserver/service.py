@@ -160,6 +160,10 @@ class KeyServer(Service):
         self.spent: dict[int, dict[str, int]] = {}
         self.challenges: dict[int, Challenge] = {}
         self.boxes: dict[int, dict[str, bytes]] = {}  # round -> agent -> X25519 box key (masked pads)
+        # across jobs (its own file, never reset): "key|agent|starting model" -> "run/round/cluster"
+        # of the one aggregate that contribution was decrypted in
+        self.ledger: dict[str, str] = self._load_ledger()
+        self._ledger_keys: dict[tuple[int, int], dict[str, str]] = {}
         self.on(FleetConfig, self._on_config)
         self.on(RoundOpen, self._on_round_open)
         self.on(AggregateRequest, self._on_request)
@@ -176,7 +180,7 @@ class KeyServer(Service):
         self.run_id, self.config, self.initial = msg.run_id, config, msg.initial.copy()
         self.models, self.results = {}, {}
         self.plans, self.seeds, self.spent, self.challenges, self.boxes = {}, {}, {}, {}, {}
-        self.pending, self.reserved = {}, {}  # a late result of the previous run is dropped
+        self.pending, self.reserved, self._ledger_keys = {}, {}, {}  # a late result of the previous run is dropped
         if scheme is None:
             self.secret = self.public = None
             announcement = PublicKeyAnnouncement(scheme="", key_id=NO_KEY_ID, key=b"", run_id=msg.run_id)
@@ -254,8 +258,8 @@ class KeyServer(Service):
             mean, t_decrypt = future.result()
         except ProtocolError as exc:  # the scheme's own check (masked: a sum that is not the named one)
             # the contributions are spent all the same: a refusal after unmasking is an answer
-            # about their sum, which a coordinator must not be able to ask for twice in a round
-            self.spent.setdefault(r, {}).update({a: k for a in distinct})
+            # about their sum, which a coordinator must not be able to ask for twice
+            self._spend(r, k, distinct)
             self.log.warning("round %d cluster %d refused at decryption: %s", r, k, exc)
             self._answer(r, k, AggregateResult(run_id=self.run_id, cluster=k, accepted=False,
                                                reason=f"refused: {exc}", timings={"verify": t_verify}))
@@ -269,11 +273,38 @@ class KeyServer(Service):
         current = self.models.get(k, (0, self.initial))[1]
         new = apply_mean(current, mean, server_lr=self.config.options.server_lr)
         self.models[k] = (r, new)
-        self.spent.setdefault(r, {}).update({a: k for a in distinct})
+        self._spend(r, k, distinct)
         self.log.info("round %d cluster %d: %d verified contributors (%.3f s), decrypted in %.3f s", r, k,
                       len(distinct), t_verify, t_decrypt)
         self._answer(r, k, AggregateResult(run_id=self.run_id, cluster=k, accepted=True,
                                            timings={"decrypt": t_decrypt, "verify": t_verify}))
+
+    def _spend(self, r: int, k: int, distinct: list[str]) -> None:
+        """Round ``r``'s contributions of cluster ``k`` have been through a decryption: spent
+        for the round, and (encrypted ones) in the cross-job ledger, written before the verdict."""
+        self.spent.setdefault(r, {}).update({a: k for a in distinct})
+        entries = self._ledger_keys.pop((r, k), {})
+        if entries:
+            where = f"{self.run_id}/{r}/{k}"
+            for entry in entries.values():
+                self.ledger.setdefault(entry, where)
+            write_atomic(self._ledger_path(), json.dumps(self.ledger, sort_keys=True))
+
+    def _ledger_path(self) -> Path:
+        return self.key_dir / f"ledger-{self.fleet}.json"
+
+    def _load_ledger(self) -> dict[str, str]:
+        path = self._ledger_path()
+        if not path.exists():
+            return {}
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"The key server's ledger {path} cannot be read ({exc}); it records which "
+                              "contributions were decrypted and must not be lost: restore it from a backup.") from None
+        if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()):
+            raise ConfigError(f"The key server's ledger {path} is not a JSON object of strings; restore it from a backup.")
+        return data
 
     # -- trust: the round's plan, its challenge, the contributions ------------------------
     def _on_round_open(self, item: Inbound) -> None:
@@ -380,6 +411,24 @@ class KeyServer(Service):
             unknown = sorted(a for a in names if a not in self.boxes.get(r, {}))
             if unknown and self.public.needs_contributors:
                 return f"no box key for {unknown} in round {r}; their contributions cannot be unmasked", {}
+        if ciphertext is not None and self.public is not None:
+            # across jobs: one (key, agent, starting model) enters one decrypted aggregate, so a
+            # re-run job cannot difference sums of the same updates in other pairings
+            entries = {a: f"{self.public.key_id}|{a}|{receipts[a].start_digest}" for a in names}
+            unsigned = sorted(a for a in names if not receipts[a].start_digest)
+            if unsigned:
+                return f"the receipts of {unsigned} do not sign the model they trained from", {}
+            # (within a job the round's own ledger applies: a later round trains anew, even from
+            # the same model after a refused round)
+            used = sorted((a, self.ledger[e]) for a, e in entries.items()
+                          if e in self.ledger and self.ledger[e].rsplit("/", 2)[0] != self.run_id)
+            if used:
+                a, where = used[0]
+                run, rr, kk = where.rsplit("/", 2)
+                return (f"the contribution of {a!r} from this starting model was already decrypted in job {run} "
+                        f"(round {rr}, cluster {kk}); a contribution enters one aggregate across jobs, so "
+                        "run the job from another initial model (another seed)"), {}
+            self._ledger_keys[(r, k)] = entries
         return None, {a: receipts[a].n_samples for a in names}
 
     def _answer(self, r: int, k: int, result: AggregateResult) -> None:

@@ -69,6 +69,7 @@ class Harness:
             time.sleep(0.05)
         time.sleep(0.3)
         self.rng = np.random.default_rng(0)
+        self.run = "run-1"
         self.seeds: dict[int, bytes] = {}
         self.deltas: dict[tuple[str, int], np.ndarray] = {}
 
@@ -92,10 +93,11 @@ class Harness:
         raise AssertionError(f"no {cls.__name__} within {timeout} s")
 
     # -- the run --------------------------------------------------------------------------
-    def start_run(self, strategy: str = "sensecrypt") -> object:
+    def start_run(self, strategy: str = "sensecrypt", run: str = "run-1") -> object:
+        self.run = run
         config = Job(strategy=strategy, model="linear", clients=2, key_bits=1024,
                      scheme=None if strategy in ("plaintext", "masked") else "packed-paillier")
-        self.send("fleet/config", FleetConfig(run_id="run-1", config=config.model_dump(mode="json"),
+        self.send("fleet/config", FleetConfig(run_id=self.run, config=config.model_dump(mode="json"),
                                               input_shape=[1, 8, 8], num_classes=10, round_deadline=30,
                                               initial=np.zeros(SIZE)))
         announcement, _ = self.wait(PublicKeyAnnouncement)
@@ -103,39 +105,45 @@ class Harness:
         return announcement
 
     def open_round(self, r: int, clusters: dict[int, list[str]]) -> None:
-        self.send("keyserver/rounds", RoundOpen(run_id="run-1", clusters={str(k): v for k, v in clusters.items()}),
+        self.send("keyserver/rounds", RoundOpen(run_id=self.run, clusters={str(k): v for k, v in clusters.items()}),
                   round=r)
         challenge, got_r = self.wait(Challenge)
+        while challenge.run_id != self.run:  # a retained challenge of an earlier run
+            challenge, got_r = self.wait(Challenge)
         assert got_r == r
-        context = f"{FLEET}/run-1/{r}".encode()
+        context = f"{FLEET}/{self.run}/{r}".encode()
         seeds = {a: self.ids[a].open(unb64(s, "sealed", SEALED_SEED_BYTES), unb64(challenge.box_key, "box"), context)
                  for a, s in challenge.sealed.items()}
         assert len(set(seeds.values())) == 1  # every agent of the round got the same seed
         assert sorted(seeds) == sorted(a for v in clusters.values() for a in v)
         self.seeds[r] = next(iter(seeds.values()))
 
-    def contribution(self, agent: str, r: int, cluster: int, *, seed_round: int | None = None, n: int = 10):  # noqa: ANN201
-        """An honest agent's update (half the model encrypted) and its signed receipt."""
+    def contribution(self, agent: str, r: int, cluster: int, *, seed_round: int | None = None, n: int = 10,  # noqa: ANN201
+                     start: str | None = None):
+        """An honest agent's update (half the model encrypted) and its signed receipt;
+        ``start``: the model it trained from (default: the cluster's model of round r - 1)."""
         mask = np.zeros(SIZE, bool)
         if self.public is not None:
             mask[: self.public.block_size * 4] = True
-        key = self.public.for_contributor(self.ids[agent].exchange, round_context(FLEET, "run-1", r, cluster)) \
+        run = self.run
+        key = self.public.for_contributor(self.ids[agent].exchange, round_context(FLEET, run, r, cluster)) \
             if self.public is not None else None  # the masked scheme's pads; others ignore it
         delta = self.rng.normal(size=SIZE) * 0.01
         self.deltas[(agent, r)] = delta
         update = protect_update(delta, mask, key, client_id=agent, round=r, cluster=cluster, n_samples=n)
         cipher = self.public.ciphertext_bytes(update.ciphertext) if update.ciphertext is not None else b""
         fp = self.public.fingerprint(update.ciphertext, self.seeds[seed_round or r]) if cipher and self.public.verifiable else b""
-        receipt = Receipt(run_id="run-1", cluster=cluster, n_samples=n, key_id=self.public.key_id if self.public else "",
+        receipt = Receipt(run_id=run, cluster=cluster, n_samples=n, key_id=self.public.key_id if self.public else "",
                           mask_digest=hashlib.sha256(pack_mask(mask).tobytes()).hexdigest(),
-                          ciphertext_digest=hashlib.sha256(cipher).hexdigest() if cipher else "", fingerprint=fp)
+                          ciphertext_digest=hashlib.sha256(cipher).hexdigest() if cipher else "", fingerprint=fp,
+                          start_digest=hashlib.sha256((start or f"{run}/{cluster}/{r - 1}").encode()).hexdigest())
         return update, to_frame(receipt, fleet=FLEET, sender=agent, round=r, signer=self.ids[agent])
 
     def request(self, r: int, cluster: int, parts: list, *, contributors: list[str] | None = None,  # noqa: ANN001
                 receipts: list[bytes] | None = None):  # noqa: ANN201
         updates = [u for u, _ in parts]
         aggregate = aggregate_updates(updates, self.public, round=r, cluster=cluster)
-        msg = aggregate_to_message(aggregate, self.public, run_id="run-1",
+        msg = aggregate_to_message(aggregate, self.public, run_id=self.run,
                                    receipts=receipts if receipts is not None else [rc for _, rc in parts])
         return msg if contributors is None else msg.model_copy(update={"contributors": contributors})
 
@@ -248,7 +256,40 @@ def test_masked_aggregates_unmask_only_as_the_signed_sum(harness):
     forged_receipt = to_frame(receipt, fleet=FLEET, sender="e", round=2, signer=harness.ids["e"])
     result = harness.verdict(2, harness.request(2, 1, [d2, (e2[0], forged_receipt)]))
     assert not result.accepted and "sign another mask" in result.reason
+    # cluster 1's model never moved (both rounds refused): round 3 trains from the same starting
+    # model as round 1, and within one job that is a new contribution, accepted
+    harness.open_round(3, plan)
+    d3, e3 = (harness.contribution(x, 3, 1, start="run-1/1/0") for x in "de")
+    result = harness.verdict(3, harness.request(3, 1, [d3, e3]))
+    assert result.accepted, result.reason
     assert harness.thread.is_alive()
+
+
+@pytest.mark.parametrize("strategy", ["masked", "sensecrypt"])
+def test_a_rerun_job_cannot_have_the_same_contributions_decrypted_again(mosquitto, tmp_path, strategy):
+    """Issue 22 item 3: job 1 decrypts a+b from the initial model; job 2 (same key, same
+    starting model, other pairings) is refused naming the agent and job 1, after a key
+    server restart too; from another starting model (another seed) job 2 goes on."""
+    h = Harness(mosquitto.url, tmp_path / "keys")
+    try:
+        h.start_run(strategy, run="job-1")
+        h.open_round(1, {0: ["a", "b"], 1: ["c", "d"]})
+        for cluster, pair in ((0, "ab"), (1, "cd")):
+            parts = [h.contribution(x, 1, cluster, start="initial") for x in pair]
+            assert h.verdict(1, h.request(1, cluster, parts)).accepted
+    finally:
+        h.stop()
+    h = Harness(mosquitto.url, tmp_path / "keys")  # restarted: the ledger is on disk
+    try:
+        h.start_run(strategy, run="job-2")
+        h.open_round(1, {0: ["a", "c"], 1: ["b", "d"]})
+        result = h.verdict(1, h.request(1, 0, [h.contribution(x, 1, 0, start="initial") for x in "ac"]))
+        assert not result.accepted
+        assert "contribution of 'a' from this starting model was already decrypted in job job-1" in result.reason
+        result = h.verdict(1, h.request(1, 1, [h.contribution(x, 1, 1, start="another seed") for x in "bd"]))
+        assert result.accepted, result.reason
+    finally:
+        h.stop()
 
 
 def test_a_contribution_enters_one_decrypted_aggregate_per_round_even_after_a_restart(mosquitto, tmp_path):

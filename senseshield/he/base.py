@@ -313,6 +313,11 @@ def ephemeral_exchange(peer_box: bytes) -> bytes:
     return X25519PrivateKey.generate().exchange(X25519PublicKey.from_public_bytes(peer_box))
 
 
+def model_digest(weights: np.ndarray) -> str:
+    """SHA-256 of a model as devices receive it (float32): what a receipt says it trained from."""
+    return hashlib.sha256(np.ascontiguousarray(weights, dtype=np.float32).tobytes()).hexdigest()
+
+
 def round_context(fleet: str, run_id: str, round: int, cluster: int) -> bytes:
     """What binds a contribution to one round of one cluster of one job (the masked scheme's
     pads are derived in it, so a masked vector is worthless anywhere else)."""

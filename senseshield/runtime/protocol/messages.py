@@ -451,9 +451,13 @@ class Receipt(Message):
     only contributors whose receipt verifies against the trust file, once per round, for the
     cluster they signed, and (Paillier schemes) checks the aggregate against the
     ``fingerprint`` under the round's sealed challenge (:mod:`senseshield.he.fingerprint`).
-    The round is the frame header's."""
+    The round is the frame header's. ``start_digest`` (version 2) is the SHA-256 of the
+    float32 model the update was trained from: the key server decrypts a contribution of
+    one (key, agent, starting model) in one aggregate only, across jobs (no differencing of
+    re-run jobs)."""
 
     schema_name: ClassVar[str] = "receipt"
+    version: ClassVar[int] = 2
     sections: ClassVar[dict[str, str]] = {"fingerprint": "bytes"}
     run_id: str
     cluster: int = Field(ge=0)
@@ -462,6 +466,7 @@ class Receipt(Message):
     mask_digest: str = Field(max_length=64)  # SHA-256 of the packed encryption mask
     ciphertext_digest: str = Field(max_length=64)  # SHA-256 of the ciphertext bytes ("" if none)
     fingerprint: bytes = b""  # empty when nothing is encrypted or the scheme is not verifiable
+    start_digest: str = Field("", max_length=64)  # SHA-256 of the float32 model trained from
 
 
 @message
