@@ -716,7 +716,8 @@ class Coordinator(Service):
             self.clusters[k] = cr
             for a in members:
                 plan = self._round_plan(k, a)
-                self.send(f"agents/{a}/inbox", plan, round=r)
+                # one frame per device: do not wait for each acknowledgement (N round trips)
+                self.send(f"agents/{a}/inbox", plan, round=r, wait=False)
                 self.agent_rounds.setdefault(a, {})[r] = {"cluster": k, "plan_sent": time.time(),
                                                           "budget": self.plan.budget_of[a]}
 

@@ -46,6 +46,19 @@ def test_frames_round_trip_through_the_broker(mosquitto):
     tx.stop(), rx.stop()
 
 
+def test_a_fan_out_without_waiting_for_each_acknowledgement_still_delivers_every_frame_in_order(mosquitto):
+    """The coordinator's plans (issue 22 item 5): ``wait=False`` hands frames to paho's QoS 1
+    queue without a round trip each; every one arrives, in order."""
+    rx, inbox = listener(mosquitto.url)
+    tx = Link(mosquitto.url, client_id="tx", fleet="lab", on_frame=lambda t, f: None)
+    tx.start()
+    for i in range(300):
+        assert tx.publish(f"t/{i}", frame(k=i), wait=False)
+    got = [inbox.get(timeout=30)[1].fields["k"] for _ in range(300)]
+    assert got == list(range(300))
+    tx.stop(), rx.stop()
+
+
 def test_large_frames_are_chunked_under_the_broker_limit(tmp_path):
     broker = Mosquitto(tmp_path, message_size_limit=100_000)
     broker.start()

@@ -191,10 +191,11 @@ class Service:
     def frame(self, message: Message, *, round: int = 0) -> bytes:
         return to_frame(message, fleet=self.fleet, sender=self.name, round=round, signer=self.identity)
 
-    def send(self, suffix: str, message: Message, *, round: int = 0, retain: bool = False) -> int:
-        """Publish ``message``; returns the frame's size in bytes."""
+    def send(self, suffix: str, message: Message, *, round: int = 0, retain: bool = False, wait: bool = True) -> int:
+        """Publish ``message``; returns the frame's size in bytes (``wait=False``: do not wait
+        for the broker's acknowledgement, see :meth:`Link.publish`)."""
         frame = self.frame(message, round=round)
-        self.link.publish(suffix, frame, retain=retain)
+        self.link.publish(suffix, frame, retain=retain, wait=wait)
         return len(frame)
 
     def start(self, subscriptions: list[str], *, timeout: float = 30.0) -> None:

@@ -280,8 +280,11 @@ class Link:
         if self._client.is_connected():
             self._client.unsubscribe(full)
 
-    def publish(self, suffix: str, frame: bytes, *, retain: bool = False, timeout: float = 30.0) -> bool:
-        """Publish a frame at QoS 1, chunked if larger than ``chunk_bytes``; wait for PUBACKs.
+    def publish(self, suffix: str, frame: bytes, *, retain: bool = False, timeout: float = 30.0,
+                wait: bool = True) -> bool:
+        """Publish a frame at QoS 1, chunked if larger than ``chunk_bytes``; wait for PUBACKs
+        (``wait=False``: hand the frame to paho's queue and return, for fan-outs such as a
+        round's plans, where one round trip per message would add up; QoS 1 still delivers).
 
         Returns False when the broker is unreachable right now (the message stays queued).
         A retained frame is remembered and re-published after every reconnect.
@@ -303,6 +306,8 @@ class Link:
             with self._lock:
                 self._retained[suffix] = frame
         infos = [self._client.publish(topic(self.fleet, suffix), p, qos=1, retain=retain) for p in parts]
+        if not wait:
+            return True
         try:
             for info in infos:
                 info.wait_for_publish(timeout)
