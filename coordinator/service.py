@@ -104,6 +104,7 @@ class FleetReport(RunResult):
 
     fleet: str
     run_id: str
+    key_id: str | None = None  # the key server's key of the run (None: nothing encrypted)
     input_shape: list[int]
     num_classes: int
     round_deadline: float
@@ -1191,7 +1192,8 @@ class Coordinator(Service):
                      "torch": torch.__version__},
             delta=o.delta if dp else None, **privacy_fields(self.strategy, final),
             noise_multiplier=self.sigma_user if self.sigma_user is not None else (max(self.sigma_record.values()) if self.sigma_record else None),
-            fleet=self.fleet, run_id=self.run_id, input_shape=self.input_shape, num_classes=self.num_classes,
+            fleet=self.fleet, run_id=self.run_id, key_id=self.key_id if self.scheme else None,
+            input_shape=self.input_shape, num_classes=self.num_classes,
             round_deadline=self.round_deadline, bootstrap_seconds=self.bootstrap_seconds,
             agents=agents, server=server, straggling=straggling, straggling_events=self.straggling,
             budgets=self.plan.budget_notes, refused=self.refused, declined=self.declined,

@@ -512,8 +512,8 @@ class EdgeAgent(Service):
         run.hello = hello
         self.send(f"agents/{self.agent_id}/hello", hello)
         where = "own data" if self.data_spec.sources else f"shard {index}/{count}"
-        self.log.info("%s joined job %s (%s, %d samples, %s)", self.agent_id, run.run_id, config.strategy,
-                      data.n_train, where)
+        self.log.info("%s joined job %s (%s, %d samples, %s, key %s)", self.agent_id, run.run_id, config.strategy,
+                      data.n_train, where, self.key.key_id if self.key else "none")
         if strategy.needs_bootstrap_sensitivity:
             if vector is None:
                 vector = self._bootstrap(run, strategy, model, data, index)

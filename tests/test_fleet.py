@@ -100,6 +100,10 @@ def test_fleet_ends_with_the_simulators_model(mosquitto, tmp_path, strategy, mod
     assert [r["accuracy"] for r in report["rounds"]] == pytest.approx([r.accuracy for r in sim.rounds], abs=1e-9)
     assert [c["cluster"] for c in report["clients"]] == [c.cluster for c in sim.clients]
     assert report["exit_codes"] == {name: 0 for name in report["exit_codes"]}
+    # the run's key is named in the report and in every agent's log (issue 25's small traps)
+    if strategy != "plaintext":
+        key_id = report["key_id"]
+        assert key_id and all(f"key {key_id})" in (tmp_path / "logs" / f"c{i:03d}.log").read_text() for i in range(4))
     # per-agent, per-round phase timings and the server's
     phases = report["agents"][0]["rounds"]["1"]["phases"]
     assert {"train", "sensitivity", "mask", "encrypt", "upload", "wait"} <= set(phases)

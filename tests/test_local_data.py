@@ -367,3 +367,15 @@ def test_a_corrupt_npz_is_our_sentence_and_stops_the_agent_at_start(tmp_path: Pa
     assert result.exit_code == 2, result.output
     output = " ".join(result.output.split())
     assert f"{str(garbage)!r} is not a .npz archive" in output and "Traceback" not in output, output
+
+
+def test_a_data_glob_skips_a_csvs_sidecar(tmp_path):
+    """Issue 25's small trap: 'DIR/device-*' matched device-2.csv.yaml as a device of its own."""
+    from senseshield.cli.run import data_files
+
+    (tmp_path / "device-1.npz").write_bytes(b"x")
+    (tmp_path / "device-2.csv").write_text("a,label\n1,0\n")
+    (tmp_path / "device-2.csv.yaml").write_text("label_column: label\n")
+    (tmp_path / "lonely.csv.yaml").write_text("label_column: label\n")  # no CSV beside it: kept, and refused later
+    files = data_files([str(tmp_path / "device-*"), str(tmp_path / "lonely*")])
+    assert [f.name for f in files] == ["device-1.npz", "device-2.csv", "lonely.csv.yaml"]

@@ -108,6 +108,8 @@ def data_files(items: list[str] | None) -> list[Path] | None:
     files: list[Path] = []
     for item in items:
         found = sorted(glob.glob(item)) if any(c in item for c in "*?[") else ([item] if Path(item).exists() else [])
+        # a CSV's sidecar (device-2.csv.yaml) describes its CSV; it is not a device of its own
+        found = [f for f in found if not (f.endswith((".csv.yaml", ".csv.yml")) and Path(f[: f.rindex(".")]).is_file())]
         if not found:
             fail(f"--data {item!r} matches no file; give paths or glob patterns of the devices' data files.")
         files += [Path(f) for f in found]
