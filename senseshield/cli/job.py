@@ -37,7 +37,7 @@ def _when(stamp: float | None) -> str:
 
 
 def _follow(client, job_id: str) -> int:  # noqa: ANN001
-    record = client.follow(job_id, lambda line: out.print(line, highlight=False))
+    record = client.follow(job_id, lambda line: out.print(line, highlight=False, soft_wrap=True))  # one event, one line
     if record.get("out"):
         console.print(f"report: {record['out']}/report.json (on the coordinator's host)")
     return 0 if record["state"] == "done" else 1
@@ -132,7 +132,7 @@ def status(
     if j.get("out"):
         out.print(f"report: {j['out']}/report.json (on the coordinator's host)", highlight=False)
     for line in j["events"][-8:]:
-        out.print(f"  {line}", highlight=False)
+        out.print(f"  {line}", highlight=False, soft_wrap=True)
 
 
 @job_app.command("logs")
@@ -154,7 +154,7 @@ def logs(
             if follow:
                 raise typer.Exit(_follow(client, job_id))
             for line in client.record(job_id)["events"]:
-                out.print(line, highlight=False)
+                out.print(line, highlight=False, soft_wrap=True)
     except (ConfigError, ConnectionError) as exc:
         fail(str(exc))
 
