@@ -68,3 +68,24 @@ def test_entry_point_reports_user_mistake_without_traceback():
     assert out.returncode == 2
     assert out.stderr.startswith("error: Unknown strategy 'nope'")
     assert "Traceback" not in out.stderr
+
+
+def test_a_services_python_warnings_are_one_log_line_without_a_source_path(capsys):
+    """Issue 25's small trap: a raw InsecureKeyWarning with its source path in a service log."""
+    import warnings
+
+    from senseshield.cli.run import setup_logging
+    from senseshield.he.paillier import InsecureKeyWarning
+
+    before = warnings.showwarning
+    try:
+        setup_logging("info", "keyserver")
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.warn("A 1024-bit Paillier modulus is insecure.", InsecureKeyWarning)
+    finally:
+        warnings.showwarning = before
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "insecure" in line]
+    assert len(lines) == 1 and "keyserver WARNING InsecureKeyWarning: A 1024-bit" in lines[0]
+    assert ".py" not in err

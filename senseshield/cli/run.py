@@ -8,6 +8,7 @@ validated by :class:`~senseshield.strategies.StrategyOptions` (``senseshield str
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -200,3 +201,11 @@ def setup_logging(level: str, role: str, file: Path | None = None) -> None:
         format=f"%(asctime)s.%(msecs)03d {role} %(levelname)s %(message)s", datefmt="%H:%M:%S",
     )
     logging.getLogger("amqtt").setLevel(logging.WARNING)
+    # Python warnings (an insecure test key, a library's notice) become one log line with the
+    # warning's own sentence, not a source path and a line of code on stderr
+    warnings_log = logging.getLogger("senseshield.warnings")
+
+    def _show(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001
+        warnings_log.warning("%s: %s", category.__name__, message)
+
+    warnings.showwarning = _show
