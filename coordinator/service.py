@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -79,7 +78,7 @@ from senseshield.results import (
     privacy_fields,
     weighted_accuracy,
 )
-from senseshield.strategies import BootstrapReport, FleetPlan, build_strategy
+from senseshield.strategies import BootstrapReport, FleetPlan
 from senseshield.strategies.base import RoundCosts, measured_intervals
 
 log = logging.getLogger("senseshield.coordinator")
