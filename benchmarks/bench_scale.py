@@ -262,7 +262,9 @@ class LoadGenerator:
             key_id=self.public.key_id if self.public is not None else "",
             mask_digest=hashlib.sha256(message.mask.tobytes()).hexdigest(),
             ciphertext_digest=hashlib.sha256(message.ciphertext).hexdigest() if message.ciphertext else "",
-            fingerprint=fp)
+            fingerprint=fp,
+            # replayed template updates: the digest names the cluster model of the round they stand for
+            start_digest=hashlib.sha256(f"{self.run_id}/{plan.cluster}/{plan.model_round}".encode()).hexdigest())
         signed = to_frame(receipt, fleet=self.name, sender=agent, round=r, signer=self.ids[agent])
         self.send(agent, f"agents/{agent}/update", message.model_copy(update={"receipt": signed}), r)
         self.sent_updates.setdefault(r, set()).add(agent)
