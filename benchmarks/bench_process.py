@@ -1,8 +1,8 @@
 """Start and stop of the three services as real processes (issue 23 item 6, issue 25 item 5).
 
 Starts a Mosquitto on a free loopback port, then each service (`keyserver serve`,
-`coordinator serve`, `edge-agent join --profile auto`) alone, as its own OS process, and
-measures:
+`coordinator serve`, `edge-agent join` with the default ``--profile auto`` and with a declared
+profile, ``--profile rpi4``) alone, as its own OS process, and measures:
 
 - first line: seconds from the process start to its first output line;
 - ready: seconds to its retained status "online" on the broker (for the agent that is after
@@ -16,7 +16,10 @@ not sent its update, SIGTERM to c000: seconds to its exit, mid-round. Each measu
 repeated ``--repeats`` times (median reported). Prints a table and writes
 ``benchmarks/results/process.json`` (``--out``).
 
-    python benchmarks/bench_process.py [--repeats 3] [--epochs 300] [--label after]
+``--tree NAME=DIR`` (repeatable) runs the services from that source tree (PYTHONPATH=DIR),
+alternating the trees in every repeat, so a before/after comparison sees the same load.
+
+    python benchmarks/bench_process.py [--repeats 3] [--epochs 300] [--tree before=/tmp/old --tree after=.]
 """
 
 from __future__ import annotations
@@ -118,7 +121,7 @@ class Service:
         return took, code
 
 
-def one_service(role: str, broker: MosquittoProcess, tmp: Path, n: int) -> dict:
+def one_service(role: str, broker: MosquittoProcess, tmp: Path, n: int | str) -> dict:
     fleet = f"bench-{role}-{n}"
     common = ["--broker", broker.url, "--fleet", fleet]
     work = tmp / fleet
@@ -128,9 +131,10 @@ def one_service(role: str, broker: MosquittoProcess, tmp: Path, n: int) -> dict:
     elif role == "coordinator":
         argv, topic = [PYTHON, "-m", "coordinator.cli", "serve", *common, "--state-dir", str(work / "state")], \
             "coordinator/status"
-    else:
+    else:  # agent: --profile auto (the default: measures this device), agent_rpi4: a declared profile
+        profile = ["--profile", "rpi4"] if role == "agent_rpi4" else []
         argv, topic = [PYTHON, "-m", "edge_agent.cli", "join", *common, "--agent-id", "a0", "--shard", "0/3",
-                       "--model-dir", str(work / "agent")], "agents/a0/status"
+                       "--model-dir", str(work / "agent"), *profile], "agents/a0/status"
     watcher = StatusWatcher(broker.url, fleet)
     service = Service(argv, work / f"{role}.log")
     ready = watcher.wait(topic, timeout=300)
@@ -145,7 +149,7 @@ def one_service(role: str, broker: MosquittoProcess, tmp: Path, n: int) -> dict:
             "idle_rss_mb": rss, "sigterm_idle_s": stop_s, "exit_code": code}
 
 
-def mid_round(broker: MosquittoProcess, tmp: Path, n: int, epochs: int) -> dict:
+def mid_round(broker: MosquittoProcess, tmp: Path, n: int | str, epochs: int) -> dict:
     """SIGTERM agent c000 while it trains round 2 (its plan arrived, its update not sent)."""
     from senseshield.job import Job
     from senseshield.runtime.fleet import Fleet, FleetOptions
@@ -188,42 +192,54 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=300, help="Local epochs of the mid-round job.")
-    parser.add_argument("--label", default="", help="What was measured (e.g. before, after).")
+    parser.add_argument("--tree", action="append", default=[],
+                        help="NAME=DIR: run the services from this source tree (repeatable; default: this one).")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "process.json")
     args = parser.parse_args()
+    trees = dict(t.split("=", 1) for t in args.tree) or {"this": None}
     tmp = Path(tempfile.mkdtemp(prefix="bench-process-"))
     broker = MosquittoProcess(tmp / "broker").start()
-    runs: dict[str, list[dict]] = {"keyserver": [], "coordinator": [], "agent": [], "agent_mid_round": []}
+    roles = ("keyserver", "coordinator", "agent", "agent_rpi4", "agent_mid_round")
+    runs: dict[str, dict[str, list[dict]]] = {name: {role: [] for role in roles} for name in trees}
+    loads = []
     try:
         for n in range(args.repeats):
-            for role in ("keyserver", "coordinator", "agent"):
-                runs[role].append(one_service(role, broker, tmp, n))
-                print(role, runs[role][-1], flush=True)
-            runs["agent_mid_round"].append(mid_round(broker, tmp, n, args.epochs))
-            print("agent mid-round", runs["agent_mid_round"][-1], flush=True)
+            for name, tree in trees.items():
+                if tree is not None:
+                    os.environ["PYTHONPATH"] = str(Path(tree).resolve())
+                loads.append(os.getloadavg()[0])
+                for role in roles[:4]:
+                    runs[name][role].append(one_service(role, broker, tmp, f"{name}-{n}"))
+                    print(name, role, runs[name][role][-1], flush=True)
+                runs[name]["agent_mid_round"].append(mid_round(broker, tmp, f"{name}-{n}", args.epochs))
+                print(name, "agent mid-round", runs[name]["agent_mid_round"][-1], flush=True)
     finally:
         broker.stop()
 
-    def median(role: str, key: str) -> float | None:
-        values = [r[key] for r in runs[role] if r.get(key) is not None]
-        return statistics.median(values) if values else None
+    summaries = {}
+    for name, by_role in runs.items():
+        def median(role: str, key: str) -> float | None:
+            values = [r[key] for r in by_role[role] if r.get(key) is not None]
+            return statistics.median(values) if values else None
 
-    summary = {role: {key: median(role, key) for key in ("first_line_s", "ready_s", "idle_rss_mb", "sigterm_idle_s")}
-               for role in ("keyserver", "coordinator", "agent")}
-    summary["agent"]["sigterm_round_s"] = median("agent_mid_round", "sigterm_round_s")
-    codes = {role: sorted({r["exit_code"] for r in rs}) for role, rs in runs.items()}
-    print(f"\n{'service':<12} {'first line s':>12} {'ready s':>8} {'idle RSS MB':>12} {'SIGTERM idle s':>15} "
-          f"{'SIGTERM in round s':>19}  exit codes")
-    for role in ("keyserver", "coordinator", "agent"):
-        s = summary[role]
-        in_round = f"{s['sigterm_round_s']:.2f}" if s.get("sigterm_round_s") is not None else "-"
-        extra = codes[role] + (codes["agent_mid_round"] if role == "agent" else [])
-        print(f"{role:<12} {s['first_line_s']:>12.2f} {s['ready_s']:>8.2f} {s['idle_rss_mb']:>12.0f} "
-              f"{s['sigterm_idle_s']:>15.2f} {in_round:>19}  {sorted(set(extra))}")
+        summary = {role: {key: median(role, key) for key in ("first_line_s", "ready_s", "idle_rss_mb", "sigterm_idle_s")}
+                   for role in roles[:4]}
+        summary["agent"]["sigterm_round_s"] = median("agent_mid_round", "sigterm_round_s")
+        summaries[name] = summary
+        codes = {role: sorted({r["exit_code"] for r in rs}) for role, rs in by_role.items()}
+        print(f"\n{name} (median of {args.repeats})")
+        print(f"{'service':<12} {'first line s':>12} {'ready s':>8} {'idle RSS MB':>12} {'SIGTERM idle s':>15} "
+              f"{'SIGTERM in round s':>19}  exit codes")
+        for role in roles[:4]:
+            s = summary[role]
+            in_round = f"{s['sigterm_round_s']:.2f}" if s.get("sigterm_round_s") is not None else "-"
+            extra = codes[role] + (codes["agent_mid_round"] if role == "agent" else [])
+            print(f"{role:<12} {s['first_line_s']:>12.2f} {s['ready_s']:>8.2f} {s['idle_rss_mb']:>12.0f} "
+                  f"{s['sigterm_idle_s']:>15.2f} {in_round:>19}  {sorted(set(extra))}")
     result = {
-        "label": args.label, "machine": f"{cpu_model()}, {os.cpu_count()} vCPUs",
-        "load_before": os.getloadavg(), "repeats": args.repeats, "mid_round_epochs": args.epochs,
-        "median": summary, "runs": runs, "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "machine": f"{cpu_model()}, {os.cpu_count()} vCPUs", "trees": trees,
+        "load_1min_at_each_repeat": loads, "repeats": args.repeats, "mid_round_epochs": args.epochs,
+        "median": summaries, "runs": runs, "when": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))

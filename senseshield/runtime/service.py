@@ -26,8 +26,8 @@ Stopping: SIGTERM or SIGINT sets :attr:`Service.stopping`, which every loop chec
 whose work may be abandoned (the agent: local training, evaluation) sets
 :attr:`Service.abandon_work`, and a signal then ends that work at once by raising
 :class:`Stopped` in its thread, so a stop never waits for a round. Once the service has
-said goodbye and disconnected, :func:`leave` ends the process without waiting for worker
-threads still busy with work the stop abandoned (a key server's decryption).
+said goodbye and disconnected, :func:`leave` ends the process at once, without waiting for
+worker threads still busy with work the stop abandoned (a key server's decryption).
 """
 
 from __future__ import annotations
@@ -365,17 +365,17 @@ class Service:
 
 
 def leave(service: Service, code: int = 0) -> None:
-    """After a service stopped on a signal (it said goodbye and disconnected): end the process
-    now with ``code`` if threads it started still run (a decryption in a worker pool, which
-    the stop abandoned); Python would otherwise wait for them at exit. Otherwise return, and
-    the process exits as usual."""
+    """After a service stopped on a signal (it said goodbye, disconnected, and every file it
+    keeps is written atomically): end the process now with ``code``, its log flushed. Python
+    would otherwise wait for worker threads busy with work the stop abandoned (a decryption)
+    and then tear down torch and onnxruntime (about 0.9 s on an idle x86 core). Without a
+    signal it returns, and the process exits as usual."""
     if service.stop_signal is None:
         return
     busy = [t.name for t in threading.enumerate()
             if t is not threading.main_thread() and t.is_alive() and not t.daemon]
-    if not busy:
-        return
-    service.log.info("%s: stopped; not waiting for %s", service.name, ", ".join(sorted(busy)))
+    if busy:
+        service.log.info("%s: stopped; not waiting for %s", service.name, ", ".join(sorted(busy)))
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
