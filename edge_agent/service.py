@@ -73,7 +73,7 @@ from senseshield.job import Job, announced_run, build_job_model, device_index, t
 from senseshield.strategies import ClientContext
 from senseshield.inference import export_onnx, latency, load_session
 
-if TYPE_CHECKING:  # torch loads with the first job (_torch): an idle agent starts and waits without it
+if TYPE_CHECKING:  # torch loads in serve (_torch), after the agent's first line
     import torch
 
 log = logging.getLogger("senseshield.agent")
@@ -440,13 +440,25 @@ class EdgeAgent(Service):
 
     # ---- joining ------------------------------------------------------------------------
     def _torch(self):  # noqa: ANN202
-        """torch, on this agent's threads: imported when the first job arrives, not at start."""
+        """torch, on this agent's threads (imported after the agent's first line, before it
+        connects)."""
         import torch
 
         if not self._torch_threads_set:
             torch.set_num_threads(self.threads)
             self._torch_threads_set = True
         return torch
+
+    def _preload(self) -> None:
+        """What taking a job needs, loaded after the agent's first line and before it is online,
+        so that joining a job does not wait for imports: torch (on this agent's threads) and
+        local training, and scikit-learn's dataset loader for built-in data (no --data).
+        Opacus (DP jobs), TenSEAL (CKKS) and onnxruntime (the first evaluation) load when used."""
+        self._torch()
+        import senseshield.training  # noqa: F401
+
+        if not self.data_spec.sources:
+            import sklearn.datasets  # noqa: F401
 
     def _prepare(self, msg: FleetConfig) -> PreparedRun:
         """Check a new run's config against this device (config fields, strategy, the local
@@ -787,15 +799,16 @@ class EdgeAgent(Service):
     def serve(self) -> int:
         """Take jobs until SIGTERM (``once``: until the first job ends or refuses this
         agent); returns the exit code (0, or 3 if refused)."""
-        self.start([
-            "fleet/config", "keys/public", "fleet/control", f"agents/{self.agent_id}/inbox", "keyserver/challenges",
-        ])
-        self.log.info("%s: connected to fleet %r; waiting for a job", self.agent_id, self.fleet)
         waits: dict[object, WaitNote] = {}  # what this agent waits for, each said once
         try:
-            # a stop ends whatever the agent is doing (joining, training a round, evaluating):
-            # the coordinator sees it leave, as it sees a device that loses power
+            # a stop ends whatever the agent is doing (starting, joining, training a round,
+            # evaluating): the coordinator sees it leave, as it sees a device that loses power
             self.abandon_work = True
+            self._preload()
+            self.start([
+                "fleet/config", "keys/public", "fleet/control", f"agents/{self.agent_id}/inbox", "keyserver/challenges",
+            ])
+            self.log.info("%s: connected to fleet %r; waiting for a job", self.agent_id, self.fleet)
             while not self.stopping.is_set() and self.exit is None:
                 self.pump(0.5)
                 # every step under the guard: a bad message or a failing step is logged and
@@ -822,7 +835,7 @@ class EdgeAgent(Service):
                 return self.exit.code
             return 0
         except Stopped:
-            self.log.info("%s: stopped in the middle of its work", self.agent_id)
+            self.log.info("%s: stopped%s", self.agent_id, "" if self.run is None else f" in the middle of job {self.run.run_id}")
             return 0
         finally:
             self.abandon_work = False

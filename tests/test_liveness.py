@@ -103,7 +103,7 @@ def test_every_service_exits_on_sigterm_in_the_middle_of_a_round(mosquitto, tmp_
             assert fleet.processes[name].wait(20) == 0, (tmp_path / "logs" / f"{name}.log").read_text()[-2000:]
     watcher.stop()
     assert ("update", 1) not in seen  # it left in the middle of the round
-    assert "c000: stopped in the middle of its work" in (tmp_path / "logs" / "c000.log").read_text()
+    assert "c000: stopped in the middle of job" in (tmp_path / "logs" / "c000.log").read_text()
 
 
 def _free_port() -> int:
