@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import signal
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -123,12 +122,11 @@ def serve(
                      "it saved when the coordinator is started again (the key server answers rounds it already applied)")
     except (ConfigError, ConnectionError) as exc:
         fail(str(exc))
-    except KeyboardInterrupt:  # a stop in the middle of a job (its loop raises it; the job resumes at restart)
+    except KeyboardInterrupt:  # stopped during a job (its loop raises it): exit 130, the job resumes at restart
         console.print("coordinator stopped")
-        code = 0 if server is not None and server.stop_signal == signal.SIGTERM else 130  # SIGTERM: 0, idle or not
         if server is not None:
-            leave(server, code)
-        raise typer.Exit(code)
+            leave(server, 130)
+        raise typer.Exit(130)
 
 
 def main() -> None:
