@@ -452,9 +452,12 @@ class EdgeAgent(Service):
     def _preload(self) -> None:
         """What taking a job needs, loaded after the agent's first line and before it is online,
         so that joining a job does not wait for imports: torch (on this agent's threads) and
-        local training, and scikit-learn's dataset loader for built-in data (no --data).
-        Opacus (DP jobs), TenSEAL (CKKS) and onnxruntime (the first evaluation) load when used."""
+        local training (with ``torch._dynamo``, which torch's optimizers load at their first
+        step: about 800 modules, 1 s), and scikit-learn's dataset loader for built-in data (no
+        --data). Opacus (DP jobs), TenSEAL (CKKS) and onnxruntime (the first evaluation) load
+        when used."""
         self._torch()
+        import torch._dynamo  # noqa: F401
         import senseshield.training  # noqa: F401
 
         if not self.data_spec.sources:
