@@ -72,6 +72,39 @@ def test_a_key_server_restart_costs_less_than_one_round(mosquitto, tmp_path):
     assert keyserver_log.count("round 3 cluster 0: 3 verified contributors") == 1  # applied once
 
 
+SIGNALS_WHILE_PUMPING = """
+import logging, os, signal, threading, time
+from senseshield.runtime.service import Service
+
+service = Service("mqtt://127.0.0.1:1", fleet="f", client_id="s", logger=logging.getLogger("s"))
+service.install_signal_handlers()
+done = threading.Event()
+
+def signals():
+    while not done.is_set():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.0005)
+
+threading.Thread(target=signals, daemon=True).start()
+end = time.monotonic() + 3
+while time.monotonic() < end:
+    service.pump(0)
+done.set()
+print("pumped")
+"""
+
+
+def test_a_signal_while_the_service_takes_a_message_does_not_deadlock_it():
+    """The signal handler wakes the service's loop by putting on its queue. With a
+    ``queue.Queue``, whose lock the service's thread holds inside ``get``, a SIGTERM that
+    arrived there deadlocked the service for good (the key servers SIGKILLed at shutdown in
+    the fuzz tests); the loop's queue must take a put from a signal handler. Three seconds of
+    SIGTERMs every 0.5 ms while the loop polls; the bound is one only a deadlock exceeds."""
+    proc = subprocess.run([sys.executable, "-c", SIGNALS_WHILE_PUMPING], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).parents[1])
+    assert proc.returncode == 0 and "pumped" in proc.stdout, proc.stderr[-2000:]
+
+
 def _cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` (/proc/PID/stat)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()

@@ -170,7 +170,9 @@ class Service:
         elif own.sign is not None and own.sign != self.identity.sign_key:
             raise ConfigError(f"The trust file pins another key for {client_id!r} than its identity "
                               f"({self.identity.fingerprint}); give the matching --identity or update the trust file.")
-        self._queue: queue.Queue = queue.Queue()
+        # SimpleQueue: its put is reentrant, so the signal handler may put while the service's
+        # thread is inside get (queue.Queue's lock is not: a SIGTERM there deadlocked the service)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._handlers: dict[type[Message], Callable[[Inbound], None]] = {}
         self.stopping = threading.Event()
         self.stop_signal: int | None = None  # the SIGTERM/SIGINT that stopped it (see leave)
