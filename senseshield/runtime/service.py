@@ -235,13 +235,15 @@ class Service:
         """SIGTERM and SIGINT end the loop cleanly (main thread only); with
         :attr:`abandon_work` set they end the work in hand at once (:class:`Stopped`)."""
         def _stop(signum, frame):  # noqa: ANN001
-            first = not self.stopping.is_set()
-            if first:
-                self.log.info("%s: signal %d, stopping", self.name, signum)
+            # runs in the service's thread between two bytecodes, even inside this handler: a
+            # later signal returns before taking any lock (the Event's is not reentrant)
+            if self.stop_signal is not None:
+                return
             self.stop_signal = signum
             self.stopping.set()
             self._queue.put(None)
-            if first and self.abandon_work:
+            self.log.info("%s: signal %d, stopping", self.name, signum)
+            if self.abandon_work:
                 raise Stopped()
 
         signal.signal(signal.SIGTERM, _stop)
