@@ -111,11 +111,18 @@ class Service:
             self.log.write(line)
         self.first_line.set()
 
-    def terminate(self, timeout: float = 120.0) -> tuple[float, int]:
+    def terminate(self, timeout: float = 60.0) -> tuple[float | None, int | None]:
+        """Seconds from SIGTERM to exit and the exit code; (None, None) for a hang (no exit
+        within ``timeout``: SIGKILLed)."""
         t = time.monotonic()
         self.proc.send_signal(signal.SIGTERM)
-        code = self.proc.wait(timeout)
-        took = time.monotonic() - t
+        try:
+            code = self.proc.wait(timeout)
+            took: float | None = time.monotonic() - t
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            took, code = None, None
         self.reader.join(5)
         self.log.close()
         return took, code
@@ -224,6 +231,8 @@ def main() -> None:
 
         summary = {role: {key: median(role, key) for key in ("first_line_s", "ready_s", "idle_rss_mb", "sigterm_idle_s")}
                    for role in roles[:4]}
+        for role in roles[:4]:
+            summary[role]["hangs"] = sum(r["sigterm_idle_s"] is None for r in by_role[role])
         summary["agent"]["sigterm_round_s"] = median("agent_mid_round", "sigterm_round_s")
         summaries[name] = summary
         codes = {role: sorted({r["exit_code"] for r in rs}) for role, rs in by_role.items()}
@@ -234,8 +243,9 @@ def main() -> None:
             s = summary[role]
             in_round = f"{s['sigterm_round_s']:.2f}" if s.get("sigterm_round_s") is not None else "-"
             extra = codes[role] + (codes["agent_mid_round"] if role == "agent" else [])
+            idle = f"{s['sigterm_idle_s']:.2f}" + (f" ({s['hangs']} hung)" if s["hangs"] else "")
             print(f"{role:<12} {s['first_line_s']:>12.2f} {s['ready_s']:>8.2f} {s['idle_rss_mb']:>12.0f} "
-                  f"{s['sigterm_idle_s']:>15.2f} {in_round:>19}  {sorted(set(extra))}")
+                  f"{idle:>15} {in_round:>19}  {sorted(set(extra), key=str)}")
     result = {
         "machine": f"{cpu_model()}, {os.cpu_count()} vCPUs", "trees": trees,
         "load_1min_at_each_repeat": loads, "repeats": args.repeats, "mid_round_epochs": args.epochs,
