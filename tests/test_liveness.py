@@ -97,8 +97,9 @@ print("pumped")
 def test_a_signal_while_the_service_takes_a_message_does_not_deadlock_it():
     """The signal handler wakes the service's loop by putting on its queue. With a
     ``queue.Queue``, whose lock the service's thread holds inside ``get``, a SIGTERM that
-    arrived there deadlocked the service for good (the key servers SIGKILLed at shutdown in
-    the fuzz tests); the loop's queue must take a put from a signal handler. Three seconds of
+    arrived there deadlocked the service for good (seen in benchmarks/bench_process.py; a
+    likely cause of the key servers SIGKILLed at shutdown in the fuzz tests); the loop's
+    queue must take a put from a signal handler. Three seconds of
     SIGTERMs every 0.5 ms while the loop polls; the bound is one only a deadlock exceeds."""
     proc = subprocess.run([sys.executable, "-c", SIGNALS_WHILE_PUMPING], capture_output=True, text=True,
                           timeout=120, cwd=Path(__file__).parents[1])
