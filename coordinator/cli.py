@@ -11,7 +11,7 @@ from senseshield import defaults
 from senseshield.cli.common import console, fail, storage_stop, version_option
 from senseshield.cli.run import (
     Broker, CaFile, Fleet, IdentityFile, LogLevel, Mqtt, PasswordFile, Scheme, Sets, TrustFile, Username,
-    build_run_config, check_mqtt, identity_and_trust, mqtt_security, setup_logging,
+    build_run_config, check_mqtt, identity_and_trust, mqtt_security, setup_logging, starting,
 )
 from senseshield.errors import ConfigError, StorageError
 
@@ -61,15 +61,17 @@ def serve(
 ) -> None:
     """Run the fleet's coordinator: it stays up and runs jobs one at a time, in the order they
     are submitted (--job files, `senseshield job submit`), on the devices that are online."""
-    from coordinator.jobs import OPEN
-    from coordinator.service import Coordinator
-    from senseshield.job import load_job, with_shape
-
     setup_logging(log_level, "coordinator")
     if agents is not None and agents < 1:
         fail(f"--agents {agents} is not allowed; a job needs at least 1 device.")
     if metrics_port is not None and not 0 < metrics_port < 65536:
         fail(f"--metrics-port {metrics_port} is not allowed; use a port in 1..65535.")
+    starting("coordinator", "coordinator", broker, fleet)  # before the imports below
+    from coordinator.jobs import OPEN
+    from coordinator.service import Coordinator
+    from senseshield.runtime.service import leave
+    from senseshield.job import load_job, with_shape
+
     flags = {"rounds": rounds, "dataset": dataset, "model": model, "partition": partition, "seed": seed,
              "local_epochs": local_epochs, "batch_size": batch_size, "lr": lr, "key_bits": key_bits,
              "train_threads": train_threads}
@@ -90,6 +92,7 @@ def serve(
     except ConfigError as exc:
         fail(str(exc))
     security = mqtt_security(broker, ca_file=ca_file, username=username, password_file=password_file)
+    server = None
     try:
         from senseshield.runtime.keyfiles import writable_dir
 
@@ -113,13 +116,16 @@ def serve(
         server.link.secure(**security)
         server.install_signal_handlers()
         server.serve()
+        leave(server)
     except StorageError as exc:  # --out or --state-dir: disk full, read-only, permission
         storage_stop(exc, "the coordinator", "its job stays running in --state-dir and resumes after the last round "
                      "it saved when the coordinator is started again (the key server answers rounds it already applied)")
     except (ConfigError, ConnectionError) as exc:
         fail(str(exc))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # stopped during a job (its loop raises it): exit 130, the job resumes at restart
         console.print("coordinator stopped")
+        if server is not None:
+            leave(server, 130)
         raise typer.Exit(130)
 
 

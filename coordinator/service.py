@@ -65,7 +65,7 @@ from senseshield.accounting import Accountant, Epsilons, epsilons
 from senseshield.runtime.files import npy_bytes, write_atomic
 from senseshield.runtime.identity import Identity, Trust, check_frame
 from senseshield.runtime.protocol.envelope import decode_frame
-from senseshield.runtime.service import Inbound, Service, check_sender, writable_dir
+from senseshield.runtime.service import Inbound, Service, Stopped, check_sender, writable_dir
 from coordinator.jobs import OPEN, JobBook, JobRecord
 from senseshield.job import (
     Job, check_job, effective_scheme, initial_model, job_from_dict, job_shape, noise_multipliers,
@@ -1351,6 +1351,7 @@ class Coordinator(Service):
         queue is empty). A job that fails or is cancelled does not stop the coordinator."""
         self.start(self.SUBSCRIPTIONS)
         try:
+            self._preload()
             self._publish_board()
             idle_logged = False
             while not self.stopping.is_set():
@@ -1371,6 +1372,22 @@ class Coordinator(Service):
                 self.metrics_server.close()
 
     run = serve  # the name before jobs
+
+    def _preload(self) -> None:
+        """What running a job needs, loaded once the coordinator is online (its first line and
+        status come before), so that a job's start and rounds do not wait for imports: torch
+        (the job's initial model), scikit-learn (clustering) and Opacus' accountant (DP
+        figures). A stop meanwhile ends the loading at once."""
+        self.abandon_work = True
+        try:
+            import opacus.accountants  # noqa: F401
+            import sklearn.cluster  # noqa: F401
+            import sklearn.metrics  # noqa: F401
+            import torch  # noqa: F401
+        except Stopped:
+            pass
+        finally:
+            self.abandon_work = False
 
     def _run_job(self, record: JobRecord) -> None:
         try:

@@ -11,7 +11,7 @@ from senseshield import defaults
 from senseshield.cli.common import fail, storage_stop, version_option
 from senseshield.cli.run import (
     Broker, CaFile, Fleet, IdentityFile, LogLevel, Mqtt, PasswordFile, Threads, TrustFile, Username, check_mqtt,
-    identity_and_trust, mqtt_security, setup_logging,
+    identity_and_trust, mqtt_security, setup_logging, starting,
 )
 from senseshield.errors import ConfigError, StorageError
 
@@ -58,11 +58,13 @@ def join(
     import logging
     import socket
 
+    setup_logging(log_level, f"agent:{agent_id or socket.gethostname()}")
+    starting("edge agent", agent_id or socket.gethostname(), broker, fleet)  # before the imports below
     from edge_agent.profile import is_measured, load_profile
     from edge_agent.service import DataSpec, EdgeAgent
+    from senseshield.runtime.service import leave
     from senseshield.device_noise import check_noise_seed
 
-    setup_logging(log_level, f"agent:{agent_id or socket.gethostname()}")
     security = mqtt_security(broker, ca_file=ca_file, username=username, password_file=password_file)
     try:
         noise = check_noise_seed(dev_noise_seed)
@@ -105,6 +107,7 @@ def join(
         agent.link.secure(**security)
         agent.install_signal_handlers()
         code = agent.serve()
+        leave(agent, code)
     except StorageError as exc:  # --model-dir: disk full, read-only, permission
         storage_stop(exc, "the agent", "started again, it joins the running job")
     except (ConfigError, ConnectionError) as exc:

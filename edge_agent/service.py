@@ -22,9 +22,9 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from senseshield import defaults
 from senseshield.data import load_dataset
@@ -66,13 +66,15 @@ from senseshield.rounds import (
 )
 from senseshield.accounting import Accountant
 from senseshield.runtime.identity import SEALED_SEED_BYTES, Identity, Trust, b64, unb64
-from senseshield.runtime.service import Inbound, Service, WaitNote
+from senseshield.runtime.service import Inbound, Service, Stopped, WaitNote
 from senseshield.data.shards import shards
 from senseshield.data.local import check_source, describe_data, load_local_data
 from senseshield.job import Job, announced_run, build_job_model, device_index, train_config
 from senseshield.strategies import ClientContext
 from senseshield.inference import export_onnx, latency, load_session
-from senseshield.training import layout_of
+
+if TYPE_CHECKING:  # torch loads in serve (_torch), after the agent's first line
+    import torch
 
 log = logging.getLogger("senseshield.agent")
 
@@ -239,7 +241,8 @@ class EdgeAgent(Service):
         self.data_spec = data
         for name, source in sorted(data.sources.items()):  # a broken file stops the agent now, not at a job
             log.info("data %s: %s (%s)", name, source, check_source(source))
-        torch.set_num_threads(threads if threads is not None else defaults.shared_threads())
+        self.threads = threads if threads is not None else defaults.shared_threads()
+        self._torch_threads_set = False
         self.run: RunState | None = None
         self.pending_config: PreparedRun | None = None
         self.newest_plan = 0  # highest round a plan arrived for
@@ -437,9 +440,36 @@ class EdgeAgent(Service):
         self.run, self.plans, self.decisions, self.newest_plan = None, [], {}, 0
 
     # ---- joining ------------------------------------------------------------------------
+    def _torch(self):  # noqa: ANN202
+        """torch, on this agent's threads (imported after the agent's first line, before it
+        connects)."""
+        import torch
+
+        if not self._torch_threads_set:
+            torch.set_num_threads(self.threads)
+            self._torch_threads_set = True
+        return torch
+
+    def _preload(self) -> None:
+        """What taking a job needs, loaded after the agent's first line and before it is online,
+        so that joining a job does not wait for imports: torch (on this agent's threads) and
+        local training (with ``torch._dynamo``, which torch's optimizers load at their first
+        step: about 800 modules, 1 s), and scikit-learn's dataset loader for built-in data (no
+        --data). Opacus (DP jobs), TenSEAL (CKKS) and onnxruntime (the first evaluation) load
+        when used."""
+        self._torch()
+        import torch._dynamo  # noqa: F401
+        import senseshield.training  # noqa: F401
+
+        if not self.data_spec.sources:
+            import sklearn.datasets  # noqa: F401
+
     def _prepare(self, msg: FleetConfig) -> PreparedRun:
         """Check a new run's config against this device (config fields, strategy, the local
         dataset's shapes, the model's size) and load its data; ProtocolError/ConfigError."""
+        from senseshield.training import layout_of
+
+        self._torch()
         config, strategy, _ = announced_run(msg.config)
         spec = self.data_spec
         if config.data is not None or spec.sources:
@@ -723,7 +753,7 @@ class EdgeAgent(Service):
         export_onnx(run.config.model, run.input_shape, run.num_classes, merged, onnx_path,
                     fleet=self.fleet, cluster=run.cluster, round=r,
                     model_args=run.config.model_args)
-        session = load_session(onnx_path, threads=torch.get_num_threads())
+        session = load_session(onnx_path, threads=self._torch().get_num_threads())
         t_apply = time.perf_counter() - t
         t = time.perf_counter()
         accuracy = _accuracy(session, run.data.x_test, run.data.y_test)
@@ -773,12 +803,16 @@ class EdgeAgent(Service):
     def serve(self) -> int:
         """Take jobs until SIGTERM (``once``: until the first job ends or refuses this
         agent); returns the exit code (0, or 3 if refused)."""
-        self.start([
-            "fleet/config", "keys/public", "fleet/control", f"agents/{self.agent_id}/inbox", "keyserver/challenges",
-        ])
-        self.log.info("%s: connected to fleet %r; waiting for a job", self.agent_id, self.fleet)
         waits: dict[object, WaitNote] = {}  # what this agent waits for, each said once
         try:
+            # a stop ends whatever the agent is doing (starting, joining, training a round,
+            # evaluating): the coordinator sees it leave, as it sees a device that loses power
+            self.abandon_work = True
+            self._preload()
+            self.start([
+                "fleet/config", "keys/public", "fleet/control", f"agents/{self.agent_id}/inbox", "keyserver/challenges",
+            ])
+            self.log.info("%s: connected to fleet %r; waiting for a job", self.agent_id, self.fleet)
             while not self.stopping.is_set() and self.exit is None:
                 self.pump(0.5)
                 # every step under the guard: a bad message or a failing step is logged and
@@ -804,7 +838,11 @@ class EdgeAgent(Service):
                 (log.info if self.exit.code == 0 else log.error)("%s: %s", self.agent_id, self.exit)
                 return self.exit.code
             return 0
+        except Stopped:
+            self.log.info("%s: stopped%s", self.agent_id, "" if self.run is None else f" in the middle of job {self.run.run_id}")
+            return 0
         finally:
+            self.abandon_work = False
             if self.pool is not None:
-                self.pool.stop()
+                self.pool.stop(timeout=1.0)  # a daemon thread: not waited for beyond that
             self.stop()

@@ -11,7 +11,7 @@ from senseshield import defaults
 from senseshield.cli.common import fail, storage_stop, version_option
 from senseshield.cli.run import (
     Broker, CaFile, Fleet, IdentityFile, LogLevel, MinContributors, Mqtt, PasswordFile, Threads, TrustFile, Username, check_mqtt, identity_and_trust, mqtt_security,
-    setup_logging,
+    setup_logging, starting,
 )
 from senseshield.errors import ConfigError, StorageError
 
@@ -44,9 +44,11 @@ def serve(
     kill_after_apply: Annotated[Optional[int], typer.Option(help="Fault drill: SIGKILL the key server right after it applied round R, before it answers.", hidden=True)] = None,
 ) -> None:
     """Publish the public key, decrypt aggregates, publish cluster models (until SIGTERM)."""
-    from keyserver.service import KeyServer
-
     setup_logging(log_level, "keyserver")
+    starting("key server", "keyserver", broker, fleet)  # before the imports below
+    from keyserver.service import KeyServer
+    from senseshield.runtime.service import leave
+
     security = mqtt_security(broker, ca_file=ca_file, username=username, password_file=password_file)
     try:
         from senseshield.runtime.keyfiles import secure_dir
@@ -59,6 +61,7 @@ def serve(
         server.link.secure(**security)
         server.install_signal_handlers()
         server.run()
+        leave(server)  # a decryption the stop abandoned is not waited for
     except StorageError as exc:  # --key-dir: disk full, read-only, permission
         storage_stop(exc, "the key server", "it answers nothing it could not save, so when it is started again it "
                      "resumes from its checkpoint and the coordinator re-sends what is pending")

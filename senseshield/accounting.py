@@ -56,9 +56,6 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from opacus.accountants import PRVAccountant, RDPAccountant
-from opacus.accountants.utils import get_noise_multiplier
-
 from senseshield.errors import ConfigError
 
 History = list[tuple[float, float, int]]  # (noise multiplier, sample rate, releases), as Opacus keeps it
@@ -68,6 +65,8 @@ class Accountant:
     """RDP accountant over Gaussian releases (subsampled with rate q)."""
 
     def __init__(self, history: History | None = None) -> None:
+        from opacus.accountants import RDPAccountant  # opacus loads when accounting runs, not at a service's start
+
         self._acc = RDPAccountant()
         self._acc.history = list(history or [])
 
@@ -95,6 +94,8 @@ class Accountant:
             return math.inf
         if accountant == "rdp":
             return float(self._acc.get_epsilon(delta=delta))
+        from opacus.accountants import PRVAccountant
+
         prv = PRVAccountant()
         prv.history = list(self._acc.history)
         with warnings.catch_warnings():  # q = 1 takes a log(0) branch inside the PRV of a subsampled Gaussian
@@ -122,6 +123,8 @@ def calibrate_sigma(*, target_epsilon: float, delta: float, sample_rate: float, 
         raise ConfigError(f"Target epsilon {target_epsilon!r} is not allowed; it must be a finite number > 0.")
     if steps < 1:
         raise ConfigError(f"Target epsilon needs at least one private release, not {steps}.")
+    from opacus.accountants.utils import get_noise_multiplier
+
     try:
         return float(
             get_noise_multiplier(

@@ -39,11 +39,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from senseshield.engine.csprng import ChaChaGenerator
 from senseshield.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 DEVELOPMENT_ENV = "SENSESHIELD_DEVELOPMENT"
 PURPOSES = ("protect", "dpsgd", "bootstrap-sketch", "synthetic-fit")
@@ -80,6 +82,8 @@ class DeviceNoise:
 
     def torch_generators(self, purpose: str, *, round: int, index: int, count: int = 2) -> list[torch.Generator]:
         """``count`` torch generators seeded from this purpose's stream (Opacus: sampling, noise)."""
+        import torch
+
         stream = self.generator(purpose, round=round, index=index)
         return [torch.Generator().manual_seed(stream.torch_seed()) for _ in range(count)]
 

@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from senseshield.engine.aggregation import ProtectedUpdate, protect_update
 from senseshield.engine.budgets import sigma_for_epsilon
@@ -40,19 +39,14 @@ from senseshield.errors import ConfigError
 from senseshield.he.base import PublicKey
 from senseshield.strategies import ClientContext, MaskChoice, Strategy
 from senseshield.synthetic import PROVIDERS, SyntheticProvider
-from senseshield.training import (
-    TrainConfig,
-    get_vector,
-    private_sketch_sum,
-    score_inputs,
-    set_vector,
-    torch_threads,
-    train_dpsgd,
-    train_local,
-)
 
+# torch (senseshield.training) is imported by the steps that train, not with this module: a
+# key server or coordinator that never trains, and an idle agent, start without it
 if TYPE_CHECKING:
+    import torch
+
     from senseshield.job import Job
+    from senseshield.training import TrainConfig
 
 @dataclass
 class ClientState:
@@ -134,6 +128,8 @@ def bootstrap_vector(
     """
     if not strategy.needs_bootstrap_sensitivity:
         return None
+    from senseshield.training import torch_threads
+
     with torch_threads(train.threads):
         return _bootstrap_vector(strategy, model, initial, data, train=train, rng=rng, seed=seed)
 
@@ -142,6 +138,8 @@ def _bootstrap_vector(
     strategy: Strategy, model: torch.nn.Module, initial: np.ndarray, data: LocalData, *,
     train: TrainConfig, seed: int, rng: NoiseSource,
 ) -> np.ndarray:
+    from senseshield.training import private_sketch_sum, score_inputs, set_vector, train_local
+
     options = strategy.options
     set_vector(model, initial)
     train_local(model, data.x_train, data.y_train, train, seed=seed)
@@ -184,6 +182,8 @@ def local_update(
     ``seed`` fixes the training order of plain SGD (shared); DP-SGD's sampling and noise come
     from ``noise`` (client ``index``'s ``dpsgd`` stream of this round, secret by default).
     """
+    from senseshield.training import torch_threads
+
     with torch_threads(train.threads):
         return _local_update(strategy, model, global_vector, data, train=train, seed=seed, round=round,
                              state=state, noise_multiplier=noise_multiplier, noise=noise, index=index)
@@ -194,6 +194,8 @@ def _local_update(
     train: TrainConfig, seed: int, round: int, state: ClientState | None, noise_multiplier: float | None,
     noise: DeviceNoise, index: int,
 ) -> LocalUpdate:
+    from senseshield.training import get_vector, score_inputs, set_vector, train_dpsgd, train_local
+
     score: Score = SCORES.get(strategy.score_name)
     plan = strategy.round_plan(round)
     x, y = data.x_train, data.y_train
@@ -328,6 +330,8 @@ def client_bootstrap(
 ) -> np.ndarray | None:
     """Client ``index``'s bootstrap vector (the same on a device and in the simulator when
     both replay one noise seed); Alg. 2's sketch noise is ``noise``'s ``bootstrap-sketch`` draw."""
+    from senseshield.training import TrainConfig
+
     return bootstrap_vector(
         strategy,
         model,

@@ -363,9 +363,8 @@ def test_an_agent_exits_cleanly_on_sigterm(mosquitto, tmp_path):
         time.sleep(0.05)
     assert statuses == [True]
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(15) == 0, proc.stdout.read().decode()
-    time.sleep(0.3)
-    assert statuses[-1] is False
+    assert proc.wait(60) == 0, proc.stdout.read().decode()  # a bound only a hang exceeds (busy machine)
+    wait_for(lambda: statuses[-1] is False)  # its goodbye, published before it exits
     watcher.stop()
 
 

@@ -168,14 +168,15 @@ class Processes:
         return {name: p.poll() for name, p in self.procs.items()}
 
     def stop(self) -> dict[str, int | None]:
-        """SIGTERM every process still running (agents first); their exit codes."""
+        """SIGTERM every process still running (agents first); their exit codes (each waited
+        for up to 120 s: a bound only a hang exceeds, then SIGABRT dumps its threads)."""
         for name in sorted(self.procs, key=lambda n: n in ("coordinator", "keyserver")):
             if self.procs[name].poll() is None:
                 self.procs[name].send_signal(signal.SIGTERM)
         codes = {}
         for name, proc in self.procs.items():
             try:
-                codes[name] = proc.wait(30)
+                codes[name] = proc.wait(120)
             except subprocess.TimeoutExpired:
                 proc.send_signal(signal.SIGABRT)
                 codes[name] = proc.wait()

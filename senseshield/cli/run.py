@@ -187,6 +187,16 @@ class _StderrHandler(logging.StreamHandler):
         pass
 
 
+def starting(what: str, name: str, broker: str, fleet: str) -> None:
+    """A service's first log line, said before it loads its runtime (seconds on a busy or
+    small machine), so whoever started it sees at once that it runs."""
+    import logging
+    import os
+
+    logging.getLogger("senseshield.start").info("%s %s starting (pid %d): fleet %r, broker %s; loading the runtime",
+                                                 what, name, os.getpid(), fleet, broker)
+
+
 def setup_logging(level: str, role: str, file: Path | None = None) -> None:
     """Log lines with time, role and level on stderr (and to ``file``)."""
     value = getattr(logging, level.upper(), None)

@@ -28,9 +28,6 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
-from sklearn.cluster import AffinityPropagation
-from sklearn.exceptions import ConvergenceWarning
-from sklearn.metrics import silhouette_score
 
 from senseshield.engine.params import ParamLayout, Segment
 from senseshield.errors import ConfigError
@@ -159,6 +156,8 @@ def cluster_clients(
         labels = _affinity_propagation(similarity, float(np.quantile(off_diagonal, q)), damping, seed)
         if labels is None or not 2 <= len(set(labels.tolist())) <= n - 1:
             continue
+        from sklearn.metrics import silhouette_score  # imported when clustering runs (a service starts without it)
+
         score = float(silhouette_score(distance, labels, metric="precomputed"))
         if score > best_score + 1e-12:
             best, best_score = labels, score
@@ -179,6 +178,9 @@ def _affinity_propagation(
     every split fails and a large non-IID fleet silently becomes one cluster. The retry only
     runs where the first attempt failed, so every converged labelling is unchanged.
     """
+    from sklearn.cluster import AffinityPropagation
+    from sklearn.exceptions import ConvergenceWarning
+
     for d in dict.fromkeys((damping, max(damping, RETRY_DAMPING))):
         with warnings.catch_warnings():
             warnings.simplefilter("error", ConvergenceWarning)

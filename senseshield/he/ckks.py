@@ -87,7 +87,19 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
-import tenseal as ts
+
+
+class _Tenseal:
+    """``tenseal``, imported when a CKKS key is first used (a service that never meets CKKS
+    does not load it)."""
+
+    def __getattr__(self, name: str) -> Any:
+        import tenseal
+
+        return getattr(tenseal, name)
+
+
+ts = _Tenseal()
 
 from senseshield.errors import ConfigError, KeyMismatchError, ProtocolError
 from senseshield.he.base import (

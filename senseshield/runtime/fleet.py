@@ -322,8 +322,11 @@ class Fleet:
             data["cluster_ari"] = float(adjusted_rand_score(cats, [c["cluster"] for c in data["clients"]]))
         data["broker"] = "embedded (amqtt, MQTT 3.1.1)" if self.broker is not None else self.url
 
-    def stop(self, grace: float = 15.0) -> dict[str, int | None]:
-        """Agents exit by themselves when the run is done; anything left gets SIGTERM, then SIGKILL."""
+    def stop(self, grace: float = 15.0, term_timeout: float = 120.0) -> dict[str, int | None]:
+        """Agents exit by themselves when the run is done (``grace`` s for that); anything left
+        gets SIGTERM and is waited for, SIGKILL only for one still running after
+        ``term_timeout`` s (a hang: a service exits within about 2 s of SIGTERM, later on a
+        busy machine, and a stop that kills it would make its exit code a matter of speed)."""
         end = time.monotonic() + grace
         for name, proc in self.processes.items():
             if name.startswith("c") and not self.options.serve:  # long-running agents never exit by themselves
@@ -334,9 +337,10 @@ class Fleet:
         for proc in self.processes.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
+        end = time.monotonic() + term_timeout
         for proc in self.processes.values():
             try:
-                proc.wait(10)
+                proc.wait(max(end - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
