@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -31,18 +30,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from arglists import numbers  # noqa: E402
 from bench_attacks import machine  # noqa: E402
+from bench_trust import _best as best  # noqa: E402  (the fastest of n calls)
 from senseshield.he import generate_keys  # noqa: E402
 from senseshield.he.base import CipherPart, round_context  # noqa: E402
 from senseshield.runtime.identity import Identity  # noqa: E402
-
-
-def best(fn, repeats: int) -> float:  # noqa: ANN001
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
 
 
 def measure(size: int, contributors: int, repeats: int) -> dict[str, Any]:

@@ -35,16 +35,12 @@ class PaillierFull(Strategy):
 
 
 @STRATEGIES.register("masked")
-class MaskedFull(Strategy):
+class MaskedFull(PaillierFull):
     """Every parameter masked with one-time pads agreed with the key server
     (:mod:`senseshield.he.masked`): the coordinator sees no individual value, at about the
-    cost of plaintext FedAvg. Needs the non-colluding key server the design assumes."""
+    cost of plaintext FedAvg. Needs the non-colluding key server the design assumes. The
+    mask is paillier-full's (everything); only the scheme differs."""
 
     name = "masked"
     summary = "every parameter masked with one-time pads agreed with the key server (about plaintext cost)"
     scheme = "masked"
-
-    def select_mask(
-        self, context: ClientContext, *, sensitivity: np.ndarray, weights: np.ndarray
-    ) -> MaskChoice:
-        return MaskChoice(np.ones(weights.size, dtype=bool))
