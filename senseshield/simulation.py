@@ -46,7 +46,7 @@ from senseshield.rounds import (
     negotiate,
     protect_local,
 )
-from senseshield.device_noise import DeviceNoise
+from senseshield.device_noise import SECRET, DeviceNoise
 from senseshield.he.base import round_context
 from senseshield.runtime.identity import Identity
 from senseshield.strategies import BootstrapReport, ClientContext, FleetPlan, Strategy, build_strategy
@@ -78,7 +78,7 @@ def bootstrap_reports(
     initial: np.ndarray,
     progress: Progress | None = None,
     *,
-    noise: DeviceNoise = DeviceNoise(),
+    noise: DeviceNoise = SECRET,
 ) -> list[BootstrapReport]:
     """Every client's bootstrap report (profile + sensitivity vector, Alg. 1 lines 1-2)."""
     reports = []
