@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from senseshield.determinism import mask_digest
-from senseshield.engine.aggregation import StreamingAggregate
+from senseshield.engine.aggregation import StreamingAggregate, aggregate_sealed
 from senseshield.errors import ConfigError, ProtocolError
 from senseshield.he import SCHEMES, PublicKey
 from senseshield.runtime.protocol.envelope import DEFAULT_MAX_FRAME_BYTES
@@ -808,7 +808,8 @@ class Coordinator(Service):
             return
         if cr.running is None:
             cr.running = StreamingAggregate(self.public, size=self.size, round=item.round,
-                                            cluster=self.plan.cluster_of[agent_id])
+                                            cluster=self.plan.cluster_of[agent_id],
+                                            min_encryptors=self.config.options.min_encryptors)
         t = time.perf_counter()
         cr.running.add(update)  # a bad update is rejected here and changes nothing
         cr.timings["aggregate_streamed"] = cr.timings.get("aggregate_streamed", 0.0) + time.perf_counter() - t
@@ -926,6 +927,7 @@ class Coordinator(Service):
         request = aggregate_to_message(aggregate, self.public, run_id=self.run_id, receipts=receipts)
         cr.timings["aggregate"] = time.perf_counter() - t
         cr.union_ratio = float(aggregate.union_mask.mean())  # type: ignore[attr-defined]
+        cr.sealed = aggregate_sealed(aggregate, self.public)  # type: ignore[attr-defined]
         cr.request = self.frame(request, round=self.round)
         cr.requested_at = time.time()
         cr.timestamps["requested_at"] = cr.requested_at
@@ -1054,6 +1056,7 @@ class Coordinator(Service):
             tally.phases["decrypt"] += cr.timings.get("decrypt", 0.0)
             if hasattr(cr, "union_ratio"):
                 tally.union_ratios.append(cr.union_ratio)  # type: ignore[attr-defined]
+                tally.add_sealed(r, k, getattr(cr, "sealed", None), o.min_encryptors)
             if cr.accepted:
                 tally.bytes_down += len(self.plan.members(k)) * getattr(self, "model_bytes", self.size * 4)  # type: ignore[union-attr]
             else:

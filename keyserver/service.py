@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from senseshield import defaults
-from senseshield.engine.aggregation import decrypt_aggregate
+from senseshield.engine.aggregation import decrypt_aggregate, thin_positions, thin_report
 from senseshield.errors import ConfigError, ProtocolError
 from senseshield.he import SCHEMES, PublicKey, SecretKey
 from senseshield.he.base import round_context
@@ -114,6 +114,7 @@ class KeyServer(Service):
         key_dir: Path,
         min_contributors: int = 2,
         min_fraction: float = 0.0,
+        min_encryptors: int = 2,
         protocol: str = "5",
         threads: int | None = None,
         workers: int | None = None,
@@ -130,6 +131,8 @@ class KeyServer(Service):
             raise ConfigError(f"--key-structure {key_structure!r} is not allowed; use one of: {', '.join(STRUCTURES)}.")
         if min_contributors < 1:
             raise ConfigError(f"--min-contributors {min_contributors} is not allowed; it must be at least 1.")
+        if min_encryptors < 1:
+            raise ConfigError(f"--min-encryptors {min_encryptors} is not allowed; it must be at least 1.")
         if not 0.0 <= min_fraction <= 1.0:
             raise ConfigError(f"--min-fraction {min_fraction} is not allowed; give a fraction of the cluster in 0..1.")
         super().__init__(broker, fleet=fleet, client_id="keyserver", logger=log, protocol=protocol,
@@ -138,6 +141,7 @@ class KeyServer(Service):
         self.kill_after_apply = kill_after_apply  # fault drill: SIGKILL itself after applying this round
         self.min_contributors = min_contributors
         self.min_fraction = min_fraction
+        self.min_encryptors = min_encryptors
         self.threads = threads if threads is not None else defaults.shared_threads()
         self.key_structure = key_structure
         # aggregates decrypt on these workers while the service's thread goes on verifying
@@ -411,6 +415,10 @@ class KeyServer(Service):
             unknown = sorted(a for a in names if a not in self.boxes.get(r, {}))
             if unknown and self.public.needs_contributors:
                 return f"no box key for {unknown} in round {r}; their contributions cannot be unmasked", {}
+        if ciphertext is not None and self.public is not None and self.public.ragged_masks:
+            refusal = self._check_encryptors(r, k, msg, aggregate, receipts)
+            if refusal is not None:
+                return refusal, {}
         if ciphertext is not None and self.public is not None:
             # across jobs: one (key, agent, starting model) enters one decrypted aggregate, so a
             # re-run job cannot difference sums of the same updates in other pairings
@@ -430,6 +438,41 @@ class KeyServer(Service):
                         "run the job from another initial model (another seed)"), {}
             self._ledger_keys[(r, k)] = entries
         return None, {a: receipts[a].n_samples for a in names}
+
+    def _check_encryptors(self, r: int, k: int, msg: AggregateRequest, aggregate, receipts: dict) -> str | None:  # noqa: ANN001
+        """Never a sum of fewer than k (per-client-mask schemes): count the encryptors of every
+        union position from the contributors' masks, each checked against its signed receipt;
+        positions fewer than k encrypted stay sealed (``aggregate.thin_mask``), and an
+        aggregate that does not leave exactly those to its plaintext senders is refused."""
+        need = max(self.min_encryptors, self.config.options.min_encryptors if self.config is not None else 1)
+        if need <= 1:
+            return None
+        masks = msg.contributor_masks()
+        if not masks:
+            return (f"the aggregate carries no contributor masks; this key server decrypts no position fewer than "
+                    f"{need} agents encrypted (--min-encryptors {self.min_encryptors}) and counts them from the masks")
+        wrong = sorted(a for a, m in masks.items() if hashlib.sha256(m.tobytes()).hexdigest() != receipts[a].mask_digest)
+        if wrong:
+            return f"the masks of {wrong} are not the ones their receipts sign"
+        union = aggregate.union_mask
+        if not np.array_equal(np.bitwise_or.reduce(np.stack(list(masks.values()))), pack_mask(union)):
+            return "the aggregate's union mask is not the union of its contributors' signed masks"
+        thin = thin_positions(list(masks.values()), union, need)
+        said = thin_report(masks, thin, block_size=self.public.block_size, limit=3)
+        if int(thin.sum()) != msg.thin_sum.size:
+            first = said["blocks"][0] if said["blocks"] else None
+            example = f" (block {first[0]} encrypted only by {first[1]})" if first else ""
+            return (f"{said['positions']} union positions{example} were encrypted by fewer than {need} agents, but "
+                    f"the aggregate leaves {msg.thin_sum.size} sealed; a sum of fewer than {need} encryptors is "
+                    "never decrypted (start the key server with --min-encryptors 1 for the papers' rule)")
+        if thin.any():
+            if aggregate.position_weight is None:
+                return "an aggregate with sealed positions must give the plaintext senders' weights"
+            aggregate.thin_mask, aggregate.thin_sum = thin, msg.thin_sum
+            self.log.info("round %d cluster %d: %d position(s) in %d block(s) encrypted by fewer than %d agents stay "
+                          "sealed (first: %s)", r, k, said["positions"], said["blocks_total"], need,
+                          "; ".join(f"block {b} by {a}" for b, a in said["blocks"]))
+        return None
 
     def _answer(self, r: int, k: int, result: AggregateResult) -> None:
         """Record the verdict with the model it produced (one checkpoint: a restart never

@@ -32,6 +32,7 @@ ROUND_DEADLINE = 120.0
 
 # the key server
 MIN_CONTRIBUTORS = 2
+MIN_ENCRYPTORS = 2  # never a sum of fewer than k encryptors (issue 22; 1 = the papers' rule)
 
 JOB_FLAGS = {
     "strategy": STRATEGY, "dataset": DATASET, "model": MODEL, "rounds": ROUNDS, "local_epochs": LOCAL_EPOCHS,

@@ -24,6 +24,8 @@ class RoundRecord(BaseModel):
     accuracy: float
     he_ratio_mean: float
     union_ratio_mean: float
+    # union positions encrypted by fewer than min_encryptors clients: never decrypted (issue 22)
+    sealed_positions: int = 0
     bytes_up: int
     bytes_down: int
     seconds: float
@@ -153,6 +155,7 @@ class RoundTally:
     infeasible: int = 0
     violations: list[str] = field(default_factory=list)
     union_ratios: list[float] = field(default_factory=list)
+    sealed_positions: int = 0
     he_ratios: list[float] = field(default_factory=list)
     zone_sums: dict[str, list[float]] = field(default_factory=dict)
     empty_zones: dict[str, int] = field(default_factory=dict)
@@ -172,6 +175,15 @@ class RoundTally:
         self.he_ratios.append(he_ratio)
         self.bytes_up += nbytes
 
+    def add_sealed(self, r: int, k: int, sealed: dict | None, min_encryptors: int) -> None:
+        """Cluster ``k``'s positions left sealed (:func:`~senseshield.engine.aggregation.thin_report`)."""
+        if not sealed or not sealed["positions"]:
+            return
+        self.sealed_positions += sealed["positions"]
+        first = "; ".join(f"block {b} by {', '.join(a)}" for b, a in sealed["blocks"][:3])
+        self.notes.append(f"round {r} cluster {k}: {sealed['positions']} position(s) in {sealed['blocks_total']} "
+                          f"block(s) encrypted by fewer than {min_encryptors} agents were not decrypted ({first})")
+
     def record(
         self, r: int, strategy: Strategy, *, accuracy: float, seconds: float, participants: int,
         sample_rate: float, epsilon: float | None, delta: float, sampled: int | None = None,
@@ -187,6 +199,7 @@ class RoundTally:
             accuracy=accuracy,
             he_ratio_mean=float(np.mean(self.he_ratios)) if self.he_ratios else 0.0,
             union_ratio_mean=float(np.mean(self.union_ratios)) if self.union_ratios else 0.0,
+            sealed_positions=self.sealed_positions,
             bytes_up=self.bytes_up,
             bytes_down=self.bytes_down,
             seconds=seconds,

@@ -21,7 +21,7 @@ from senseshield.accounting import Accountant, Epsilons, epsilons
 from senseshield.data import Dataset, load_dataset
 from senseshield.data.shards import LocalData, Shard, device_shards, shards
 from senseshield.determinism import Trace, mask_digest
-from senseshield.engine.aggregation import ProtectedUpdate, aggregate_updates, decrypt_aggregate
+from senseshield.engine.aggregation import ProtectedUpdate, aggregate_sealed, aggregate_updates, decrypt_aggregate
 from senseshield.errors import ConfigError
 from senseshield.job import Job, effective_scheme, initial_model, job_shape, key_pair, noise_multipliers, train_config
 from senseshield.results import (
@@ -205,7 +205,8 @@ def run_simulation(
                 client.he_ratios.append(update.he_ratio)
                 updates.append(update)
             t = time.perf_counter()
-            aggregate = aggregate_updates(updates, public_key, round=r, cluster=k)
+            aggregate = aggregate_updates(updates, public_key, round=r, cluster=k,
+                                          min_encryptors=config.options.min_encryptors)
             tally.phases["aggregate"] += time.perf_counter() - t
             t = time.perf_counter()
             if aggregate.ciphertext is not None:
@@ -216,6 +217,7 @@ def run_simulation(
             mean = decrypt_aggregate(aggregate, secret_key)
             tally.phases["decrypt"] += time.perf_counter() - t
             tally.union_ratios.append(float(aggregate.union_mask.mean()))
+            tally.add_sealed(r, k, aggregate_sealed(aggregate, public_key), config.options.min_encryptors)
             globals_[k] = apply_mean(globals_[k], mean, server_lr=config.options.server_lr)
             round_models[k] = globals_[k]
             tally.bytes_down += len(members) * layout.size * 4

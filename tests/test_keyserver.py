@@ -119,12 +119,14 @@ class Harness:
         self.seeds[r] = next(iter(seeds.values()))
 
     def contribution(self, agent: str, r: int, cluster: int, *, seed_round: int | None = None, n: int = 10,  # noqa: ANN201
-                     start: str | None = None):
-        """An honest agent's update (half the model encrypted) and its signed receipt;
+                     start: str | None = None, blocks: range = range(4)):
+        """An honest agent's update (``blocks`` encrypted) and its signed receipt;
         ``start``: the model it trained from (default: the cluster's model of round r - 1)."""
         mask = np.zeros(SIZE, bool)
         if self.public is not None:
-            mask[: self.public.block_size * 4] = True
+            B = self.public.block_size
+            for b in blocks:
+                mask[b * B : (b + 1) * B] = True
         run = self.run
         key = self.public.for_contributor(self.ids[agent].exchange, round_context(FLEET, run, r, cluster)) \
             if self.public is not None else None  # the masked scheme's pads; others ignore it
@@ -140,9 +142,9 @@ class Harness:
         return update, to_frame(receipt, fleet=FLEET, sender=agent, round=r, signer=self.ids[agent])
 
     def request(self, r: int, cluster: int, parts: list, *, contributors: list[str] | None = None,  # noqa: ANN001
-                receipts: list[bytes] | None = None):  # noqa: ANN201
+                receipts: list[bytes] | None = None, min_encryptors: int = 2):  # noqa: ANN201
         updates = [u for u, _ in parts]
-        aggregate = aggregate_updates(updates, self.public, round=r, cluster=cluster)
+        aggregate = aggregate_updates(updates, self.public, round=r, cluster=cluster, min_encryptors=min_encryptors)
         msg = aggregate_to_message(aggregate, self.public, run_id=self.run,
                                    receipts=receipts if receipts is not None else [rc for _, rc in parts])
         return msg if contributors is None else msg.model_copy(update={"contributors": contributors})
@@ -412,3 +414,43 @@ def test_a_key_directory_that_is_a_file_stops_the_key_server(tmp_path, mosquitto
     bad.write_text("not a directory")
     with pytest.raises(ConfigError, match="is a file"):
         KeyServer(mosquitto.url, fleet=FLEET, key_dir=bad)
+
+
+def test_a_block_fewer_than_k_agents_encrypted_is_never_decrypted(harness, caplog):
+    """Issue 22 item 2 on the real service: a and b share blocks 0-1, a alone encrypts
+    block 2 (the budget-0 partner's leak: its sum with b's plaintext is a's value). The
+    honest aggregate leaves block 2 sealed and is applied, block 2 then averaging b alone;
+    a coordinator that asks for block 2 (the papers' k = 1), or forwards a mask other than
+    the signed one, is refused with the block and the agent named."""
+    harness.start_run()
+    plan = {0: ["a", "b"]}
+    B = harness.public.block_size
+    for r, attack in ((1, "k1"), (2, "mask"), (3, None)):
+        harness.open_round(r, plan)
+        a = harness.contribution("a", r, 0, blocks=range(3), start=f"s{r}")
+        b = harness.contribution("b", r, 0, blocks=range(2), start=f"s{r}")
+        if attack == "k1":
+            result = harness.verdict(r, harness.request(r, 0, [a, b], min_encryptors=1))
+            assert not result.accepted
+            assert "block 2 encrypted only by ['a']" in result.reason and "fewer than 2 agents" in result.reason
+        elif attack == "mask":  # claims b encrypted block 2 too, so that it would be decrypted
+            msg = harness.request(r, 0, [a, b])
+            per = (SIZE + 7) // 8
+            forged = msg.masks.copy()
+            forged[per:] = msg.masks[:per]
+            result = harness.verdict(r, msg.model_copy(update={"masks": forged}))
+            assert not result.accepted and "are not the ones their receipts sign" in result.reason
+        else:
+            with caplog.at_level("INFO", logger="senseshield.keyserver"):
+                result = harness.verdict(r, harness.request(r, 0, [a, b]))
+            assert result.accepted, result.reason
+            model, got = harness.wait(ClusterModel)
+            assert got == r
+            weights = np.asarray(model.weights, dtype=np.float64)
+            sealed = slice(2 * B, 3 * B)
+            # block 2: b's plaintext alone (float32 on the wire); a's value there never enters
+            np.testing.assert_allclose(weights[sealed], harness.deltas[("b", r)][sealed].astype(np.float32), atol=1e-6)
+            both = slice(0, 2 * B)
+            mean = (harness.deltas[("a", r)][both] + harness.deltas[("b", r)][both]) / 2
+            np.testing.assert_allclose(weights[both], mean, atol=1e-3)
+            assert any("block 2 by ['a']" in rec.getMessage() for rec in caplog.records)

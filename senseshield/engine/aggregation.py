@@ -14,6 +14,17 @@ fixed-point encoding (property-tested).
 
 What the coordinator learns: every client's mask and its plaintext values outside it, and
 the aggregate. Everything here is pure computation, no I/O.
+
+Never a sum of fewer than k (issue 22): with schemes whose clients encrypt different
+positions (``ragged_masks``: Paillier, packed Paillier), a union position that only one
+client encrypted would be decrypted as that client's value plus the others' plaintext,
+which the coordinator knows: the individual value. With ``min_encryptors = k`` (default 2)
+a union position encrypted by 1..k-1 clients is *thin*: it stays in the verified
+ciphertext but is never decrypted; its mean comes from the clients that sent it in
+plaintext alone (:attr:`EncryptedAggregate.thin_mask`, :func:`thin_positions`), so the
+encryptors' values there do not enter the model that round. The key server recounts the
+encryptors from the contributors' signed masks and refuses an aggregate that would decrypt
+a thin position.
 """
 
 from __future__ import annotations
@@ -102,6 +113,18 @@ class EncryptedAggregate:
     # Σ n_i over the clients that sent each position; None when every client sent every
     # position (then total_weight divides everywhere). Positions nobody sent get mean 0.
     position_weight: np.ndarray | None = None
+    # union positions encrypted by fewer than min_encryptors clients (never decrypted), and the
+    # plaintext senders' weighted sums there (position_weight then holds their weights)
+    thin_mask: np.ndarray | None = None
+    thin_sum: np.ndarray | None = None
+    # every contributor's packed encryption mask (np.packbits; ragged schemes: the key server
+    # recounts the encryptors from them, each checked against its signed receipt)
+    masks: dict[str, np.ndarray] | None = None
+
+    @property
+    def decrypted_mask(self) -> np.ndarray:
+        """The positions the key server decrypts: the union minus the thin positions."""
+        return self.union_mask if self.thin_mask is None else self.union_mask & ~self.thin_mask
 
 
 def protect_update(
@@ -185,6 +208,43 @@ def validate_update(update: ProtectedUpdate, *, size: int, round: int) -> None:
         raise ProtocolError(f"{who} has a ciphertext that does not match its mask.")
 
 
+def thin_positions(packed: Sequence[np.ndarray], union: np.ndarray, min_encryptors: int) -> np.ndarray:
+    """Union positions that 1..``min_encryptors``-1 of the ``packed`` masks (np.packbits)
+    encrypt (bool, like ``union``)."""
+    if min_encryptors < 1:
+        raise ValueError(f"min_encryptors={min_encryptors} is not allowed; it must be at least 1.")
+    counts = np.zeros(union.shape, dtype=np.int64)
+    for m in packed:
+        counts += np.unpackbits(m, count=union.size).astype(bool)
+    return union & (counts < min_encryptors)
+
+
+def thin_report(packed: dict[str, np.ndarray], thin: np.ndarray, *, block_size: int = 1,
+                limit: int = 20) -> dict:
+    """What a report says of the thin positions: how many, and the first ``limit`` blocks
+    with the clients that encrypted them (``{"positions": N, "blocks_total": B, "blocks":
+    [[block, [ids]], ...]}``); ``packed``: every client's mask (np.packbits)."""
+    where = np.flatnonzero(thin)
+    B = max(1, int(block_size))
+    blocks = np.unique(where // B)[:limit].tolist()
+    named: dict[int, list[str]] = {b: [] for b in blocks}
+    for c in sorted(packed):
+        mask = np.unpackbits(packed[c], count=thin.size).astype(bool)
+        for b in blocks:
+            if mask[b * B : (b + 1) * B].any():
+                named[b].append(c)
+    return {"positions": int(where.size), "blocks_total": int(np.unique(where // B).size),
+            "blocks": [[b, named[b]] for b in blocks]}
+
+
+def aggregate_sealed(aggregate: "EncryptedAggregate", public_key: PublicKey | None) -> dict | None:
+    """:func:`thin_report` of an aggregate's sealed positions, None if there are none."""
+    if aggregate.thin_mask is None or not aggregate.masks:
+        return None
+    return thin_report(aggregate.masks, aggregate.thin_mask,
+                       block_size=public_key.block_size if public_key is not None else 1)
+
+
 SLICE_BITS = 32
 _SLICES = [2.0 ** (SLICE_BITS * j) for j in range(4, -6, -1)]  # 2^128 .. 2^-160, high to low
 
@@ -230,8 +290,16 @@ class StreamingAggregate:
     number of updates (packed Paillier, plaintext). A rejected update leaves it unchanged."""
 
     def __init__(self, public_key: PublicKey | None, *, size: int, round: int, cluster: int,
-                 accumulator: Accumulator | None = None) -> None:
+                 accumulator: Accumulator | None = None, min_encryptors: int = 1) -> None:
         self.public_key, self.size, self.round, self.cluster = public_key, int(size), round, cluster
+        # the k rule applies where clients encrypt different positions (see the module doc)
+        self.ragged = public_key is not None and public_key.ragged_masks
+        self.min_encryptors = int(min_encryptors) if self.ragged else 1
+        if self.min_encryptors < 1:
+            raise ValueError(f"min_encryptors={min_encryptors} is not allowed; it must be at least 1.")
+        self.encryptors = np.zeros(self.size, dtype=np.int32)
+        self.plain_weight = np.zeros(self.size, dtype=np.int64)
+        self.masks: dict[str, np.ndarray] = {}
         self.accumulator = accumulator if accumulator is not None else (
             public_key.accumulator(self.size) if public_key is not None else None)
         self.union = np.zeros(self.size, dtype=bool)
@@ -258,6 +326,10 @@ class StreamingAggregate:
         self.union |= update.mask
         self.plain.add(unmasked, update.n_samples * values)
         self.position_weight += update.n_samples * update.sent
+        if self.ragged:  # the key server recounts the encryptors from these (signed) masks
+            self.encryptors += update.mask
+            self.plain_weight[unmasked] += update.n_samples
+            self.masks[update.client_id] = np.packbits(update.mask)
         self.withheld |= update.withheld is not None
         self.total_weight += int(update.n_samples)
         self.contributors.append(update.client_id)
@@ -275,33 +347,50 @@ class StreamingAggregate:
             if self.accumulator is None:
                 raise ProtocolError("Encrypted updates arrived but the coordinator has no public key.")
             ciphertext = self.accumulator.result(union_positions)
+        plain = self.plain.value()
+        weights = self.position_weight.copy() if self.withheld else None
+        thin = masks = thin_sum = None
+        if self.ragged and union_positions.size:
+            thin = self.union & (self.encryptors < self.min_encryptors)
+            masks = dict(self.masks)
+            if thin.any():
+                weights = self.position_weight.copy()
+                weights[thin] = self.plain_weight[thin]
+                thin_sum = plain[thin]
+            else:
+                thin = None
         return EncryptedAggregate(
             round=self.round,
             cluster=self.cluster,
             size=self.size,
             union_mask=self.union.copy(),
             ciphertext=ciphertext,
-            plain_sum=self.plain.value()[~self.union],
+            plain_sum=plain[~self.union],
             total_weight=self.total_weight,
             contributors=sorted(self.contributors),
-            position_weight=self.position_weight.copy() if self.withheld else None,
+            position_weight=weights,
+            thin_mask=thin,
+            thin_sum=thin_sum,
+            masks=masks,
         )
 
 
 def aggregate_updates(
     updates: Sequence[ProtectedUpdate], public_key: PublicKey | None, *, round: int, cluster: int,
-    streaming: bool = False,
+    streaming: bool = False, min_encryptors: int = 1,
 ) -> EncryptedAggregate:
     """Coordinator side: Σ n_i Δ_i with ciphertexts summed over the union mask (Alg. 1 l. 11-12).
     ``streaming=False`` (the reference): the scheme's batch ``aggregate`` over all parts at
-    once; ``True``: its running accumulator. Both give the same aggregate (tested)."""
+    once; ``True``: its running accumulator. Both give the same aggregate (tested).
+    ``min_encryptors``: union positions fewer clients encrypted are left undecrypted (thin)."""
     if not updates:
         raise ProtocolError(f"Cluster {cluster} has no updates to aggregate in round {round}.")
     size = updates[0].size
     accumulator = None
     if public_key is not None and not streaming:
         accumulator = PartsAccumulator(public_key)
-    running = StreamingAggregate(public_key, size=size, round=round, cluster=cluster, accumulator=accumulator)
+    running = StreamingAggregate(public_key, size=size, round=round, cluster=cluster, accumulator=accumulator,
+                                 min_encryptors=min_encryptors)
     for update in updates:
         running.add(update)
     return running.result()
@@ -320,8 +409,14 @@ def decrypt_aggregate(
     if aggregate.ciphertext is not None:
         if secret_key is None:
             raise ProtocolError("The aggregate is encrypted but no secret key is available.")
-        values = secret_key.decrypt(aggregate.ciphertext, threads=threads)
-        mean[aggregate.ciphertext.positions] = values
+        ciphertext = aggregate.ciphertext
+        if aggregate.thin_mask is not None:  # never decrypted: the plaintext senders' sums alone
+            if aggregate.thin_sum is None or aggregate.position_weight is None:
+                raise ProtocolError("An aggregate with thin positions needs their plaintext sums and weights.")
+            mean[aggregate.thin_mask] = aggregate.thin_sum
+            ciphertext = secret_key.public_key.select(ciphertext, np.flatnonzero(aggregate.decrypted_mask))
+        if ciphertext is not None:
+            mean[ciphertext.positions] = secret_key.decrypt(ciphertext, threads=threads)
     if aggregate.position_weight is None:
         return mean / aggregate.total_weight
     weight = aggregate.position_weight.astype(np.float64)

@@ -184,6 +184,13 @@ class PublicKey(ABC):
         :class:`PartsAccumulator`)."""
         return PartsAccumulator(self)
 
+    def select(self, vector: EncryptedVector, positions: np.ndarray) -> EncryptedVector | None:
+        """The part of ``vector`` at ``positions`` (a sorted subset of its own, whole units),
+        None if empty: what the key server decrypts when part of an aggregate stays sealed
+        (fewer than k encryptors). Schemes whose clients encrypt different positions
+        (``ragged_masks``) implement it; the others never need it."""
+        raise ProtocolError(f"The {self.scheme} scheme cannot decrypt part of an aggregate.")
+
     def for_contributor(self, exchange: Callable[[bytes], bytes], context: bytes) -> "PublicKey":
         """This key as one contributor encrypts with it in ``context`` (fleet/run/round/cluster).
         ``exchange``: X25519 with the contributor's own box key. Public-key schemes need
@@ -311,6 +318,24 @@ def ephemeral_exchange(peer_box: bytes) -> bytes:
     from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 
     return X25519PrivateKey.generate().exchange(X25519PublicKey.from_public_bytes(peer_box))
+
+
+def select_units(vector: EncryptedVector, positions: np.ndarray, units: np.ndarray,
+                 unit_size: int) -> tuple[np.ndarray, list[Any] | None]:
+    """Shared check of :meth:`PublicKey.select`: the rows (units of ``vector``, in order, whose
+    unit index ``units`` lists; a unit is ``unit_size`` consecutive positions) that hold
+    exactly ``positions``, and the folded plaintexts of those rows (``meta["plain"]``).
+    :class:`ProtocolError` if ``positions`` are not whole units of the vector."""
+    positions = np.asarray(positions, dtype=np.int64)
+    wanted = np.unique(positions // unit_size)
+    rows = np.searchsorted(units, wanted)
+    if np.any(rows >= units.size) or not np.array_equal(units[np.minimum(rows, units.size - 1)], wanted):
+        raise ProtocolError("A selection of an aggregate names positions outside it.")
+    covered = vector.positions[np.isin(vector.positions // unit_size, wanted)]
+    if not np.array_equal(covered, positions):
+        raise ProtocolError("A selection of an aggregate must take whole units of it.")
+    plain = vector.meta.get("plain")
+    return rows, [plain[i] for i in rows.tolist()] if plain is not None else None
 
 
 def model_digest(weights: np.ndarray) -> str:

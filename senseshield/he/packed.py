@@ -115,6 +115,7 @@ from senseshield.he.base import (
     check_values,
     check_weight,
     int_param,
+    select_units,
     short_hash,
 )
 from senseshield.he.fingerprint import (
@@ -864,6 +865,19 @@ class PackedPaillierPublicKey(PublicKey):
 
     # -- verification (senseshield.he.fingerprint) ---------------------------------------
     verifiable: ClassVar[bool] = True
+
+    def select(self, vector: EncryptedVector, positions: np.ndarray) -> EncryptedVector | None:
+        if len(positions) == 0:
+            return None
+        payload = vector.payload
+        rows, plain = select_units(vector, positions, np.asarray(payload.blocks, dtype=np.int64), self.block_size)
+        return EncryptedVector(
+            meta={"plain": plain} if plain is not None else {}, scheme=self.scheme, key_id=vector.key_id,
+            positions=np.asarray(positions, dtype=np.int64).copy(),
+            payload=PackedPayload(blocks=payload.blocks[rows], ciphertexts=[payload.ciphertexts[i] for i in rows.tolist()],
+                                  weights=np.asarray(payload.weights)[rows]),
+            nbytes=int(rows.size) * self.ciphertext_nbytes,
+        )
 
     def fingerprint(self, vector: EncryptedVector, seed: bytes) -> bytes:
         """``prod_k c_k^{a_k} mod n^2`` over the vector's blocks (from the openings when this

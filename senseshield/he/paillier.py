@@ -80,6 +80,7 @@ from senseshield.he.base import (
     check_values,
     check_weight,
     int_param,
+    select_units,
     short_hash,
 )
 
@@ -384,6 +385,16 @@ class PaillierPublicKey(PublicKey):
             positions=union.copy(),
             payload=[int(a) for a in acc],
             nbytes=size * self.ciphertext_nbytes,
+        )
+
+    def select(self, vector: EncryptedVector, positions: np.ndarray) -> EncryptedVector | None:
+        if len(positions) == 0:
+            return None
+        rows, plain = select_units(vector, positions, np.asarray(vector.positions, dtype=np.int64), 1)
+        return EncryptedVector(
+            meta={"plain": plain} if plain is not None else {}, scheme=self.scheme, key_id=vector.key_id,
+            positions=np.asarray(positions, dtype=np.int64).copy(), payload=[vector.payload[i] for i in rows.tolist()],
+            nbytes=int(rows.size) * self.ciphertext_nbytes,
         )
 
     # -- verification (senseshield.he.fingerprint; units are positions) ---------------------

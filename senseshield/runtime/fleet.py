@@ -146,6 +146,8 @@ class Fleet:
         self._spawn("keyserver", [*_python("keyserver.cli"), "serve", *common, "--key-dir", str(self.out / "keys"),
                                   "--identity", str(self.identity_file("keyserver")),
                                   "--min-contributors", str(self.options.min_contributors),
+                                  # the local fleet runs the job's own k (a job file may ask for the papers' 1)
+                                  "--min-encryptors", str(self.config.options.min_encryptors),
                                   *self.options.extra_keyserver_args])
         once = [] if self.options.serve else [
             "--job", str(job_file(self.config, self.options, self.out / "job.yaml")), "--once",

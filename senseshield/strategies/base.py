@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from senseshield import defaults
 from senseshield.engine.clustering import nearest_cluster
 from senseshield.engine.budgets import encryption_budgets
 from senseshield.engine.dp import check_clip, check_sigma
@@ -68,6 +69,16 @@ class StrategyOptions(BaseModel):
             "budgets: devices whose widened intervals overlap count as equal and share the median "
             "figure (declared figures are exact); 0 pools only overlapping probe intervals; None "
             "uses every figure as reported (no pooling, as before)."
+        ),
+    )
+    min_encryptors: int = Field(
+        defaults.MIN_ENCRYPTORS,
+        ge=1,
+        description=(
+            "Never a sum of fewer than k (issue 22): with per-client masks (Paillier, packed "
+            "Paillier) a position fewer than k clients of the cluster encrypted is never "
+            "decrypted; its mean comes from the clients that sent it in plaintext. 1 = the "
+            "papers' rule (a single encryptor's value is decrypted)."
         ),
     )
     # ---- hybrid HE + DP strategies (docs/hybrid.md) ----

@@ -406,10 +406,10 @@ class AggregateRequest(Message):
     """``keyserver/requests``: a cluster's aggregate, for the key server to decrypt."""
 
     schema_name: ClassVar[str] = "aggregate-request"
-    version: ClassVar[int] = 2
+    version: ClassVar[int] = 3
     sections: ClassVar[dict[str, str]] = {
         "union_mask": "u8", "plain_sum": "f64", "position_weight": "f64", "ciphertext": "bytes",
-        "receipts": "bytes", "plain_fold": "bytes",
+        "receipts": "bytes", "plain_fold": "bytes", "masks": "u8", "thin_sum": "f64",
     }
     run_id: str
     cluster: int = Field(ge=0)
@@ -422,6 +422,11 @@ class AggregateRequest(Message):
     ciphertext: bytes
     receipts: bytes = b""  # the contributors' signed Receipt frames (pack_frames)
     plain_fold: bytes = b""  # per ciphertext unit, the plaintext the coordinator folded in (verifiable schemes)
+    # (version 3, per-client-mask schemes) every contributor's packed mask, in the order of
+    # sorted(contributors), for the key server to count encryptors per position; and the
+    # plaintext senders' sums at the union positions fewer than the job's min_encryptors encrypted
+    masks: np.ndarray = Field(default_factory=lambda: np.zeros(0, np.uint8))
+    thin_sum: np.ndarray = Field(default_factory=lambda: np.zeros(0))
 
     @model_validator(mode="after")
     def _consistent(self) -> "AggregateRequest":
@@ -441,7 +446,24 @@ class AggregateRequest(Message):
             raise ProtocolError(f"An aggregate of {distinct} contributors cannot weigh {self.total_weight}.")
         if bool(self.ciphertext) != bool(union.any()):
             raise ProtocolError("An aggregate must carry a ciphertext exactly when its union mask selects positions.")
+        if not np.all(np.isfinite(self.thin_sum)):
+            raise ProtocolError("An aggregate holds NaN or inf in its thin sums.")
         return self
+
+    def contributor_masks(self) -> dict[str, np.ndarray]:
+        """Every contributor's packed mask (as its update carried it), from section ``masks``;
+        empty if none were sent."""
+        if not self.masks.size:
+            return {}
+        per = (self.size + 7) // 8
+        names = sorted(set(self.contributors))
+        if self.masks.size != per * len(names):
+            raise ProtocolError(f"The aggregate carries {self.masks.size} bytes of masks; {len(names)} contributors "
+                                f"need {per * len(names)}.")
+        masks = {a: self.masks[i * per : (i + 1) * per] for i, a in enumerate(names)}
+        for m in masks.values():
+            unpack_mask(m, self.size)  # padding bits zero
+        return masks
 
 
 @message
@@ -565,6 +587,7 @@ def update_from_message(
 
 def aggregate_to_message(
     aggregate: EncryptedAggregate, public_key: PublicKey | None, *, run_id: str, receipts: list[bytes] | None = None,
+    min_encryptors: int = 1,
 ) -> AggregateRequest:
     cipher, fold = b"", b""
     if aggregate.ciphertext is not None:
@@ -573,7 +596,10 @@ def aggregate_to_message(
         if public_key.verifiable:
             fold = public_key.plain_fold(aggregate.ciphertext)
     weights = aggregate.position_weight
+    masks = aggregate.masks or {}
     return AggregateRequest(
+        masks=np.concatenate([masks[a] for a in sorted(masks)]) if masks else np.zeros(0, np.uint8),
+        thin_sum=np.asarray(aggregate.thin_sum if aggregate.thin_sum is not None else [], dtype=np.float64),
         run_id=run_id,
         cluster=aggregate.cluster,
         size=aggregate.size,
