@@ -70,9 +70,15 @@ def build(
             sign = unb64(entry.get("sign", ""), f"{path}: sign")
             box = unb64(entry["box"], f"{path}: box") if entry.get("box") else None
             principals[name] = Principal(name, entry.get("role", ""), sign, box, fingerprint(sign))
-        if serial is None:
-            serial = Trust.next_serial(out_file, fleet)
         admin = Identity.load_or_create(admin_name, admin_identity)
+        principals.setdefault(admin_name, admin.principal("operator"))
+        current = _current(out_file, fleet)
+        if serial is None and current is not None and current.signer_fingerprint == admin.fingerprint and \
+                {n: p.as_dict() for n, p in current.principals.items()} == {n: p.as_dict() for n, p in principals.items()}:
+            out.print(f"{out_file} is unchanged: it pins these {len(principals)} principals (serial {current.serial})")
+            return  # a second provisioning run changes nothing (no new serial, no restarts)
+        if serial is None:
+            serial = (current.serial if current is not None else 0) + 1
         trust = Trust(principals, fleet=fleet).sign(admin, serial)
         trust.save(out_file)
         Trust.load(out_file, fleet=fleet)  # the same checks as every service applies
@@ -81,3 +87,16 @@ def build(
     out.print(f"wrote {out_file}: {len(trust.principals)} principals of fleet {fleet!r}, serial {serial}, "
               f"signed by {admin_name} ({admin.fingerprint})")
 
+
+
+def _current(path: Path, fleet: str):  # noqa: ANN202 - Trust | None
+    """The signed trust file at ``path`` that a new build replaces (None: none, or unsigned)."""
+    from senseshield.runtime.identity import Trust
+
+    if not path.exists():
+        return None
+    try:
+        trust = Trust.load(path, fleet=fleet)
+    except ConfigError:
+        return None
+    return trust if trust.signature is not None else None
