@@ -130,7 +130,7 @@ class Service:
 
 def one_service(role: str, broker: MosquittoProcess, tmp: Path, n: int | str) -> dict:
     fleet = f"bench-{role}-{n}"
-    common = ["--broker", broker.url, "--fleet", fleet]
+    common = ["--broker", broker.url, "--fleet", fleet, "--insecure-dev"]  # start-up cost only: no trust file
     work = tmp / fleet
     work.mkdir()
     if role == "keyserver":

@@ -10,8 +10,8 @@ import typer
 from senseshield import defaults
 from senseshield.cli.common import console, fail, storage_stop, version_option
 from senseshield.cli.run import (
-    Broker, CaFile, Fleet, IdentityFile, LogLevel, Mqtt, PasswordFile, Scheme, Sets, TrustFile, Username,
-    build_run_config, check_mqtt, identity_and_trust, mqtt_security, setup_logging, starting,
+    Broker, CaFile, Fleet, IdentityFile, InsecureDev, LogLevel, Mqtt, PasswordFile, Scheme, Sets, TrustFile, Username,
+    build_run_config, check_mqtt, development, identity_and_trust, mqtt_security, setup_logging, starting,
 )
 from senseshield.errors import ConfigError, StorageError
 
@@ -57,11 +57,13 @@ def serve(
     password_file: PasswordFile = None,
     identity: IdentityFile = None,
     trust: TrustFile = None,
+    insecure_dev: InsecureDev = False,
     log_level: LogLevel = defaults.LOG_LEVEL,
 ) -> None:
     """Run the fleet's coordinator: it stays up and runs jobs one at a time, in the order they
     are submitted (--job files, `senseshield job submit`), on the devices that are online."""
     setup_logging(log_level, "coordinator")
+    development(insecure_dev)
     if agents is not None and agents < 1:
         fail(f"--agents {agents} is not allowed; a job needs at least 1 device.")
     if metrics_port is not None and not 0 < metrics_port < 65536:

@@ -803,6 +803,7 @@ class Coordinator(Service):
         cr = self._cluster_round_of(agent_id, item.round, "update")
         if agent_id in cr.updates:
             return  # a re-sent duplicate
+        self._check_floor(agent_id, item.round, update.he_ratio, cr)
         if cr.phase != "updates" or agent_id not in cr.expected:
             self._late(agent_id, item.round, "update", item.received)
             return
@@ -835,6 +836,23 @@ class Coordinator(Service):
             raise ProtocolError(f"Update of {agent_id!r} carries a receipt for another ciphertext.")
         if bool(receipt.fingerprint) != bool(msg.ciphertext and self.public is not None and self.public.verifiable):
             raise ProtocolError(f"Update of {agent_id!r} carries a receipt without the fingerprint of its ciphertext.")
+
+    def _check_floor(self, agent_id: str, r: int, he_ratio: float, cr: ClusterRound) -> None:
+        """An update must encrypt what the device's budget asks for (the strategy's
+        :meth:`~senseshield.strategies.base.Strategy.encryption_floor`): one below it is
+        refused, named in the report's ``refused``, and not waited for; the round goes on."""
+        if self.public is None or self.plan is None:
+            return
+        budget = self.plan.budget_of.get(agent_id, 0.0)
+        floor = self.strategy.encryption_floor(budget, size=self.size, block_size=self.block_size)
+        if he_ratio + 1e-9 >= floor:
+            return
+        reason = (f"round {r}: update of {agent_id!r} encrypts {he_ratio:.4f} of the parameters, below the "
+                  f"{floor:.4f} its encryption budget {budget:.4f} requires; refused")
+        self.refused[agent_id] = reason
+        cr.expected.discard(agent_id)
+        self._advance()
+        raise ProtocolError(reason)
 
     def _check_facts(self, agent_id: str, what: str, *, cluster: int, size: int) -> Hello:
         """An agent's message must name its cluster and the model's size; returns its hello."""

@@ -10,7 +10,7 @@ import typer
 from senseshield import defaults
 from senseshield.cli.common import fail, storage_stop, version_option
 from senseshield.cli.run import (
-    Broker, CaFile, Fleet, IdentityFile, LogLevel, Mqtt, PasswordFile, Threads, TrustFile, Username, check_mqtt,
+    Broker, CaFile, Fleet, IdentityFile, InsecureDev, LogLevel, Mqtt, PasswordFile, Threads, TrustFile, Username, check_mqtt, development,
     identity_and_trust, mqtt_security, setup_logging, starting,
 )
 from senseshield.errors import ConfigError, StorageError
@@ -44,14 +44,16 @@ def join(
     password_file: PasswordFile = None,
     identity: IdentityFile = None,
     trust: TrustFile = None,
+    insecure_dev: InsecureDev = False,
     min_he_ratio: Annotated[Optional[float], typer.Option(help="In a job that encrypts, encrypt at least this fraction of the parameters whatever budget the coordinator assigns, and never send an update that encrypts less (0..1; default: the profile's min_he_ratio, else 0).")] = None,
-    require_he: Annotated[bool, typer.Option("--require-he", help="Decline jobs whose strategy encrypts nothing (default: take them, with a warning).")] = False,
+    require_he: Annotated[bool, typer.Option("--require-he", help="Decline jobs whose strategy encrypts nothing, even without a --min-he-ratio floor.")] = False,
+    allow_plaintext: Annotated[bool, typer.Option("--allow-plaintext", help="With a --min-he-ratio floor, still take jobs whose strategy encrypts nothing (e.g. fedavg, dp-fedavg; default: decline them).")] = False,
     log_level: LogLevel = defaults.LOG_LEVEL,
     once: Annotated[bool, typer.Option("--once", help="Exit when the first job ends (default: stay connected and take every job).")] = False,
     device_class: Annotated[Optional[str], typer.Option(help="What a job's select.device_class matches (default: the declared profile's name, else the board).")] = None,
     label: Annotated[Optional[list[str]], typer.Option("--label", help="KEY=VALUE a job's select.labels matches, repeatable (e.g. --label site=lab).")] = None,
     kill_at_round: Annotated[Optional[int], typer.Option(help="Fault drill: SIGKILL this agent when round R's plan arrives.", hidden=True)] = None,
-    dev_noise_seed: Annotated[Optional[int], typer.Option(help="Test only: replay this device's privacy noise from seed N (anyone who knows N can remove it); refused unless SENSESHIELD_DEVELOPMENT=1.")] = None,
+    dev_noise_seed: Annotated[Optional[int], typer.Option(help="Test only: replay this device's privacy noise from seed N (anyone who knows N can remove it); refused unless --insecure-dev (SENSESHIELD_DEVELOPMENT=1).")] = None,
 ) -> None:
     """Join a fleet and take its jobs: stays connected between jobs (SIGTERM ends it); with
     --once it exits 0 when the first job ends, 3 if refused."""
@@ -59,6 +61,7 @@ def join(
     import socket
 
     setup_logging(log_level, f"agent:{agent_id or socket.gethostname()}")
+    development(insecure_dev)
     starting("edge agent", agent_id or socket.gethostname(), broker, fleet)  # before the imports below
     from edge_agent.profile import is_measured, load_profile
     from edge_agent.service import DataSpec, EdgeAgent
@@ -101,7 +104,7 @@ def join(
         agent = EdgeAgent(
             broker, fleet=fleet, agent_id=name, identity=me, trust=trusted, bandwidth=device.bandwidth, cpu_speed=device.cpu_speed, profile=device.model_dump(mode="json"), data=spec, threads=threads,
             protocol=check_mqtt(mqtt), kill_at_round=kill_at_round, model_dir=model_dir, once=once,
-            device_class=device_class, labels=labels, require_he=require_he,
+            device_class=device_class, labels=labels, require_he=require_he, allow_plaintext=allow_plaintext,
             min_he_ratio=min_he_ratio if min_he_ratio is not None else (device.min_he_ratio or 0.0), noise=noise,
         )
         agent.link.secure(**security)

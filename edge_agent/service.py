@@ -202,12 +202,14 @@ class EdgeAgent(Service):
         trust: Trust | None = None,
         min_he_ratio: float = 0.0,
         require_he: bool = False,
+        allow_plaintext: bool = False,
         noise: DeviceNoise = SECRET,
     ) -> None:
         """``min_he_ratio``: in a job that encrypts, this agent encrypts at least this fraction
         of its parameters whatever budget the coordinator assigns (the budget is raised to it)
-        and never sends an update that encrypts less; ``require_he``: decline jobs that encrypt
-        nothing (otherwise they are taken with a warning). ``once``: exit when the first job ends (``fleet up``); otherwise the agent stays
+        and never sends an update that encrypts less, and declines jobs that encrypt nothing
+        unless ``allow_plaintext`` (then it takes them with a warning); ``require_he``: decline
+        jobs that encrypt nothing whatever the floor. ``once``: exit when the first job ends (``fleet up``); otherwise the agent stays
         connected and takes every job the coordinator runs. ``device_class`` and ``labels``
         are what a job's ``select`` matches. ``noise``: where this device's privacy draws come
         from (secret; a replayable seed only in development mode, see
@@ -225,7 +227,7 @@ class EdgeAgent(Service):
         if not noise.secret:
             log.warning("privacy noise %s: the DP guarantees of this device's updates do not hold against "
                         "anyone who knows it (development mode)", noise.describe())
-        self.min_he_ratio, self.require_he = float(min_he_ratio), require_he
+        self.min_he_ratio, self.require_he, self.allow_plaintext = float(min_he_ratio), require_he, allow_plaintext
         self.model_dir = Path(model_dir) if model_dir is not None else Path.home() / ".senseshield" / fleet / agent_id
         self.model_dir.mkdir(parents=True, exist_ok=True)
         if model_dir is None:
@@ -280,15 +282,17 @@ class EdgeAgent(Service):
             return
         config, _, scheme = announced_run(msg.config)  # a forged or broken config is rejected here
         if scheme is None and (self.min_he_ratio > 0 or self.require_he) and msg.run_id not in self.declined:
-            if self.require_he:
+            if self.require_he or not self.allow_plaintext:
                 self.declined.add(msg.run_id)
-                reason = (f"job {msg.run_id} ({config.strategy}) encrypts nothing and this device requires "
-                          "encryption (--require-he)")
+                why = ("requires encryption (--require-he)" if self.require_he else
+                       f"encrypts at least {self.min_he_ratio:g} of its parameters (--min-he-ratio; "
+                       "--allow-plaintext takes such jobs)")
+                reason = f"job {msg.run_id} ({config.strategy}) encrypts nothing and this device {why}"
                 self.log.warning("not taking %s", reason)
                 self.send(f"agents/{self.agent_id}/decline", Decline(run_id=msg.run_id, reason=reason, selected=True))
                 return
             self.log.warning("job %s (%s) encrypts nothing: this device's updates leave it unencrypted "
-                             "(--require-he declines such jobs)", msg.run_id, config.strategy)
+                             "(--allow-plaintext)", msg.run_id, config.strategy)
         if self.run is not None:
             self.log.info("job %s replaces job %s", msg.run_id, self.run.run_id)
             self._leave_run()

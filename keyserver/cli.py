@@ -10,7 +10,7 @@ import typer
 from senseshield import defaults
 from senseshield.cli.common import fail, storage_stop, version_option
 from senseshield.cli.run import (
-    Broker, CaFile, Fleet, IdentityFile, LogLevel, MinContributors, Mqtt, PasswordFile, Threads, TrustFile, Username, check_mqtt, identity_and_trust, mqtt_security,
+    Broker, CaFile, Fleet, IdentityFile, InsecureDev, LogLevel, MinContributors, Mqtt, PasswordFile, Threads, TrustFile, Username, check_mqtt, development, identity_and_trust, mqtt_security,
     setup_logging, starting,
 )
 from senseshield.errors import ConfigError, StorageError
@@ -41,11 +41,13 @@ def serve(
     password_file: PasswordFile = None,
     identity: IdentityFile = None,
     trust: TrustFile = None,
+    insecure_dev: InsecureDev = False,
     log_level: LogLevel = defaults.LOG_LEVEL,
     kill_after_apply: Annotated[Optional[int], typer.Option(help="Fault drill: SIGKILL the key server right after it applied round R, before it answers.", hidden=True)] = None,
 ) -> None:
     """Publish the public key, decrypt aggregates, publish cluster models (until SIGTERM)."""
     setup_logging(log_level, "keyserver")
+    development(insecure_dev)
     starting("key server", "keyserver", broker, fleet)  # before the imports below
     from keyserver.service import KeyServer
     from senseshield.runtime.service import leave

@@ -37,23 +37,17 @@ secret, though not cryptographic generators. Opacus' ``secure_mode`` (a CSPRNG) 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from senseshield.development import DEVELOPMENT_ENV, DEV_FLAG, development_mode  # noqa: F401 - one switch
 from senseshield.engine.csprng import ChaChaGenerator
 from senseshield.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
 
-DEVELOPMENT_ENV = "SENSESHIELD_DEVELOPMENT"
 PURPOSES = ("protect", "dpsgd", "bootstrap-sketch", "synthetic-fit")
-
-
-def development_mode() -> bool:
-    """True when this process runs in development mode (``SENSESHIELD_DEVELOPMENT=1``)."""
-    return os.environ.get(DEVELOPMENT_ENV, "").strip() == "1"
 
 
 @dataclass(frozen=True)
@@ -99,7 +93,7 @@ def check_noise_seed(seed: int | None, *, flag: str = "--dev-noise-seed") -> Dev
     if not development_mode():
         raise ConfigError(
             f"{flag} {seed} is not allowed outside development mode: it makes this device's privacy noise "
-            f"replayable by anyone who knows the seed; set {DEVELOPMENT_ENV}=1 on a test machine, or drop the flag."
+            f"replayable by anyone who knows the seed; on a test machine add {DEV_FLAG} (or set {DEVELOPMENT_ENV}=1), or drop the flag."
         )
     if seed < 0:
         raise ConfigError(f"{flag} {seed} is not allowed; use 0 or more.")

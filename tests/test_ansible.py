@@ -272,7 +272,7 @@ def test_the_rendered_fleet_runs_submitted_jobs_over_tls(sandbox, tmp_path):
                 "identity": Identity.load_or_create("operator", sandbox.root / "pki/identities/operator.key"),
                 "trust": Trust.load(sandbox.root / "pki/trust.json", fleet=FLEET)}
     logs = lambda: {p.stem: p.read_text(errors="replace") for p in (sandbox.root / "logs").glob("*.log")}  # noqa: E731
-    digits = {"dataset": "digits", "input_shape": [1, 8, 8], "num_classes": 10, "strategy": "plaintext",
+    digits = {"dataset": "digits", "input_shape": [1, 8, 8], "num_classes": 10, "strategy": "masked",
               "min_devices": 2, "round_deadline": 60}
     try:
         # job 1: the play, from the controller, as the operator; its model comes from the package

@@ -356,7 +356,7 @@ def test_an_agent_exits_cleanly_on_sigterm(mosquitto, tmp_path):
     profile.write_text("bandwidth: 10\ncpu_speed: 4\n")
     proc = subprocess.Popen([sys.executable, "-m", "edge_agent.cli", "join", "--broker", mosquitto.url,
                              "--fleet", "term", "--agent-id", "pi-7", "--profile", str(profile),
-                             "--model-dir", str(tmp_path / "m")],
+                             "--model-dir", str(tmp_path / "m"), "--insecure-dev"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     end = time.monotonic() + 60
     while not statuses and time.monotonic() < end:

@@ -363,7 +363,7 @@ def test_a_corrupt_npz_is_our_sentence_and_stops_the_agent_at_start(tmp_path: Pa
             assert str(path) in text and needle in text and "pickle" not in text, text
     assert check_source(tmp_path / "whole.npz") == "npz, 40 samples"
     result = CliRunner().invoke(app, ["join", "--broker", "mqtt://127.0.0.1:9", "--agent-id", "d1",
-                                      "--profile", "rpi4", "--data", str(garbage), "--model-dir", str(tmp_path / "m")])
+                                      "--profile", "rpi4", "--data", str(garbage), "--model-dir", str(tmp_path / "m"), "--insecure-dev"])
     assert result.exit_code == 2, result.output
     output = " ".join(result.output.split())
     assert f"{str(garbage)!r} is not a .npz archive" in output and "Traceback" not in output, output

@@ -136,9 +136,10 @@ class Processes:
                                             stderr=subprocess.STDOUT, cwd=ROOT, env=self.env)
 
     def services(self) -> None:
-        self.start("keyserver", "keyserver", "serve", "--key-dir", str(self.out / "keys"))
+        # the quick start of docs/operating-a-fleet.md: development mode, no trust file
+        self.start("keyserver", "keyserver", "serve", "--key-dir", str(self.out / "keys"), "--insecure-dev")
         self.start("coordinator", "coordinator", "serve", "--state-dir", str(self.out / "state"),
-                   "--out", str(self.out / "out"))
+                   "--out", str(self.out / "out"), "--insecure-dev")
 
     def wait_for(self, name: str, text: str, timeout: float = 180) -> None:
         """Until ``name``'s log shows ``text`` (the start order of docs/operating-a-fleet.md:
@@ -151,7 +152,7 @@ class Processes:
 
     def agent(self, agent_id: str, data: Path, index: int | None = None, profile: dict | None = None) -> None:
         args = ["join", "--agent-id", agent_id, "--data", str(data), "--threads", "1",
-                "--model-dir", str(self.out / "agents" / agent_id)]
+                "--model-dir", str(self.out / "agents" / agent_id), "--insecure-dev"]
         if index is not None:
             args += ["--index", str(index)]
         if profile is not None:

@@ -28,7 +28,7 @@ def _client(broker: str, fleet: str, mqtt: str, ca_file, username, password_file
 
     security = mqtt_security(broker, ca_file=ca_file, username=username, password_file=password_file)
     me, trusted = identity_and_trust("operator", identity, Path.home() / ".senseshield" / "identities" / "operator.key",
-                                     trust, fleet)
+                                     trust, fleet, required=False)
     return JobClient(broker, fleet=fleet, protocol=check_mqtt(mqtt), identity=me, trust=trusted, **security)
 
 

@@ -47,15 +47,29 @@ CaFile = Annotated[Optional[Path], typer.Option("--ca-file", help="CA certificat
 Username = Annotated[Optional[str], typer.Option("--username", help="MQTT username (this device's credential).")]
 PasswordFile = Annotated[Optional[Path], typer.Option("--password-file", help=f"File holding the MQTT password (first line); or set ${PASSWORD_ENV}; the password itself never goes on the command line.")]
 IdentityFile = Annotated[Optional[Path], typer.Option("--identity", help="This process's identity key (Ed25519 signing + X25519 box, 0600; created if missing). Its public half goes in the fleet's trust file.")]
-TrustFile = Annotated[Optional[Path], typer.Option("--trust", help="The fleet's trust file (name -> role and public keys): frames from anyone else, or not signed by the pinned key, are rejected. Without it: trust on first use, development only (warns).")]
+TrustFile = Annotated[Optional[Path], typer.Option("--trust", help="The fleet's signed trust file (name -> role and public keys; `senseshield identity build`): frames from anyone else, or not signed by the pinned key, are rejected. Required unless --insecure-dev.")]
+InsecureDev = Annotated[bool, typer.Option("--insecure-dev", help="Development only: run without --trust (every key trusted on first use), with an unsigned trust file or --dev-noise-seed; the same as SENSESHIELD_DEVELOPMENT=1.")]
 
 
-def identity_and_trust(name: str, identity: Path | None, default: Path, trust: Path | None, fleet: str):  # noqa: ANN201
-    """Load (or create) this process's identity and the fleet's trust (None: trust on first use)."""
-    from senseshield.runtime.identity import Identity, Trust
+def identity_and_trust(name: str, identity: Path | None, default: Path, trust: Path | None, fleet: str,  # noqa: ANN201
+                       *, required: bool = True):
+    """Load (or create) this process's identity and admit the fleet's trust file (None: trust
+    on first use, development mode only; :func:`~senseshield.runtime.identity.admit_trust`).
+    The serials seen are kept beside the identity key."""
+    from senseshield.runtime.identity import TRUST_HISTORY, Identity, admit_trust
 
-    return (Identity.load_or_create(name, identity or default),
-            Trust.load(trust, fleet=fleet) if trust is not None else None)
+    path = identity or default
+    me = Identity.load_or_create(name, path)
+    return me, admit_trust(trust, fleet=fleet, history=Path(path).parent / TRUST_HISTORY, required=required)
+
+
+def development(insecure_dev: bool) -> None:
+    """``--insecure-dev`` given: development mode for this process (:mod:`senseshield.development`)."""
+    if insecure_dev:
+        from senseshield.development import enable
+
+        enable()
+        logging.getLogger("senseshield").warning("--insecure-dev: development mode (no trust file needed; never on a fleet)")
 
 
 def parse_sets(sets: list[str] | None) -> dict[str, object]:

@@ -188,6 +188,8 @@ class Fleet:
                  **{a: "agent" for a in agent_ids(self.options.agents)}}
         self.identities = {n: (Identity.load_or_create(n, self.identity_file(n)), role) for n, role in names.items()}
         self.trust = Trust.for_identities(self.identities, fleet=self.options.fleet)
+        # numbered and signed by the fleet's operator, as services require (docs/security.md)
+        self.trust.sign(self.identities["operator"][0], serial=Trust.next_serial(self.out / "trust.json", self.options.fleet))
         self.trust_file = self.trust.save(self.out / "trust.json")
 
     @property

@@ -22,11 +22,23 @@ A **trust file** (YAML or JSON) pins the fleet's principals: name -> role and pu
       agent-0:     {role: agent,       sign: <base64>, box: <base64>}
       operator:    {role: operator,    fingerprint: 3f2a...}
 
-``senseshield fleet up`` writes one for its processes; ``deploy/ansible`` builds one from the
-keys each host generated. Without a trust file a service runs in **trust on first use**
-(:class:`Trust` with ``tofu=True``): the first key seen for a name is pinned for the life of
-the process, and a warning says that this is for development only (an attacker who speaks
-first is believed).
+      serial: 3
+      signed_by: operator
+      signature: <base64 Ed25519 over the fleet, serial, signer and principals>
+
+The file carries a **serial number** and the **signature** of an administrator (an operator
+principal of the file, ``signed_by``). A service pins the administrator's key and the highest
+serial it has seen in ``trust-seen.json`` beside its identity (:class:`TrustHistory`): from
+then on it refuses a file signed by another key, and a file with a lower serial (a newer
+file revokes every older one). ``senseshield identity build --admin-identity FILE`` signs one
+(serial: the previous file's plus one); ``senseshield fleet up`` signs its own with its
+operator identity; ``deploy/ansible`` builds one from the public entries each host printed.
+
+The CLIs refuse to start a service without a trust file (:func:`admit_trust`) unless
+development mode is on (:mod:`senseshield.development`); in-process services and tests
+without one run in **trust on first use** (:class:`Trust` with ``tofu=True``): the first key
+seen for a name is pinned for the life of the process, and a warning says that this is for
+development only (an attacker who speaks first is believed).
 """
 
 from __future__ import annotations
@@ -48,7 +60,9 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from senseshield.development import development_mode, how_to_allow
 from senseshield.errors import ConfigError, ProtocolError
+from senseshield.runtime.files import write_atomic
 from senseshield.runtime.keyfiles import check_private, secure_dir, write_secret
 
 log = logging.getLogger("senseshield.identity")
@@ -58,6 +72,9 @@ SIGNATURE_BYTES = 64
 SEALED_SEED_BYTES = 12 + 32 + 16  # nonce, a 32-byte challenge seed, Poly1305 tag
 _SEED_BYTES = 32
 _RAW = serialization.Encoding.Raw, serialization.PublicFormat.Raw
+_TRUST_CONTEXT = b"senseshield-trust-file\0"
+TRUST_HISTORY = "trust-seen.json"
+"""Beside a service's identity key: the administrator key and highest serial it has seen."""
 
 
 def b64(data: bytes) -> str:
@@ -185,11 +202,44 @@ class Trust:
     """
 
     def __init__(self, principals: dict[str, Principal] | None = None, *, fleet: str | None = None,
-                 tofu: bool = False) -> None:
+                 tofu: bool = False, serial: int | None = None, signed_by: str | None = None,
+                 signature: bytes | None = None) -> None:
         self.principals: dict[str, Principal] = dict(principals or {})
         self.fleet = fleet
         self.tofu = tofu
+        self.serial, self.signed_by, self.signature = serial, signed_by, signature
         self._lock = threading.Lock()
+
+    def _signed_body(self) -> bytes:
+        """What the administrator signs: fleet, serial, signer and every principal."""
+        body = {"fleet": self.fleet, "serial": self.serial, "signed_by": self.signed_by,
+                "principals": {n: p.as_dict() for n, p in sorted(self.principals.items())}}
+        return _TRUST_CONTEXT + json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+    @property
+    def signer_fingerprint(self) -> str | None:
+        p = self.principals.get(self.signed_by or "")
+        return fingerprint(p.sign) if p is not None and p.sign is not None else None
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(self._signed_body()).hexdigest()
+
+    def sign(self, admin: "Identity", serial: int) -> "Trust":
+        """Number this trust ``serial`` and sign it as ``admin`` (an operator, added if missing)."""
+        if role_of_name(admin.name) != "operator":
+            raise ConfigError(f"The administrator {admin.name!r} who signs a trust file must be an operator "
+                              "('operator' or 'operator-...').")
+        if not isinstance(serial, int) or serial < 1:
+            raise ConfigError(f"Serial {serial!r} is not allowed; a trust file's serial is a whole number from 1.")
+        pinned = self.principals.get(admin.name)
+        if pinned is not None and pinned.sign not in (None, admin.sign_key):
+            raise ConfigError(f"The trust pins another key for the administrator {admin.name!r} than "
+                              f"{admin.fingerprint}; give the administrator's own --admin-identity.")
+        self.principals[admin.name] = admin.principal("operator")
+        self.serial, self.signed_by = serial, admin.name
+        self.signature = admin.sign(self._signed_body())
+        return self
 
     # -- files ------------------------------------------------------------------------------
     @classmethod
@@ -226,13 +276,46 @@ class Trust:
             if sign is not None and pinned and fingerprint(sign) != pinned:
                 raise ConfigError(f"{where}: the fingerprint does not match the signing key.")
             principals[str(name)] = Principal(str(name), entry["role"], sign, box, pinned)
-        return cls(principals, fleet=file_fleet or fleet)
+        trust = cls(principals, fleet=file_fleet or fleet)
+        if any(k in data for k in ("serial", "signed_by", "signature")):
+            trust._check_signature(data, path)
+        return trust
+
+    def _check_signature(self, data: dict, path: Path) -> None:
+        serial, signer, signature = data.get("serial"), data.get("signed_by"), data.get("signature")
+        if isinstance(serial, bool) or not isinstance(serial, int) or serial < 1:
+            raise ConfigError(f"--trust {str(path)!r} has serial {serial!r}; a serial is a whole number from 1.")
+        admin = self.principals.get(signer) if isinstance(signer, str) else None
+        if admin is None or admin.role != "operator" or admin.sign is None:
+            raise ConfigError(f"--trust {str(path)!r} is signed by {signer!r}, which is not an operator with a "
+                              "signing key in the file.")
+        self.serial, self.signed_by = serial, signer
+        self.signature = unb64(signature if isinstance(signature, str) else "", f"--trust {str(path)!r}: signature",
+                               SIGNATURE_BYTES)
+        try:
+            Ed25519PublicKey.from_public_bytes(admin.sign).verify(self.signature, self._signed_body())
+        except InvalidSignature:
+            raise ConfigError(f"--trust {str(path)!r}: the signature of {signer!r} does not verify (the file was "
+                              "changed after it was signed); build and sign it again.") from None
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        data = {"fleet": self.fleet, "principals": {n: p.as_dict() for n, p in sorted(self.principals.items())}}
-        path.write_text(json.dumps(data, indent=2) + "\n")
-        return path
+        """Write the trust file (with its serial and signature when :meth:`sign` was called)."""
+        data: dict[str, Any] = {"fleet": self.fleet}
+        if self.signature is not None:
+            data.update(serial=self.serial, signed_by=self.signed_by, signature=b64(self.signature))
+        data["principals"] = {n: p.as_dict() for n, p in sorted(self.principals.items())}
+        return write_atomic(path, json.dumps(data, indent=2) + "\n")
+
+    @classmethod
+    def next_serial(cls, path: str | Path, fleet: str) -> int:
+        """The serial of a trust file that replaces the one at ``path``: its serial plus one
+        (1 if there is none, or it is unsigned or unreadable)."""
+        if not Path(path).exists():
+            return 1
+        try:
+            return (cls.load(path, fleet=fleet).serial or 0) + 1
+        except ConfigError:
+            return 1
 
     @classmethod
     def for_identities(cls, identities: dict[str, tuple["Identity", str]], *, fleet: str) -> "Trust":
@@ -276,6 +359,74 @@ class Trust:
             Ed25519PublicKey.from_public_bytes(key).verify(signature, signed)
         except InvalidSignature:
             raise ProtocolError(f"Signature of the frame from {sender!r} does not verify.") from None
+
+
+class TrustHistory:
+    """What one process has seen of its fleet's trust files (``trust-seen.json`` beside its
+    identity): per fleet the administrator key that signed them, the highest serial, and that
+    file's digest. :meth:`admit` refuses a file signed by another key, an older serial (a newer
+    file revoked it) or another file under the same serial."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    def _read(self) -> dict[str, Any]:
+        try:
+            data = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError):
+            raise ConfigError(f"{self.path} (the trust serials this service has seen) cannot be read; "
+                              "restore it or remove it to pin the current trust file again.") from None
+        return data if isinstance(data, dict) else {}
+
+    def admit(self, trust: Trust, where: str) -> None:
+        data = self._read()
+        seen = data.get(trust.fleet or "")
+        if isinstance(seen, dict):
+            if seen.get("signer") != trust.signer_fingerprint:
+                raise ConfigError(
+                    f"--trust {where} is signed by {trust.signed_by!r} with key {trust.signer_fingerprint}, not the "
+                    f"administrator key {seen.get('signer')} this service pinned (serial {seen.get('serial')}); give a "
+                    f"trust file signed by that administrator, or remove {self.path} to pin a new one.")
+            if trust.serial < seen.get("serial", 0):
+                raise ConfigError(
+                    f"--trust {where} has serial {trust.serial}, older than serial {seen['serial']} this service has "
+                    "seen; a newer trust file revokes the older ones, so give the current one.")
+            if trust.serial == seen.get("serial") and trust.digest != seen.get("digest"):
+                raise ConfigError(
+                    f"--trust {where} has serial {trust.serial} but other contents than the file of that serial this "
+                    "service has seen; a changed trust file needs a higher serial (`senseshield identity build`).")
+            if trust.serial == seen.get("serial"):
+                return
+        data[trust.fleet or ""] = {"serial": trust.serial, "signer": trust.signer_fingerprint, "digest": trust.digest}
+        write_atomic(self.path, json.dumps(data, indent=2) + "\n", mode=0o600)
+
+
+def admit_trust(path: str | Path | None, *, fleet: str, history: str | Path, required: bool = True) -> Trust | None:
+    """The trust a service starts with (None: trust on first use, development mode only).
+
+    Outside development mode a service needs a trust file with a serial and an
+    administrator's signature, and refuses one older than, or signed by another key than,
+    what it has seen (:class:`TrustHistory` in ``history``). ``required=False`` (the
+    operator's ``job`` client, which serves nobody) lets it go on without one, with a warning."""
+    if path is None:
+        if development_mode() or not required:
+            return None
+        raise ConfigError(
+            "--trust is missing: without the fleet's trust file a service believes any key on first use; give --trust "
+            "FILE (`senseshield identity build`, or the OUT/trust.json of `senseshield fleet up`, docs/security.md) "
+            f"or, {how_to_allow()}.")
+    trust = Trust.load(path, fleet=fleet)
+    if trust.signature is None:
+        if development_mode():
+            log.warning("trust file %s has no serial and signature (development only)", path)
+            return trust
+        raise ConfigError(
+            f"--trust {str(path)!r} has no serial and administrator signature; sign it with `senseshield identity "
+            f"build --admin-identity FILE` or, {how_to_allow()}.")
+    TrustHistory(history).admit(trust, repr(str(path)))
+    return trust
 
 
 def role_of_name(name: str) -> str:

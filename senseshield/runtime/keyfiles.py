@@ -70,7 +70,29 @@ def check_private(path: Path) -> None:
         raise ConfigError(f"Secret key file {path} has mode {mode:o}; it must be 0600 (chmod 600 {path}).")
 
 
+def check_secret_dir(folder: Path) -> None:
+    """The directory a secret is written in must be a real directory of this user that
+    nobody else can write: otherwise another user could plant or swap files in it (a link
+    where the temporary file goes) between the checks and the write."""
+    try:
+        st = os.lstat(folder)
+    except OSError as exc:
+        raise ConfigError(f"Key directory {folder} cannot be checked ({exc.strerror or exc}).") from None
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"Key directory {folder} is not a directory (a symbolic link or a file); give the directory itself.")
+    if st.st_uid != os.geteuid():
+        raise ConfigError(f"Key directory {folder} belongs to user id {st.st_uid}, not this process's ({os.geteuid()}).")
+    if stat.S_IMODE(st.st_mode) & 0o022:
+        raise ConfigError(f"Key directory {folder} has mode {stat.S_IMODE(st.st_mode):o}, which others can write; "
+                          f"a secret is only written in a directory of mode 0700 (chmod 700 {folder}).")
+
+
 def write_secret(path: Path, data: bytes) -> None:
     """Write ``data`` to a file only its owner can read (0600 from creation on), atomically
-    (:func:`senseshield.runtime.files.write_atomic`)."""
+    (:func:`senseshield.runtime.files.write_atomic`: a fresh temporary name opened with
+    ``O_EXCL | O_NOFOLLOW``, so a planted file or link is never written through), in a
+    directory :func:`check_secret_dir` accepts."""
+    path = Path(path)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    check_secret_dir(path.parent)
     write_atomic(path, data, mode=0o600)

@@ -421,6 +421,16 @@ class Strategy(ABC):
     ) -> np.ndarray:
         raise TypeError(f"Strategy {self.name!r} does not negotiate masks (negotiates = False).")
 
+    def encryption_floor(self, budget: float, *, size: int, block_size: int = 1) -> float:
+        """The least fraction of the parameters a genuine update of a device with encryption
+        budget ``budget`` encrypts; the coordinator refuses an update below it. Default: a
+        positive budget encrypts at least one block (the mask solvers choose how much from
+        the device's own sensitivity, which the coordinator does not see); strategies that
+        encrypt a known share say so."""
+        if budget <= 0 or size <= 0:
+            return 0.0
+        return min(1.0, block_size / size)
+
     # ---- client side ------------------------------------------------------------------
     def propose(self, sensitivity: np.ndarray, *, block_size: int = 1) -> np.ndarray:
         raise TypeError(f"Strategy {self.name!r} does not negotiate masks (negotiates = False).")

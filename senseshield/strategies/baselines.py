@@ -20,6 +20,9 @@ class Plaintext(Strategy):
     ) -> MaskChoice:
         return MaskChoice(np.zeros(weights.size, dtype=bool))
 
+    def encryption_floor(self, budget: float, *, size: int, block_size: int = 1) -> float:
+        return 0.0  # nothing, by design (even with a --scheme override)
+
 
 @STRATEGIES.register("paillier-full")
 class PaillierFull(Strategy):
@@ -32,6 +35,9 @@ class PaillierFull(Strategy):
         self, context: ClientContext, *, sensitivity: np.ndarray, weights: np.ndarray
     ) -> MaskChoice:
         return MaskChoice(np.ones(weights.size, dtype=bool))
+
+    def encryption_floor(self, budget: float, *, size: int, block_size: int = 1) -> float:
+        return 1.0  # every parameter, whatever the budget
 
 
 @STRATEGIES.register("masked")
