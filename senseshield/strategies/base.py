@@ -70,6 +70,15 @@ class StrategyOptions(BaseModel):
             "uses every figure as reported (no pooling, as before)."
         ),
     )
+    straggle_limit: float | None = Field(
+        None,
+        ge=1.0,
+        description=(
+            "Partial work: a device whose predicted round exceeds this many times the quickest "
+            "device's trains fewer local steps (FedNova-normalised in the aggregate); None: every "
+            "device trains in full unless its training would miss the round deadline."
+        ),
+    )
     # ---- hybrid HE + DP strategies (docs/hybrid.md) ----
     tau: float = Field(0.1, description="Fisher threshold of the local masks (SelectiveShield eq. 14), in [0, 1].")
     rho: float = Field(0.5, description="Consensus threshold of the encrypted zone (SelectiveShield eq. 16), in [0, 1].")
