@@ -184,8 +184,9 @@ def local_update(
     ``seed`` fixes the training order of plain SGD (shared); DP-SGD's sampling and noise come
     from ``noise`` (client ``index``'s ``dpsgd`` stream of this round, secret by default).
     ``steps``: partial work (:mod:`senseshield.engine.work`): train only the first ``steps``
-    minibatch steps of plain SGD and send the FedNova-normalised update (delta x full / steps)
-    so the aggregate keeps weighting devices by their data; None or full work: unchanged.
+    minibatch steps of plain SGD; the update keeps its data weight n_i and is sent as trained,
+    or FedNova-normalised (delta x full / steps) with ``options.partial_fednova``; None or
+    full work: unchanged (see :mod:`senseshield.engine.work` for the weighting).
     DP-SGD rounds always train in full (their accountant counts the steps).
     """
     from senseshield.training import torch_threads
@@ -228,7 +229,7 @@ def _local_update(
     else:
         full = full_steps(len(x), batch_size=train.batch_size, epochs=train.epochs)
         if steps is not None and steps < full:
-            scale = step_scale(steps, full)
+            scale = step_scale(steps, full) if strategy.options.partial_fednova else 1.0
             train = replace(train, max_steps=int(steps))
         train_local(model, x, y, train, seed=seed)
     weights = get_vector(model).astype(np.float64)
