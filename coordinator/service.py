@@ -68,7 +68,7 @@ from senseshield.runtime.protocol.envelope import decode_frame
 from senseshield.runtime.service import Inbound, Service, Stopped, check_sender, writable_dir
 from coordinator.jobs import OPEN, JobBook, JobRecord
 from senseshield.job import (
-    Job, check_job, effective_scheme, initial_model, job_from_dict, job_shape, noise_multipliers,
+    Job, check_job, effective_scheme, initial_model, job_from_dict, job_shape, noise_multipliers, train_config,
 )
 from senseshield.results import (
     ClientRecord,
@@ -80,6 +80,8 @@ from senseshield.results import (
 )
 from senseshield.strategies import BootstrapReport, FleetPlan
 from senseshield.strategies.base import RoundCosts, measured_intervals
+from senseshield.engine.work import full_steps, recent_median
+from senseshield.rounds import plan_local_steps
 
 log = logging.getLogger("senseshield.coordinator")
 
@@ -410,6 +412,7 @@ class Coordinator(Service):
         self.strategy = build_strategy(config.strategy, config.options)
         self.scheme = effective_scheme(config, self.strategy)
         self.round_deadline = self.deadline_override or config.round_deadline
+        self.steps_of: dict[str, int] = {}  # partial work of the current round (agent -> local steps)
         input_shape, num_classes = job_shape(config)
         model, self.initial = initial_model(config, input_shape, num_classes)
         self.size = layout_of(model).size
@@ -691,6 +694,7 @@ class Coordinator(Service):
         sampled = set(ids) if o.sample_rate >= 1.0 else {a for a in ids if self.sampler.random() < o.sample_rate}
         self.round, self.clusters, self.offline_notes = r, {}, []
         self._recalibrate(r)
+        self.steps_of = self._local_steps(r, sorted(sampled & online))
         self.round_started = time.time()
         offline = sorted(sampled - online)
         if offline:  # known gone (last will): not sampled until they are back
@@ -719,7 +723,53 @@ class Coordinator(Service):
                 # one frame per device: do not wait for each acknowledgement (N round trips)
                 self.send(f"agents/{a}/inbox", plan, round=r, wait=False)
                 self.agent_rounds.setdefault(a, {})[r] = {"cluster": k, "plan_sent": time.time(),
-                                                          "budget": self.plan.budget_of[a]}
+                                                          "budget": self.plan.budget_of[a],
+                                                          "steps": self.steps_of.get(a, self.full_steps_of(a)),
+                                                          "full_steps": self.full_steps_of(a)}
+
+    def full_steps_of(self, agent: str) -> int:
+        """Local steps of full work of ``agent`` (its sample count, the job's epochs and batch)."""
+        c = self.config
+        return full_steps(self.agents[agent].hello.n_samples, batch_size=c.batch_size, epochs=c.local_epochs)
+
+    def _local_steps(self, r: int, ids: list[str]) -> dict[str, int]:
+        """Partial work before round ``r`` (:func:`senseshield.rounds.plan_local_steps`): each
+        device's seconds per step and its other round work are the median of its last 5
+        delivered rounds (train seconds / steps; sensitivity + mask + noise + encrypt);
+        before every device delivered one, relative speeds from the join (1 / measured GFLOPS
+        when all measured it, else 1 / cpu_speed, as in the simulator). Devices with partial
+        work get ``local_steps`` in their round plan; the others train in full."""
+        o = self.config.options
+        ids = [a for a in ids if a in self.agents]
+        if not ids or self.strategy.round_plan(r).dpsgd:
+            return {}
+        per_step, other = {}, {}
+        for a in ids:
+            rows = [self.agent_rounds.get(a, {}).get(rr, {}) for rr in sorted(self.agent_rounds.get(a, {}))]
+            rows = [x for x in rows if x.get("agent_timings") and x.get("steps")]
+            per_step[a] = recent_median([x["agent_timings"].get("train", 0.0) / x["steps"] for x in rows])
+            other[a] = recent_median([sum(x["agent_timings"].get(k, 0.0) for k in ("sensitivity", "mask", "noise", "encrypt"))
+                                      for x in rows]) or 0.0
+        if all(v is not None for v in per_step.values()):
+            step_s, deadline = per_step, self.round_deadline
+        else:  # relative speeds only (no seconds): no deadline term, no other work
+            profiles = {a: self.agents[a].hello.profile or {} for a in ids}
+            gflops = {a: p.get("gflops") for a, p in profiles.items()}
+            if all(isinstance(g, (int, float)) and g > 0 for g in gflops.values()):
+                step_s = {a: 1.0 / float(g) for a, g in gflops.items()}
+            else:
+                step_s = {a: 1.0 / self.agents[a].hello.cpu_speed for a in ids}
+            other, deadline = {}, None
+        if o.straggle_limit is None and deadline is None:
+            return {}
+        n_train = {a: self.agents[a].hello.n_samples for a in ids}
+        steps = plan_local_steps(n_train, train_config(self.config), step_s=step_s, other_s=other,
+                                 limit=o.straggle_limit, deadline_s=deadline)
+        full = {a: self.full_steps_of(a) for a in ids}
+        cut = {a: s for a, s in steps.items() if s < full[a]}
+        if cut:
+            self.log.info("round %d: partial work %s", r, {a: f"{s}/{full[a]} steps" for a, s in sorted(cut.items())})
+        return cut
 
     def _recalibrate(self, r: int) -> None:
         """Calibrated budgets, before round ``r``: refine every device's costs from what its
@@ -1055,6 +1105,7 @@ class Coordinator(Service):
             participants=len(cr.members),
             noise_multiplier=self.sigma_user,
             record_noise=self.sigma_record.get(agent),
+            local_steps=self.steps_of.get(agent),
             has_shared_mask=shared is not None,
             shared_mask=pack_mask(shared) if shared is not None else np.zeros(0, np.uint8),
         )
@@ -1063,6 +1114,10 @@ class Coordinator(Service):
         o = self.config.options
         tally = RoundTally()
         tally.notes.extend(self.offline_notes)
+        for a in sorted(self.sampled):
+            planned = self.agent_rounds.get(a, {}).get(r, {})
+            if "full_steps" in planned:
+                tally.add_work(a, steps=planned["steps"], full_steps=planned["full_steps"], budget=planned["budget"])
         for k, cr in sorted(self.clusters.items()):
             for a in sorted(cr.updates):
                 note = cr.updates[a]

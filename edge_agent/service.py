@@ -680,6 +680,7 @@ class EdgeAgent(Service):
             strategy, run.model, merge_personal(start, run.client),
             run.data, train=train_config(config), seed=client_seed(config.seed, r, run.index), round=r,
             state=run.client, noise_multiplier=plan.record_noise, noise=self.noise, index=run.index,
+            steps=plan.local_steps,
         )
         shared = plan.mask()
         if plan.negotiate:

@@ -43,6 +43,8 @@ class RoundRecord(BaseModel):
     notes: list[str] = []  # e.g. an empty zone, a round nobody was sampled in
     joined: list[str] = []  # fleet: devices that joined (admitted or back online) before this round
     left: list[str] = []  # fleet: devices that went offline since the last round (not sampled)
+    # per device this round: local "steps" trained of its "full_steps" and its encryption "budget"
+    work: dict[str, dict[str, float]] = {}
 
 
 class ClientRecord(BaseModel):
@@ -160,6 +162,10 @@ class RoundTally:
     zone_sums: dict[str, list[float]] = field(default_factory=dict)
     empty_zones: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    work: dict[str, dict[str, float]] = field(default_factory=dict)  # device -> steps, full_steps, budget
+
+    def add_work(self, client_id: str, *, steps: int, full_steps: int, budget: float) -> None:
+        self.work[client_id] = {"steps": int(steps), "full_steps": int(full_steps), "budget": round(float(budget), 6)}
 
     def add_update(self, client_id: str, timings: dict[str, float], he_ratio: float, nbytes: int, report: dict) -> None:
         for name, value in report.get("zones", {}).items():
@@ -213,4 +219,5 @@ class RoundTally:
             zone_ratios={k: float(np.mean(v)) for k, v in self.zone_sums.items()} or None,
             round_type=_round_type(strategy, r),
             notes=notes,
+            work=dict(sorted(self.work.items())),
         )

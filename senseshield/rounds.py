@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -31,6 +31,7 @@ from senseshield.engine.aggregation import ProtectedUpdate, protect_update
 from senseshield.engine.budgets import sigma_for_epsilon
 from senseshield.engine.clustering import noisy_mean, normalise_rows
 from senseshield.engine.masks import top_up_mask
+from senseshield.engine.work import full_steps, step_scale
 from senseshield.engine.sensitivity import SCORES, Score
 from senseshield.data.shards import LocalData  # a device's data; importable from here too
 from senseshield.device_noise import SECRET, DeviceNoise
@@ -171,6 +172,7 @@ def local_update(
     noise_multiplier: float | None = None,
     noise: DeviceNoise = SECRET,
     index: int = 0,
+    steps: int | None = None,
 ) -> LocalUpdate:
     """Train from the global model, then score the parameters (Alg. 1 lines 7-8).
 
@@ -181,18 +183,24 @@ def local_update(
     ``state``). Runs on ``train.threads`` torch threads (the determinism contract).
     ``seed`` fixes the training order of plain SGD (shared); DP-SGD's sampling and noise come
     from ``noise`` (client ``index``'s ``dpsgd`` stream of this round, secret by default).
+    ``steps``: partial work (:mod:`senseshield.engine.work`): train only the first ``steps``
+    minibatch steps of plain SGD; the update keeps its data weight n_i and is sent as trained,
+    or FedNova-normalised (delta x full / steps) with ``options.partial_fednova``; None or
+    full work: unchanged (see :mod:`senseshield.engine.work` for the weighting).
+    DP-SGD rounds always train in full (their accountant counts the steps).
     """
     from senseshield.training import torch_threads
 
     with torch_threads(train.threads):
         return _local_update(strategy, model, global_vector, data, train=train, seed=seed, round=round,
-                             state=state, noise_multiplier=noise_multiplier, noise=noise, index=index)
+                             state=state, noise_multiplier=noise_multiplier, noise=noise, index=index,
+                             steps=steps)
 
 
 def _local_update(
     strategy: Strategy, model: torch.nn.Module, global_vector: np.ndarray, data: LocalData, *,
     train: TrainConfig, seed: int, round: int, state: ClientState | None, noise_multiplier: float | None,
-    noise: DeviceNoise, index: int,
+    noise: DeviceNoise, index: int, steps: int | None = None,
 ) -> LocalUpdate:
     from senseshield.training import get_vector, score_inputs, set_vector, train_dpsgd, train_local
 
@@ -204,6 +212,7 @@ def _local_update(
             raise ValueError(f"{strategy.name} trains on synthetic data but the client has no fitted provider.")
         x, y = state.synthetic.sample(data.n_train, np.random.default_rng([seed, 13]))
     set_vector(model, global_vector)
+    scale = 1.0
     # the update is measured from the weights the device actually starts from (float32),
     # so it is the same whether the global model arrived as float64 or float32
     start = get_vector(model).astype(np.float64)
@@ -218,6 +227,10 @@ def _local_update(
             history=state.dp_history, sampling_generator=sampling, noise_generator=gaussian,
         )
     else:
+        full = full_steps(len(x), batch_size=train.batch_size, epochs=train.epochs)
+        if steps is not None and steps < full:
+            scale = step_scale(steps, full) if strategy.options.partial_fednova else 1.0
+            train = replace(train, max_steps=int(steps))
         train_local(model, x, y, train, seed=seed)
     weights = get_vector(model).astype(np.float64)
     if not np.all(np.isfinite(weights)):
@@ -236,6 +249,8 @@ def _local_update(
             f"Local training diverged in round {round} (the model has NaN or inf weights), {advice}."
         )
     delta = weights - start
+    if scale != 1.0:
+        delta = delta * scale  # FedNova: the mean step times the planned steps
     t_train = time.perf_counter() - t
     t = time.perf_counter()
     inputs = score_inputs(model, data.x_train, data.y_train, needs=score.needs, delta=delta)
@@ -243,6 +258,27 @@ def _local_update(
     return LocalUpdate(
         weights, delta, sensitivity, {"train": t_train, "sensitivity": time.perf_counter() - t}
     )
+
+
+def plan_local_steps(
+    n_train: dict[str, int], train: TrainConfig, *, step_s: dict[str, float], other_s: dict[str, float] | None = None,
+    limit: float | None, deadline_s: float | None = None,
+) -> dict[str, int]:
+    """Local steps of every device this round (:func:`senseshield.engine.work.local_steps`):
+    full work (``epochs x ceil(n / batch)``) unless its predicted round (``other_s`` + steps x
+    ``step_s``, any common unit) would exceed ``limit`` x the quickest device's or the
+    deadline. The simulator gives ``step_s = 1 / cpu_speed`` (the job's declared speeds), the
+    coordinator what the devices measured."""
+    from senseshield.engine.work import local_steps
+
+    ids = sorted(n_train)
+    full = np.array([full_steps(n_train[a], batch_size=train.batch_size, epochs=train.epochs) for a in ids])
+    if not ids or (limit is None and deadline_s is None):
+        return {a: int(f) for a, f in zip(ids, full)}
+    other = np.array([(other_s or {}).get(a, 0.0) for a in ids], dtype=np.float64)
+    steps = local_steps(step_s=np.array([step_s[a] for a in ids], dtype=np.float64), other_s=other, full=full,
+                        limit=limit, deadline_s=deadline_s)
+    return {a: int(s) for a, s in zip(ids, steps)}
 
 
 def negotiate(

@@ -33,12 +33,14 @@ from senseshield.results import (
     privacy_fields,
     weighted_accuracy,
 )
+from senseshield.engine.work import full_steps
 from senseshield.rounds import (
     ClientState,
     apply_mean,
     choice_report,
     client_bootstrap,
     client_seed,
+    plan_local_steps,
     fit_synthetic,
     keep_personal,
     local_update,
@@ -165,6 +167,12 @@ def run_simulation(
             members = [by_id[cid] for cid in plan.members(k) if cid in sampled]
             if not members:
                 continue
+            steps = plan_local_steps({c.id: c.data.n_train for c in members}, train,
+                                     step_s={c.id: 1.0 / c.cpu_speed for c in members},
+                                     limit=None if strategy.round_plan(r).dpsgd else o.straggle_limit)
+            for c in members:
+                tally.add_work(c.id, steps=steps[c.id], budget=plan.budget_of[c.id],
+                               full_steps=full_steps(c.data.n_train, batch_size=train.batch_size, epochs=train.epochs))
             local = {
                 c.id: local_update(
                     strategy,
@@ -178,6 +186,7 @@ def run_simulation(
                     noise_multiplier=sigma_record.get(c.id),
                     noise=noise,
                     index=c.index,
+                    steps=steps[c.id],
                 )
                 for c in members
             }

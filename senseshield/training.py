@@ -68,6 +68,7 @@ class TrainConfig:
     lr: float = 0.05
     momentum: float = 0.0
     threads: int = 1
+    max_steps: int | None = None  # partial work: stop after this many minibatch steps (None: all)
 
 
 @contextmanager
@@ -86,18 +87,22 @@ def torch_threads(n: int) -> Iterator[None]:
 def train_local(
     model: nn.Module, x: np.ndarray, y: np.ndarray, config: TrainConfig, *, seed: int
 ) -> float:
-    """Run ``config.epochs`` of minibatch SGD on (x, y); returns the mean loss of the last epoch."""
+    """Run ``config.epochs`` of minibatch SGD on (x, y), or only the first ``config.max_steps``
+    minibatch steps of them (partial work); returns the mean loss of the last epoch run."""
     generator = torch.Generator().manual_seed(seed)
     xs = torch.as_tensor(x)
     ys = torch.as_tensor(y)
     optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum)
     loss_fn = nn.CrossEntropyLoss()
     model.train()
-    last = 0.0
+    last, steps = 0.0, 0
     for _ in range(config.epochs):
         order = torch.randperm(len(xs), generator=generator)
         total, batches = 0.0, 0
         for start in range(0, len(xs), config.batch_size):
+            if config.max_steps is not None and steps >= config.max_steps:
+                break
+            steps += 1
             idx = order[start : start + config.batch_size]
             if idx.numel() < 2 and _has_batchnorm(model):
                 continue  # BatchNorm cannot train on a batch of one
@@ -107,7 +112,8 @@ def train_local(
             optimizer.step()
             total += float(loss.detach())
             batches += 1
-        last = total / max(batches, 1)
+        if batches or config.max_steps is None:
+            last = total / max(batches, 1)
     return last
 
 

@@ -81,6 +81,22 @@ class StrategyOptions(BaseModel):
             "papers' rule (a single encryptor's value is decrypted)."
         ),
     )
+    straggle_limit: float | None = Field(
+        None,
+        ge=1.0,
+        description=(
+            "Partial work: a device whose predicted round exceeds this many times the quickest "
+            "device's trains fewer local steps (sent as trained, with its data weight; see partial_fednova); None: every "
+            "device trains in full unless its training would miss the round deadline."
+        ),
+    )
+    partial_fednova: bool = Field(
+        False,
+        description=(
+            "Partial work: send a partial update FedNova-normalised (delta x full / steps) instead of "
+            "as trained; measured unstable at 10x step ratios (docs: partial work)."
+        ),
+    )
     # ---- hybrid HE + DP strategies (docs/hybrid.md) ----
     tau: float = Field(0.1, description="Fisher threshold of the local masks (SelectiveShield eq. 14), in [0, 1].")
     rho: float = Field(0.5, description="Consensus threshold of the encrypted zone (SelectiveShield eq. 16), in [0, 1].")

@@ -215,6 +215,7 @@ class RoundPlan(Message):
     participants: int = Field(1, ge=1)  # |K^t| of the agent's cluster
     noise_multiplier: float | None = None  # user-level sigma
     record_noise: float | None = None  # this agent's DP-SGD sigma
+    local_steps: int | None = Field(None, ge=1)  # partial work: train only this many minibatch steps (None: full)
     has_shared_mask: bool = False
     shared_mask: np.ndarray  # bitset; empty when has_shared_mask is False
 

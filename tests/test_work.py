@@ -1,0 +1,118 @@
+"""Partial work (senseshield.engine.work) and measured budgets: pure functions, plus the simulator."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from senseshield.engine.budgets import measured_budgets
+from senseshield.engine.work import full_steps, local_steps, recent_median, step_scale
+from senseshield.errors import ConfigError
+
+speeds = st.lists(st.floats(0.01, 100.0), min_size=1, max_size=8)
+
+
+@settings(max_examples=200, deadline=None)
+@given(speeds, st.floats(1.0, 5.0), st.integers(1, 200))
+def test_local_steps_fit_the_limit_and_the_quickest_trains_in_full(step, limit, full) -> None:
+    s = np.array(step)
+    steps = local_steps(step_s=s, other_s=np.zeros_like(s), full=np.full(s.size, full), limit=limit)
+    assert np.all((steps >= 1) & (steps <= full))
+    assert steps[np.argmin(s)] == full
+    fastest = full * s.min()
+    over = steps * s > limit * fastest * (1 + 1e-9)
+    assert np.all(steps[over] == 1)  # only the one-step floor may exceed the limit
+    # a slower device never trains more steps
+    order = np.argsort(s, kind="stable")
+    assert np.all(np.diff(steps[order]) <= 0)
+    # the unit does not matter
+    again = local_steps(step_s=s * 7.5, other_s=np.zeros_like(s), full=np.full(s.size, full), limit=limit)
+    assert np.array_equal(steps, again)
+
+
+def test_a_device_twenty_times_slower_trains_a_tenth_of_its_steps() -> None:
+    steps = local_steps(step_s=np.array([1.0, 1.0, 20.0]), other_s=np.zeros(3), full=np.array([46, 46, 46]), limit=2.0)
+    assert steps.tolist() == [46, 46, 4]
+    assert local_steps(step_s=np.array([1.0, 20.0]), other_s=np.zeros(2), full=np.array([46, 46]), limit=None).tolist() == [46, 46]
+    # the deadline alone: 0.8 x 10 s leaves 8 s, 2 s of other work, 0.5 s a step -> 12 steps
+    assert local_steps(step_s=np.array([0.5]), other_s=np.array([2.0]), full=np.array([40]), limit=None,
+                       deadline_s=10.0).tolist() == [12]
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"step_s": [0.0], "other_s": [0.0], "full": [3], "limit": 2.0}, "step_s"),
+    ({"step_s": [1.0], "other_s": [0.0], "full": [3], "limit": 0.5}, "straggle limit"),
+    ({"step_s": [1.0], "other_s": [0.0], "full": [0], "limit": 2.0}, "full="),
+])
+def test_local_steps_bad_input_is_one_sentence(kwargs, needle) -> None:  # noqa: ANN001
+    with pytest.raises(ConfigError, match=needle):
+        local_steps(**{k: np.array(v) for k, v in kwargs.items() if k != "limit"}, limit=kwargs["limit"])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(0.001, 1e3), min_size=1, max_size=30), st.integers(1, 10))
+def test_recent_median_lies_within_its_window(values, k) -> None:
+    m = recent_median(values, k=k)
+    window = values[-k:]
+    assert min(window) <= m <= max(window)
+    # one wild round among >= 3 does not move it beyond the others' range
+    if len(window) >= 3:
+        wild = recent_median([*values[:-1], 1e9], k=k)
+        assert wild <= max(values[-k:-1])
+
+
+def test_recent_median_of_nothing_is_none() -> None:
+    assert recent_median([], k=3) is None
+    assert recent_median([0.0, float("nan")], k=3) is None
+
+
+def test_full_steps_and_fednova_scale() -> None:
+    assert full_steps(360, batch_size=16, epochs=2) == 46
+    assert step_scale(46, 46) == 1.0 and step_scale(4, 46) == 11.5
+    with pytest.raises(ConfigError, match="steps=0"):
+        step_scale(0, 46)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(10.0, 1e6), st.floats(0.01, 1e4)), min_size=1, max_size=8),
+       st.floats(0.0, 64.0), st.floats(0.1, 10.0))
+def test_measured_budgets_properties(rows, nbytes, scale) -> None:
+    e, r = np.array(rows).T
+    alpha = measured_budgets(encrypt_per_s=e, bandwidth=r, bytes_per_encrypted=nbytes)
+    assert np.all((alpha > 0) & (alpha <= 1)) and np.isclose(alpha.max(), 1.0)
+    # scaling rates and bandwidth together (units) changes nothing
+    assert np.allclose(alpha, measured_budgets(encrypt_per_s=e * scale, bandwidth=r * scale, bytes_per_encrypted=nbytes))
+    # a faster link or encryptor never lowers a device's budget relative to the others
+    i = 0
+    faster = measured_budgets(encrypt_per_s=np.where(np.arange(e.size) == i, e * 2, e), bandwidth=r, bytes_per_encrypted=nbytes)
+    assert faster[i] >= alpha[i] * (1 - 1e-12)
+
+
+def test_measured_budgets_ignore_a_loopback_busy_moment_but_see_a_slow_encryptor() -> None:
+    # three identical agents on one host: 84 / 456 / 45 MB/s measured, 41,000 values/s each
+    same = measured_budgets(encrypt_per_s=np.full(3, 41_000.0), bandwidth=np.array([84.0, 456.0, 45.0]),
+                            bytes_per_encrypted=8.0)
+    assert same.max() / same.min() < 1.01
+    # the arm64 board: 3,100 values/s against 41,000
+    arm = measured_budgets(encrypt_per_s=np.array([41_000.0, 3_100.0]), bandwidth=np.array([84.0, 84.0]),
+                           bytes_per_encrypted=8.0)
+    assert arm[1] < 0.1
+
+
+def test_simulated_slow_device_trains_fewer_steps_reported_per_round() -> None:
+    from senseshield.job import Job
+    from senseshield.simulation import run_simulation
+    from senseshield.strategies.base import StrategyOptions
+
+    job = Job(strategy="plaintext", model="linear", partition="iid", clients=3, rounds=2, cpu=[20.0, 20.0, 1.0],
+              options=StrategyOptions(straggle_limit=2.0))
+    result = run_simulation(job, noise_seed=0)
+    work = result.rounds[-1].work
+    full = work["c000"]["full_steps"]
+    assert work["c000"]["steps"] == work["c001"]["steps"] == full
+    assert work["c002"]["steps"] == int(2 * full / 20) < full
+    assert work["c002"]["budget"] < work["c000"]["budget"]
+    again = run_simulation(job, noise_seed=0)
+    assert again.rounds[-1].work == work and again.final_accuracy == result.final_accuracy
