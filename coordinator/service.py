@@ -66,6 +66,7 @@ from senseshield.runtime.files import npy_bytes, write_atomic
 from senseshield.runtime.identity import Identity, Trust, check_frame
 from senseshield.runtime.protocol.envelope import decode_frame
 from senseshield.runtime.service import Inbound, Service, Stopped, check_sender, writable_dir
+from coordinator.contributions import Contributions, aggregate_of
 from coordinator.jobs import OPEN, JobBook, JobRecord
 from senseshield.job import (
     Job, check_job, effective_scheme, initial_model, job_from_dict, job_shape, noise_multipliers,
@@ -240,6 +241,10 @@ class ClusterRound:
     reason: str = ""
     timings: dict[str, float] = field(default_factory=dict)
     timestamps: dict[str, float] = field(default_factory=dict)  # coordinator clock
+    # the updates, kept until the verdict (to aggregate again without a bad one), and the
+    # devices whose update the key server found at fault (agent -> why)
+    book: Contributions = field(default_factory=Contributions)
+    refused: dict[str, str] = field(default_factory=dict)
 
 
 class Coordinator(Service):
@@ -802,7 +807,12 @@ class Coordinator(Service):
         self._check_receipt(agent_id, item.round, msg)
         cr = self._cluster_round_of(agent_id, item.round, "update")
         if agent_id in cr.updates:
-            return  # a re-sent duplicate
+            if msg.receipt != cr.updates[agent_id].receipt and cr.phase in ("updates", "decrypting"):
+                # another update of the same device: kept aside, in case the key server finds
+                # the first one at fault (coordinator.contributions)
+                self.log.warning("round %d: a second, different update from %s kept aside", item.round, agent_id)
+                cr.book.spare(agent_id, update, self._note(update, item, msg))
+            return  # else a re-sent duplicate
         if cr.phase != "updates" or agent_id not in cr.expected:
             self._late(agent_id, item.round, "update", item.received)
             return
@@ -812,10 +822,15 @@ class Coordinator(Service):
         t = time.perf_counter()
         cr.running.add(update)  # a bad update is rejected here and changes nothing
         cr.timings["aggregate_streamed"] = cr.timings.get("aggregate_streamed", 0.0) + time.perf_counter() - t
-        cr.updates[agent_id] = UpdateNote(dict(update.timings), update.he_ratio, item.nbytes, msg.report,
-                                          mask_digest(update.mask, update.withheld), msg.receipt)
+        cr.updates[agent_id] = self._note(update, item, msg)
+        cr.book.keep(agent_id, update, cr.updates[agent_id])
         self.agent_rounds[agent_id][item.round]["update_received"] = item.received
         self._advance()
+
+    @staticmethod
+    def _note(update, item: Inbound, msg: UpdateMessage) -> UpdateNote:  # noqa: ANN001
+        return UpdateNote(dict(update.timings), update.he_ratio, item.nbytes, msg.report,
+                          mask_digest(update.mask, update.withheld), msg.receipt)
 
     def _check_receipt(self, agent_id: str, r: int, msg: UpdateMessage) -> None:
         """The update's receipt must be the agent's own signed statement about this update
@@ -922,15 +937,37 @@ class Coordinator(Service):
             self.log.warning("round %d cluster %d: %s", self.round, k, cr.reason)
             return
         cr.running = None  # the memory goes with it
+        self._request(cr, aggregate, t)
+
+    def _request(self, cr: ClusterRound, aggregate, t: float) -> None:  # noqa: ANN001
+        """Send cluster round ``cr``'s aggregate (of the updates in ``cr.updates``) to the key server."""
         receipts = [cr.updates[a].receipt for a in sorted(cr.updates)]
         request = aggregate_to_message(aggregate, self.public, run_id=self.run_id, receipts=receipts)
-        cr.timings["aggregate"] = time.perf_counter() - t
+        cr.timings["aggregate"] = cr.timings.get("aggregate", 0.0) + time.perf_counter() - t
         cr.union_ratio = float(aggregate.union_mask.mean())  # type: ignore[attr-defined]
         cr.request = self.frame(request, round=self.round)
         cr.requested_at = time.time()
         cr.timestamps["requested_at"] = cr.requested_at
         cr.phase = "decrypting"
         self._send_request(cr)
+
+    def _try_without_one(self, k: int, cr: ClusterRound) -> bool:
+        """After a refusal at the fingerprint check: send the next attempt (one device's update
+        left out or replaced by its later one, coordinator.contributions); False when none is left."""
+        while (attempt := cr.book.next_attempt()) is not None:
+            t = time.perf_counter()
+            try:
+                running = aggregate_of(attempt, lambda: StreamingAggregate(self.public, size=self.size,
+                                                                           round=self.round, cluster=k))
+                aggregate = running.result()
+            except ProtocolError as exc:  # a spare that does not fold: the next attempt
+                self.log.warning("round %d cluster %d: an attempt does not aggregate (%s)", self.round, k, exc)
+                continue
+            cr.updates = {a: note for a, (_, note) in attempt.items()}
+            self.log.info("round %d cluster %d: aggregating again over %s", self.round, k, sorted(attempt))
+            self._request(cr, aggregate, t)
+            return True
+        return False
 
     def _on_result(self, item: Inbound) -> None:
         if item.sender != "keyserver":
@@ -941,6 +978,13 @@ class Coordinator(Service):
         cr = self.clusters.get(msg.cluster)
         if cr is None or cr.phase != "decrypting":
             return
+        if msg.retry and not msg.accepted:
+            self.log.warning("round %d cluster %d: key server %s; looking for the update at fault",
+                             self.round, msg.cluster, msg.reason)
+            if self._try_without_one(msg.cluster, cr):
+                return
+        cr.refused.update(msg.excluded)
+        cr.book.clear()
         cr.accepted, cr.reason, cr.phase = msg.accepted, msg.reason, "done"
         cr.timings.update(msg.timings)
         cr.timings["decrypt_roundtrip"] = time.time() - cr.requested_at
@@ -1058,6 +1102,8 @@ class Coordinator(Service):
                 tally.bytes_down += len(self.plan.members(k)) * getattr(self, "model_bytes", self.size * 4)  # type: ignore[union-attr]
             else:
                 tally.notes.append(f"round {r} cluster {k}: model unchanged ({cr.reason})")
+            for a, why in sorted(cr.refused.items()):
+                tally.notes.append(f"round {r} cluster {k}: refused the update of {a} ({why})")
             for why, who in (("offline", [a for a in cr.straggled if a in cr.offline]),
                              ("deadline", [a for a in cr.straggled if a not in cr.offline])):
                 if who:
@@ -1081,7 +1127,8 @@ class Coordinator(Service):
             "started_at": self.round_started,
             "finished_at": time.time(),
             "clusters": {k: {"members": cr.members, "updates": sorted(cr.updates), "straggled": cr.straggled,
-                             "accepted": cr.accepted, "reason": cr.reason, "timings": cr.timings,
+                             "accepted": cr.accepted, "reason": cr.reason, "refused": cr.refused,
+                             "timings": cr.timings,
                              "timestamps": cr.timestamps}
                          for k, cr in self.clusters.items()},
         })
