@@ -268,6 +268,7 @@ class Coordinator(Service):
         metrics_host: str = "127.0.0.1",
         identity: Identity | None = None,
         trust: Trust | None = None,
+        kill_before_close: int | None = None,
     ) -> None:
         """A long-running coordinator: jobs come from ``submit`` (``--job``) or ``jobs/submit``.
 
@@ -290,6 +291,7 @@ class Coordinator(Service):
         self.join_grace = join_grace
         self.deadline_override = round_deadline
         self.progress = progress
+        self.kill_before_close = kill_before_close  # fault drill: SIGKILL itself before closing this round
         self.book = JobBook(self.state_dir / f"jobs-{fleet}.json" if self.state_dir is not None else None)
         self.job: JobRecord | None = None
         self.cancelled: set[str] = set()
@@ -447,6 +449,7 @@ class Coordinator(Service):
         self.uplink_delays: dict[str, list[float]] = {}  # received - sent_at of small agent frames
         self.active: set[str] = set()  # agents sampled-able last round (joins and leaves)
         self.admitted: dict[str, int] = {}  # agent -> round it was admitted after the bootstrap
+        self.in_flight: dict | None = None  # the round under way: its number, start (and restart) time
         self._resume()
 
     # ---- registry -----------------------------------------------------------------------
@@ -697,6 +700,7 @@ class Coordinator(Service):
         self.round, self.clusters, self.offline_notes = r, {}, []
         self._recalibrate(r)
         self.round_started = time.time()
+        self._note_restart(r)
         offline = sorted(sampled - online)
         if offline:  # known gone (last will): not sampled until they are back
             self.offline_notes.append(f"round {r}: {', '.join(offline)} offline, not sampled")
@@ -725,6 +729,21 @@ class Coordinator(Service):
                 self.send(f"agents/{a}/inbox", plan, round=r, wait=False)
                 self.agent_rounds.setdefault(a, {})[r] = {"cluster": k, "plan_sent": time.time(),
                                                           "budget": self.plan.budget_of[a]}
+
+    def _note_restart(self, r: int) -> None:
+        """Round ``r`` is the round a restarted coordinator had in flight: it keeps the time the
+        round first started (its seconds include the restart) and its notes say so. Then the
+        round is checkpointed as in flight."""
+        restarted = self.in_flight.get("restarted_at") if self.in_flight and self.in_flight["round"] == r else None
+        if restarted is not None:
+            self.round_started = self.in_flight["started_at"]
+            self.offline_notes.append(
+                f"round {r}: the coordinator restarted during this round "
+                f"({time.strftime('%H:%M:%S', time.localtime(restarted))}, {restarted - self.round_started:.1f} s "
+                "after it started) and resumed it from the previous round's checkpoint")
+        self.in_flight = {"round": r, "started_at": self.round_started,
+                          **({"restarted_at": restarted} if restarted is not None else {})}
+        self._checkpoint()
 
     def _recalibrate(self, r: int) -> None:
         """Calibrated budgets, before round ``r``: refine every device's costs from what its
@@ -1084,6 +1103,11 @@ class Coordinator(Service):
         )
 
     def _finish_round(self, r: int) -> None:
+        if self.kill_before_close == r and not (self.in_flight or {}).get("restarted_at"):
+            import signal
+
+            self.log.warning("fault drill: killing myself (SIGKILL) before closing round %d", r)
+            os.kill(os.getpid(), signal.SIGKILL)
         o = self.config.options
         tally = RoundTally()
         tally.notes.extend(self.offline_notes)
@@ -1133,7 +1157,12 @@ class Coordinator(Service):
                          for k, cr in self.clusters.items()},
         })
         self.completed = r
+        resumed = bool((self.in_flight or {}).get("restarted_at"))
+        self.in_flight = None
         self._checkpoint()
+        if resumed:  # what devices reported of this round before the restart was lost or refused
+            for a in self.plan.cluster_of:
+                self.send(f"agents/{a}/inbox", Notice(run_id=self.run_id, kind="resend-metrics"))
         self._round_line(r)
         if self.metrics_server is not None:
             bytes_up = {a: self.agent_rounds[a][r].get("bytes_up") for a in self.agent_rounds if r in self.agent_rounds[a]}
@@ -1349,6 +1378,7 @@ class Coordinator(Service):
             "admitted": self.admitted,
             "active": sorted(self.active),
             "bootstrap_seconds": self.bootstrap_seconds,
+            "in_flight": self.in_flight,
         }
         write_atomic(path, json.dumps(state))
 
@@ -1384,6 +1414,9 @@ class Coordinator(Service):
         self.admitted = state.get("admitted", {})
         self.active = set(state.get("active", []))
         self.bootstrap_seconds = state["bootstrap_seconds"]
+        flight = state.get("in_flight")
+        if flight and flight.get("round") == self.completed + 1:  # the round in flight when it stopped
+            self.in_flight = {**flight, "restarted_at": time.time()}
         self.log.info("resuming run %s after round %d", self.run_id, self.completed)
 
     # ---- main ---------------------------------------------------------------------------
