@@ -80,9 +80,13 @@ class BadDevice:
         self.client.loop_stop()
 
 
-def rounds_lost(report: dict) -> int:
-    """Rounds in which some cluster's model did not change (a refused or failed aggregate)."""
-    return sum(any("model unchanged" in n for n in r.get("notes", [])) for r in report["rounds"])
+def rounds_lost(report: dict, device: str | None = None) -> int:
+    """Rounds in which some cluster's model did not change (a refused or failed aggregate);
+    with ``device``, only that device's cluster counts (another cluster of one device is
+    refused by the minimum of contributors, attack or not)."""
+    clusters = {c["id"]: c["cluster"] for c in report["clients"]}
+    where = "model unchanged" if device is None else f"cluster {clusters[device]}: model unchanged"
+    return sum(any(where in n for n in r.get("notes", [])) for r in report["rounds"])
 
 
 def named(report: dict, device: str) -> list[int]:
