@@ -51,6 +51,7 @@ def serve(
     max_message_mb: Annotated[float, typer.Option(help="Refuse messages larger than this (MB).")] = 256.0,
     metrics_port: Annotated[Optional[int], typer.Option(help="Serve Prometheus metrics on this port (default: off, or $SENSESHIELD_METRICS_PORT).")] = None,
     metrics_host: Annotated[str, typer.Option(help="Address the Prometheus endpoint binds to (0.0.0.0: every interface; the metrics name every device).")] = "127.0.0.1",
+    kill_before_close: Annotated[Optional[int], typer.Option(help="Fault drill: SIGKILL the coordinator once round R has every verdict, before it closes the round (not again after a restart).", hidden=True)] = None,
     mqtt: Mqtt = defaults.MQTT,
     ca_file: CaFile = None,
     username: Username = None,
@@ -107,7 +108,7 @@ def serve(
             broker, fleet=fleet, once=once, identity=me, trust=trusted, join_timeout=join_timeout, round_deadline=round_deadline,
             state_dir=state_dir, out_dir=out, protocol=check_mqtt(mqtt),
             max_frame_bytes=int(max_message_mb * 1e6), metrics_port=metrics_port,
-            metrics_host=metrics_host,
+            metrics_host=metrics_host, kill_before_close=kill_before_close,
         )
         # restarted with the same --job: the checkpointed job resumes, and a long-running
         # coordinator (a service restarted by its supervisor) does not run a finished one again

@@ -66,6 +66,7 @@ from senseshield.runtime.files import npy_bytes, write_atomic
 from senseshield.runtime.identity import Identity, Trust, check_frame
 from senseshield.runtime.protocol.envelope import decode_frame
 from senseshield.runtime.service import Inbound, Service, Stopped, check_sender, writable_dir
+from coordinator.contributions import Contributions, aggregate_of
 from coordinator.jobs import OPEN, JobBook, JobRecord
 from senseshield.job import (
     Job, check_job, effective_scheme, initial_model, job_from_dict, job_shape, noise_multipliers, train_config,
@@ -242,6 +243,10 @@ class ClusterRound:
     reason: str = ""
     timings: dict[str, float] = field(default_factory=dict)
     timestamps: dict[str, float] = field(default_factory=dict)  # coordinator clock
+    # the updates, kept until the verdict (to aggregate again without a bad one), and the
+    # devices whose update the key server found at fault (agent -> why)
+    book: Contributions = field(default_factory=Contributions)
+    refused: dict[str, str] = field(default_factory=dict)
 
 
 class Coordinator(Service):
@@ -265,6 +270,7 @@ class Coordinator(Service):
         metrics_host: str = "127.0.0.1",
         identity: Identity | None = None,
         trust: Trust | None = None,
+        kill_before_close: int | None = None,
     ) -> None:
         """A long-running coordinator: jobs come from ``submit`` (``--job``) or ``jobs/submit``.
 
@@ -287,6 +293,7 @@ class Coordinator(Service):
         self.join_grace = join_grace
         self.deadline_override = round_deadline
         self.progress = progress
+        self.kill_before_close = kill_before_close  # fault drill: SIGKILL itself before closing this round
         self.book = JobBook(self.state_dir / f"jobs-{fleet}.json" if self.state_dir is not None else None)
         self.job: JobRecord | None = None
         self.cancelled: set[str] = set()
@@ -445,6 +452,7 @@ class Coordinator(Service):
         self.uplink_delays: dict[str, list[float]] = {}  # received - sent_at of small agent frames
         self.active: set[str] = set()  # agents sampled-able last round (joins and leaves)
         self.admitted: dict[str, int] = {}  # agent -> round it was admitted after the bootstrap
+        self.in_flight: dict | None = None  # the round under way: its number, start (and restart) time
         self._resume()
 
     # ---- registry -----------------------------------------------------------------------
@@ -696,6 +704,7 @@ class Coordinator(Service):
         self._recalibrate(r)
         self.steps_of = self._local_steps(r, sorted(sampled & online))
         self.round_started = time.time()
+        self._note_restart(r)
         offline = sorted(sampled - online)
         if offline:  # known gone (last will): not sampled until they are back
             self.offline_notes.append(f"round {r}: {', '.join(offline)} offline, not sampled")
@@ -770,6 +779,21 @@ class Coordinator(Service):
         if cut:
             self.log.info("round %d: partial work %s", r, {a: f"{s}/{full[a]} steps" for a, s in sorted(cut.items())})
         return cut
+
+    def _note_restart(self, r: int) -> None:
+        """Round ``r`` is the round a restarted coordinator had in flight: it keeps the time the
+        round first started (its seconds include the restart) and its notes say so. Then the
+        round is checkpointed as in flight."""
+        restarted = self.in_flight.get("restarted_at") if self.in_flight and self.in_flight["round"] == r else None
+        if restarted is not None:
+            self.round_started = self.in_flight["started_at"]
+            self.offline_notes.append(
+                f"round {r}: the coordinator restarted during this round "
+                f"({time.strftime('%H:%M:%S', time.localtime(restarted))}, {restarted - self.round_started:.1f} s "
+                "after it started) and resumed it from the previous round's checkpoint")
+        self.in_flight = {"round": r, "started_at": self.round_started,
+                          **({"restarted_at": restarted} if restarted is not None else {})}
+        self._checkpoint()
 
     def _recalibrate(self, r: int) -> None:
         """Calibrated budgets, before round ``r``: refine every device's costs from what its
@@ -852,22 +876,35 @@ class Coordinator(Service):
         self._check_receipt(agent_id, item.round, msg)
         cr = self._cluster_round_of(agent_id, item.round, "update")
         if agent_id in cr.updates:
-            return  # a re-sent duplicate
+            if msg.receipt != cr.updates[agent_id].receipt and cr.phase in ("updates", "decrypting"):
+                # another update of the same device: kept aside, in case the key server finds
+                # the first one at fault (coordinator.contributions)
+                self.log.warning("round %d: a second, different update from %s kept aside", item.round, agent_id)
+                cr.book.spare(agent_id, update, self._note(update, item, msg))
+            return  # else a re-sent duplicate
         self._check_floor(agent_id, item.round, update.he_ratio, cr)
         if cr.phase != "updates" or agent_id not in cr.expected:
             self._late(agent_id, item.round, "update", item.received)
             return
         if cr.running is None:
-            cr.running = StreamingAggregate(self.public, size=self.size, round=item.round,
-                                            cluster=self.plan.cluster_of[agent_id],
-                                            min_encryptors=self.config.options.min_encryptors)
+            cr.running = self._new_aggregate(self.plan.cluster_of[agent_id], item.round)
         t = time.perf_counter()
         cr.running.add(update)  # a bad update is rejected here and changes nothing
         cr.timings["aggregate_streamed"] = cr.timings.get("aggregate_streamed", 0.0) + time.perf_counter() - t
-        cr.updates[agent_id] = UpdateNote(dict(update.timings), update.he_ratio, item.nbytes, msg.report,
-                                          mask_digest(update.mask, update.withheld), msg.receipt)
+        cr.updates[agent_id] = self._note(update, item, msg)
+        cr.book.keep(agent_id, update, cr.updates[agent_id])
         self.agent_rounds[agent_id][item.round]["update_received"] = item.received
         self._advance()
+
+    def _new_aggregate(self, k: int, r: int) -> StreamingAggregate:
+        """Cluster ``k``'s running aggregate of round ``r`` (the job's k-encryptors rule)."""
+        return StreamingAggregate(self.public, size=self.size, round=r, cluster=k,
+                                  min_encryptors=self.config.options.min_encryptors)
+
+    @staticmethod
+    def _note(update, item: Inbound, msg: UpdateMessage) -> UpdateNote:  # noqa: ANN001
+        return UpdateNote(dict(update.timings), update.he_ratio, item.nbytes, msg.report,
+                          mask_digest(update.mask, update.withheld), msg.receipt)
 
     def _check_receipt(self, agent_id: str, r: int, msg: UpdateMessage) -> None:
         """The update's receipt must be the agent's own signed statement about this update
@@ -991,9 +1028,13 @@ class Coordinator(Service):
             self.log.warning("round %d cluster %d: %s", self.round, k, cr.reason)
             return
         cr.running = None  # the memory goes with it
+        self._request(cr, aggregate, t)
+
+    def _request(self, cr: ClusterRound, aggregate, t: float) -> None:  # noqa: ANN001
+        """Send cluster round ``cr``'s aggregate (of the updates in ``cr.updates``) to the key server."""
         receipts = [cr.updates[a].receipt for a in sorted(cr.updates)]
         request = aggregate_to_message(aggregate, self.public, run_id=self.run_id, receipts=receipts)
-        cr.timings["aggregate"] = time.perf_counter() - t
+        cr.timings["aggregate"] = cr.timings.get("aggregate", 0.0) + time.perf_counter() - t
         cr.union_ratio = float(aggregate.union_mask.mean())  # type: ignore[attr-defined]
         cr.sealed = aggregate_sealed(aggregate, self.public)  # type: ignore[attr-defined]
         cr.request = self.frame(request, round=self.round)
@@ -1001,6 +1042,23 @@ class Coordinator(Service):
         cr.timestamps["requested_at"] = cr.requested_at
         cr.phase = "decrypting"
         self._send_request(cr)
+
+    def _try_without_one(self, k: int, cr: ClusterRound) -> bool:
+        """After a refusal at the fingerprint check: send the next attempt (one device's update
+        left out or replaced by its later one, coordinator.contributions); False when none is left."""
+        while (attempt := cr.book.next_attempt()) is not None:
+            t = time.perf_counter()
+            try:
+                running = aggregate_of(attempt, lambda: self._new_aggregate(k, self.round))
+                aggregate = running.result()
+            except ProtocolError as exc:  # a spare that does not fold: the next attempt
+                self.log.warning("round %d cluster %d: an attempt does not aggregate (%s)", self.round, k, exc)
+                continue
+            cr.updates = {a: note for a, (_, note) in attempt.items()}
+            self.log.info("round %d cluster %d: aggregating again over %s", self.round, k, sorted(attempt))
+            self._request(cr, aggregate, t)
+            return True
+        return False
 
     def _on_result(self, item: Inbound) -> None:
         if item.sender != "keyserver":
@@ -1011,6 +1069,13 @@ class Coordinator(Service):
         cr = self.clusters.get(msg.cluster)
         if cr is None or cr.phase != "decrypting":
             return
+        if msg.retry and not msg.accepted:
+            self.log.warning("round %d cluster %d: key server %s; looking for the update at fault",
+                             self.round, msg.cluster, msg.reason)
+            if self._try_without_one(msg.cluster, cr):
+                return
+        cr.refused.update(msg.excluded)
+        cr.book.clear()
         cr.accepted, cr.reason, cr.phase = msg.accepted, msg.reason, "done"
         cr.timings.update(msg.timings)
         cr.timings["decrypt_roundtrip"] = time.time() - cr.requested_at
@@ -1111,6 +1176,11 @@ class Coordinator(Service):
         )
 
     def _finish_round(self, r: int) -> None:
+        if self.kill_before_close == r and not (self.in_flight or {}).get("restarted_at"):
+            import signal
+
+            self.log.warning("fault drill: killing myself (SIGKILL) before closing round %d", r)
+            os.kill(os.getpid(), signal.SIGKILL)
         o = self.config.options
         tally = RoundTally()
         tally.notes.extend(self.offline_notes)
@@ -1134,6 +1204,8 @@ class Coordinator(Service):
                 tally.bytes_down += len(self.plan.members(k)) * getattr(self, "model_bytes", self.size * 4)  # type: ignore[union-attr]
             else:
                 tally.notes.append(f"round {r} cluster {k}: model unchanged ({cr.reason})")
+            for a, why in sorted(cr.refused.items()):
+                tally.notes.append(f"round {r} cluster {k}: refused the update of {a} ({why})")
             for why, who in (("offline", [a for a in cr.straggled if a in cr.offline]),
                              ("deadline", [a for a in cr.straggled if a not in cr.offline])):
                 if who:
@@ -1157,12 +1229,18 @@ class Coordinator(Service):
             "started_at": self.round_started,
             "finished_at": time.time(),
             "clusters": {k: {"members": cr.members, "updates": sorted(cr.updates), "straggled": cr.straggled,
-                             "accepted": cr.accepted, "reason": cr.reason, "timings": cr.timings,
+                             "accepted": cr.accepted, "reason": cr.reason, "refused": cr.refused,
+                             "timings": cr.timings,
                              "timestamps": cr.timestamps}
                          for k, cr in self.clusters.items()},
         })
         self.completed = r
+        resumed = bool((self.in_flight or {}).get("restarted_at"))
+        self.in_flight = None
         self._checkpoint()
+        if resumed:  # what devices reported of this round before the restart was lost or refused
+            for a in self.plan.cluster_of:
+                self.send(f"agents/{a}/inbox", Notice(run_id=self.run_id, kind="resend-metrics"))
         self._round_line(r)
         if self.metrics_server is not None:
             bytes_up = {a: self.agent_rounds[a][r].get("bytes_up") for a in self.agent_rounds if r in self.agent_rounds[a]}
@@ -1378,6 +1456,7 @@ class Coordinator(Service):
             "admitted": self.admitted,
             "active": sorted(self.active),
             "bootstrap_seconds": self.bootstrap_seconds,
+            "in_flight": self.in_flight,
         }
         write_atomic(path, json.dumps(state))
 
@@ -1413,6 +1492,9 @@ class Coordinator(Service):
         self.admitted = state.get("admitted", {})
         self.active = set(state.get("active", []))
         self.bootstrap_seconds = state["bootstrap_seconds"]
+        flight = state.get("in_flight")
+        if flight and flight.get("round") == self.completed + 1:  # the round in flight when it stopped
+            self.in_flight = {**flight, "restarted_at": time.time()}
         self.log.info("resuming run %s after round %d", self.run_id, self.completed)
 
     # ---- main ---------------------------------------------------------------------------

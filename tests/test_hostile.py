@@ -682,3 +682,35 @@ def test_a_participating_device_never_appears_under_declined(mosquitto, tmp_path
     assert all("c000" in r["clusters"]["0"]["updates"] for r in report["server"])
     log = (tmp_path / "logs" / "coordinator.log").read_text()
     assert "Decline of job" in log and "from 'c000', which takes part in it; ignored" in log
+
+
+@pytest.mark.parametrize("strategy", ["masked", pytest.param("sensecrypt", marks=pytest.mark.slow)])
+def test_a_device_sending_a_bad_fingerprint_every_round_costs_only_itself(mosquitto, tmp_path, strategy):
+    """Issue 23 item 1 on a real fleet: c002 (its genuine key, senseshield_checks.bad_contribution)
+    sends before its real update of every round from 2 on its previous round's update re-signed
+    for the round (the fingerprint of another challenge). No round is lost: the key server
+    refuses the aggregate at the fingerprint check, the coordinator aggregates again without
+    c002's bad update (with its later genuine one in its place, or without c002), the key
+    server names c002, and the round's notes say so."""
+    from senseshield_checks.bad_contribution import BadDevice, named, rounds_lost
+
+    config = Job(strategy=strategy, model="linear", clients=3, rounds=3, key_bits=1024)
+    options = FleetOptions(agents=3, out=tmp_path, broker=mosquitto.url, fleet="badfp", round_deadline=60,
+                           min_contributors=1)
+    with Fleet(config, options) as fleet:
+        fleet.start()
+        bad = BadDevice(mosquitto.url, "badfp", "c002", fleet.out / "identities" / "c002.key")
+        try:
+            report = fleet.wait(timeout=300)
+        finally:
+            bad.stop()
+    assert bad.sent == [2, 3]
+    assert rounds_lost(report) == 0, [r["notes"] for r in report["rounds"]]
+    assert named(report, "c002"), [r["notes"] for r in report["rounds"]]
+    note = next(n for r in report["rounds"] for n in r["notes"] if "refused the update of c002" in n)
+    assert "does not match the fingerprint it signed" in note
+    server = {rec["round"]: rec for rec in report["server"]}
+    assert all(c["accepted"] for rec in server.values() for c in rec["clusters"].values())
+    assert fleet.exit_codes == {name: 0 for name in fleet.exit_codes}
+    keyserver_log = (tmp_path / "logs" / "keyserver.log").read_text()
+    assert "c002's update refused" in keyserver_log and "Traceback" not in keyserver_log

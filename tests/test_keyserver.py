@@ -5,6 +5,7 @@ identity, and honest agents with theirs; the key server is the real service."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import stat
@@ -240,20 +241,25 @@ def test_masked_aggregates_unmask_only_as_the_signed_sum(harness):
     model, _ = harness.wait(ClusterModel)
     expected = sum(harness.deltas[(x, 1)] for x in "abc") / 3  # equal weights: the plain mean
     assert np.allclose(model.weights, expected, atol=1e-6)
-    # a forged subset: only d's update summed, but d's and e's receipts named
+    # a forged subset: only d's update summed, but d's and e's receipts named: refused at the
+    # fingerprint check, before any pad is removed (nothing unmasked, nothing spent)
     d, e = (harness.contribution(x, 1, 1) for x in "de")
     only_d = harness.request(1, 1, [d], contributors=["d", "e"], receipts=[d[1], e[1]])
     result = harness.verdict(1, only_d.model_copy(update={"total_weight": 20}))
-    assert not result.accepted and "not the sum of exactly the named contributions" in result.reason
-    # the refusal answered something about d's and e's sum: the verdict is final and their
-    # contributions are spent, so the range check cannot be asked again this round (no oracle)
+    assert not result.accepted and result.retry and "not the product of the signed contributions" in result.reason
+    assert 1 not in harness.server.spent or "d" not in harness.server.spent[1]
+    # an update whose fingerprint matches its words but whose words are not its pads + a value
+    # in range passes that check and is refused at unmasking: the refusal answered something
+    # about d's and e's sum, so their contributions are spent (no oracle)
+    result = harness.verdict(1, harness.request(1, 1, [d, out_of_range(harness, e, 1)]))
+    assert not result.accepted and not result.retry and "not the sum of exactly the named contributions" in result.reason
     result = harness.verdict(1, harness.request(1, 1, [d, e]))
     assert not result.accepted and "not the sum of exactly the named contributions" in result.reason
     assert harness.server.spent[1] == {"a": 0, "b": 0, "c": 0, "d": 1, "e": 1}
     harness.open_round(2, plan)
     # a receipt that signs another mask than the aggregate's
     d2, e2 = (harness.contribution(x, 2, 1) for x in "de")
-    other = harness.contribution("e", 2, 1)[1]
+    other = e2[1]  # e2's own receipt (its fingerprint matches), signing another mask
     receipt = from_frame(decode_frame(other)).model_copy(update={"mask_digest": "0" * 64})
     forged_receipt = to_frame(receipt, fleet=FLEET, sender="e", round=2, signer=harness.ids["e"])
     result = harness.verdict(2, harness.request(2, 1, [d2, (e2[0], forged_receipt)]))
@@ -264,6 +270,62 @@ def test_masked_aggregates_unmask_only_as_the_signed_sum(harness):
     d3, e3 = (harness.contribution(x, 3, 1, start="run-1/1/0") for x in "de")
     result = harness.verdict(3, harness.request(3, 1, [d3, e3]))
     assert result.accepted, result.reason
+    assert harness.thread.is_alive()
+
+
+def out_of_range(harness, part, r: int):  # noqa: ANN001, ANN201
+    """``part`` with 2^62 added to every masked word, fingerprint and receipt made to match
+    (signed with its agent's key): what a device with a genuine key can send."""
+    update, frame = part
+    receipt = from_frame(decode_frame(frame))
+    vector = update.ciphertext
+    words = np.asarray(vector.payload, dtype=np.uint64) + np.uint64(1 << 62)
+    bad = type(vector)(vector.scheme, vector.key_id, vector.positions, words, vector.nbytes)
+    cipher = harness.public.ciphertext_bytes(bad)
+    receipt = receipt.model_copy(update={"ciphertext_digest": hashlib.sha256(cipher).hexdigest(),
+                                         "fingerprint": harness.public.fingerprint(bad, harness.seeds[r])})
+    sender = decode_frame(frame).sender
+    return dataclasses.replace(update, ciphertext=bad), to_frame(receipt, fleet=FLEET, sender=sender, round=r,
+                                                                 signer=harness.ids[sender])
+
+
+@pytest.mark.parametrize("strategy", ["sensecrypt", "masked"])
+def test_a_bad_fingerprint_costs_only_its_sender(harness, strategy):
+    """Issue 23 item 1: c's update does not match the fingerprint it signed (a flipped byte).
+    The aggregate with it is refused at the fingerprint check with ``retry`` (nothing decrypted
+    or spent); the same aggregate without c, or with c's later genuine update in its place, is
+    accepted in the same round and the verdict names c; an attempt the key server already
+    refused gets the same verdict again."""
+    harness.start_run(strategy)
+    harness.open_round(1, {0: ["a", "b", "c"], 1: ["d", "e"]})
+    a, b, c = (harness.contribution(x, 1, 0) for x in "abc")
+    receipt = from_frame(decode_frame(c[1]))
+    flipped = bytes([receipt.fingerprint[0] ^ 1]) + receipt.fingerprint[1:]
+    bad_c = (c[0], to_frame(receipt.model_copy(update={"fingerprint": flipped}), fleet=FLEET, sender="c",
+                            round=1, signer=harness.ids["c"]))
+    everyone = harness.request(1, 0, [a, b, bad_c])
+    result = harness.verdict(1, everyone)
+    assert not result.accepted and result.retry and "not the product" in result.reason
+    assert not harness.server.spent.get(1)
+    result = harness.verdict(1, everyone)  # the same attempt again: the same verdict
+    assert not result.accepted and result.retry
+    result = harness.verdict(1, harness.request(1, 0, [b, bad_c]))  # still with c: refused
+    assert not result.accepted and result.retry
+    result = harness.verdict(1, harness.request(1, 0, [a, b]))
+    assert result.accepted, result.reason
+    assert list(result.excluded) == ["c"] and "does not match the fingerprint it signed" in result.excluded["c"]
+    model, _ = harness.wait(ClusterModel)
+    expected = (harness.deltas[("a", 1)] + harness.deltas[("b", 1)]) / 2
+    assert np.allclose(model.weights, expected, atol=1e-4)
+    assert harness.server.spent[1] == {"a": 0, "b": 0}
+    # cluster 1: e's first update is bad, its later genuine one replaces it
+    d, e = (harness.contribution(x, 1, 1) for x in "de")
+    receipt = from_frame(decode_frame(e[1]))
+    bad_e = (e[0], to_frame(receipt.model_copy(update={"fingerprint": bytes(len(receipt.fingerprint))}),
+                            fleet=FLEET, sender="e", round=1, signer=harness.ids["e"]))
+    assert not harness.verdict(1, harness.request(1, 1, [d, bad_e])).accepted
+    result = harness.verdict(1, harness.request(1, 1, [d, e]))
+    assert result.accepted and "replaced by its later update" in result.excluded["e"]
     assert harness.thread.is_alive()
 
 

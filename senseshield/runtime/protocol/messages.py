@@ -519,7 +519,14 @@ class Challenge(Message):
 
 @message
 class AggregateResult(Message):
-    """``keyserver/results/<r>``: accepted (model published) or refused, with the reason."""
+    """``keyserver/results/<r>``: accepted (model published) or refused, with the reason.
+
+    ``retry``: refused before anything was decrypted or spent, because the aggregate does not
+    match the signed fingerprints (verifiable schemes): the coordinator may send the round's
+    aggregate again without (or with another update of) one contributor, to find the one at
+    fault. ``excluded``: on a verdict after such a refusal, the contributors whose update the
+    key server found at fault (agent -> why): the updates in the refused attempt that the
+    accepted one left out or replaced."""
 
     schema_name: ClassVar[str] = "aggregate-result"
     run_id: str
@@ -527,6 +534,8 @@ class AggregateResult(Message):
     accepted: bool
     reason: str = ""
     timings: dict[str, float] = {}  # key server's decrypt and apply seconds
+    retry: bool = False
+    excluded: dict[str, str] = {}
 
 
 # ---- conversions between engine objects and messages ---------------------------------------
