@@ -94,9 +94,12 @@ def bootstrap_reports(
     return reports
 
 
+Observer = Callable[[int, int, "list[ProtectedUpdate]", np.ndarray, "dict[str, np.ndarray]"], None]
+
+
 def run_simulation(
     config: Job, progress: Progress | None = None, *, trace: bool = False, devices: Sequence[LocalData] | None = None,
-    noise_seed: int | None = None,
+    noise_seed: int | None = None, observe: Observer | None = None,
 ) -> RunResult:
     """Run ``config.rounds`` rounds of ``config.strategy`` and return the results.
 
@@ -107,7 +110,11 @@ def run_simulation(
     :class:`senseshield.determinism.Trace`: budgets, every mask, every round's models).
     ``noise_seed``: replay every client's privacy noise from this seed (reproducible runs,
     and the same noise as a fleet given the same seed; :mod:`senseshield.device_noise`); None
-    (default) draws it from OS entropy, as devices do, so noisy strategies differ run to run."""
+    (default) draws it from OS entropy, as devices do, so noisy strategies differ run to run.
+    ``observe(round, cluster, updates, mean, truth)``: called after every cluster's aggregate
+    with what the coordinator sees (the protected updates and the published mean update) and
+    what only the experimenter knows (``truth``: each client's update before protection), for
+    attack experiments (``senseshield_checks``)."""
     started = time.perf_counter()
     noise = DeviceNoise(noise_seed)
     np.random.seed(config.seed % 2**32)
@@ -227,6 +234,8 @@ def run_simulation(
             tally.phases["decrypt"] += time.perf_counter() - t
             tally.union_ratios.append(float(aggregate.union_mask.mean()))
             tally.add_sealed(r, k, aggregate_sealed(aggregate, public_key), config.options.min_encryptors)
+            if observe is not None:
+                observe(r, k, updates, mean, {c.id: local[c.id].delta for c in members})
             globals_[k] = apply_mean(globals_[k], mean, server_lr=config.options.server_lr)
             round_models[k] = globals_[k]
             tally.bytes_down += len(members) * layout.size * 4
