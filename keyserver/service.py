@@ -135,6 +135,7 @@ class KeyServer(Service):
         min_contributors: int = 2,
         min_fraction: float = 0.0,
         min_encryptors: int = 2,
+        allow_unverifiable: bool = False,
         protocol: str = "5",
         threads: int | None = None,
         workers: int | None = None,
@@ -162,6 +163,9 @@ class KeyServer(Service):
         self.min_contributors = min_contributors
         self.min_fraction = min_fraction
         self.min_encryptors = min_encryptors
+        # CKKS sums cannot be checked against fingerprints: decrypted only if the operator
+        # says the coordinator is trusted to sum honestly (docs/security.md#ckks)
+        self.allow_unverifiable = allow_unverifiable
         self.threads = threads if threads is not None else defaults.shared_threads()
         self.key_structure = key_structure
         # aggregates decrypt on these workers while the service's thread goes on verifying
@@ -221,6 +225,9 @@ class KeyServer(Service):
         self._restore()
         self.send("keys/public", announcement, retain=True)
         self.log.info("run %s: %s, scheme %s, key %s", self.run_id, config.strategy, scheme or "none", announcement.key_id)
+        if self.public is not None and not self.public.verifiable and not self.allow_unverifiable:
+            self.log.warning("run %s: %s aggregates cannot be verified; they will be refused (--allow-unverifiable "
+                             "trusts the coordinator to sum honestly)", self.run_id, scheme)
 
     def _on_request(self, item: Inbound) -> None:
         msg: AggregateRequest = item.message  # type: ignore[assignment]
@@ -454,6 +461,11 @@ class KeyServer(Service):
         weight = sum(rc.n_samples for rc in receipts.values())
         if weight != msg.total_weight:
             return f"the aggregate weighs {msg.total_weight} samples; the receipts sign {weight}", {}
+        if ciphertext is not None and self.public is not None and not self.public.verifiable \
+                and not self.allow_unverifiable:
+            return (f"{self.public.scheme} aggregates cannot be checked against the contributors' fingerprints, so "
+                    "this key server does not decrypt them (start it with --allow-unverifiable to trust the "
+                    "coordinator to sum honestly, or run the job on a Paillier or masked scheme)"), {}
         if ciphertext is not None and self.public is not None and self.public.verifiable:
             missing = [a for a, rc in receipts.items() if rc.key_id != self.public.key_id]
             if missing:

@@ -50,13 +50,13 @@ class Harness:
     their identities (so it can be an honest agent or a deviating coordinator)."""
 
     def __init__(self, url: str, key_dir, *, min_contributors: int = 2, min_fraction: float = 0.0,  # noqa: ANN001
-                 workers: int | None = None) -> None:
+                 workers: int | None = None, allow_unverifiable: bool = False) -> None:
         self.ids = {n: Identity.generate(n) for n in ["keyserver", "coordinator", *AGENTS]}
         roles = {n: ("agent" if n in AGENTS else n) for n in self.ids}
         self.trust = Trust.for_identities({n: (i, roles[n]) for n, i in self.ids.items()}, fleet=FLEET)
         self.server = KeyServer(url, fleet=FLEET, key_dir=key_dir, min_contributors=min_contributors,
                                 min_fraction=min_fraction, identity=self.ids["keyserver"], trust=self.trust,
-                                workers=workers)
+                                workers=workers, allow_unverifiable=allow_unverifiable)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         self.got: list[tuple[str, object, int]] = []
@@ -94,10 +94,10 @@ class Harness:
         raise AssertionError(f"no {cls.__name__} within {timeout} s")
 
     # -- the run --------------------------------------------------------------------------
-    def start_run(self, strategy: str = "sensecrypt", run: str = "run-1") -> object:
+    def start_run(self, strategy: str = "sensecrypt", run: str = "run-1", scheme: str | None = "packed-paillier") -> object:
         self.run = run
         config = Job(strategy=strategy, model="linear", clients=2, key_bits=1024,
-                     scheme=None if strategy in ("plaintext", "masked") else "packed-paillier")
+                     scheme=None if strategy in ("plaintext", "masked") else scheme)
         self.send("fleet/config", FleetConfig(run_id=self.run, config=config.model_dump(mode="json"),
                                               input_shape=[1, 8, 8], num_classes=10, round_deadline=30,
                                               initial=np.zeros(SIZE)))
@@ -516,3 +516,21 @@ def test_a_block_fewer_than_k_agents_encrypted_is_never_decrypted(harness, caplo
             mean = (harness.deltas[("a", r)][both] + harness.deltas[("b", r)][both]) / 2
             np.testing.assert_allclose(weights[both], mean, atol=1e-3)
             assert any("block 2 by ['a']" in rec.getMessage() for rec in caplog.records)
+
+
+@pytest.mark.parametrize("allow", [False, True])
+def test_ckks_aggregates_are_decrypted_only_where_the_coordinator_is_trusted(mosquitto, tmp_path, allow):
+    """Issue 22 item 4: a CKKS sum cannot be checked against fingerprints, so a key server
+    refuses it with one sentence unless started with --allow-unverifiable."""
+    h = Harness(mosquitto.url, tmp_path / "keys", allow_unverifiable=allow)
+    try:
+        h.start_run("fedml-he", scheme="ckks-sum")
+        h.open_round(1, {0: ["a", "b"]})
+        result = h.verdict(1, h.request(1, 0, [h.contribution(x, 1, 0) for x in "ab"]))
+        if allow:
+            assert result.accepted, result.reason
+        else:
+            assert not result.accepted and "--allow-unverifiable" in result.reason
+            assert "cannot be checked" in result.reason
+    finally:
+        h.stop()
