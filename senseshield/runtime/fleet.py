@@ -176,10 +176,19 @@ class Fleet:
             *_python("edge_agent.cli"), "join", *self.common, "--agent-id", agent, "--profile", str(self.profiles[i]),
             *source, "--threads", str(self.threads), *([] if self.options.serve else ["--once"]),
             *([] if self.options.noise_seed is None else ["--dev-noise-seed", str(self.options.noise_seed)]),
+            # the operator's one job on its own agents: a plaintext run (a trial's baseline) is
+            # taken despite the profiles' floors (a long-running fleet's agents still decline)
+            *(["--allow-plaintext"] if not self.options.serve and self._plaintext_job() else []),
             "--model-dir", str(self.out / "agents" / agent), "--identity", str(self.identity_file(agent)),
             *self.options.extra_agent_args.get(agent, []),
         ])
         return agent
+
+    def _plaintext_job(self) -> bool:
+        from senseshield.job import effective_scheme
+        from senseshield.strategies import build_strategy
+
+        return effective_scheme(self.config, build_strategy(self.config.strategy, self.config.options)) is None
 
     def identity_file(self, name: str) -> Path:
         return self.out / "identities" / f"{name}.key"
