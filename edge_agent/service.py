@@ -570,7 +570,7 @@ class EdgeAgent(Service):
         calls). The first encryption also builds the key's tables, as
         round 1 would. The coordinator refines these from every round it sees."""
         from edge_agent.profile import measure_encryption
-        from senseshield.training import TrainConfig, torch_threads, train_local
+        from senseshield.training import torch_threads, train_local
 
         import copy
 
@@ -584,7 +584,7 @@ class EdgeAgent(Service):
             with torch_threads(config.train_threads):
                 t = time.perf_counter()
                 train_local(model, run.data.x_train, run.data.y_train,
-                            TrainConfig(epochs=1, batch_size=config.batch_size, lr=config.lr), seed=0)
+                            train_config(config, epochs=1), seed=0)
                 epoch_s.append(time.perf_counter() - t)
         train_s = float(np.median(epoch_s)) * (config.local_epochs + 1)  # + ~one epoch for the sensitivity
         measure_encryption(public_key=self.public, budget_s=0.05)  # builds the key's tables

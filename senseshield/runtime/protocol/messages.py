@@ -185,7 +185,7 @@ class FleetConfig(Message):
     run_id: str
     config: dict[str, Any]
     input_shape: list[int]
-    num_classes: int = Field(ge=2)
+    num_classes: int = Field(ge=1)  # a regression's targets may be 1
     round_deadline: float = Field(gt=0)
     initial: np.ndarray
 
