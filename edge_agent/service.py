@@ -494,8 +494,7 @@ class EdgeAgent(Service):
         if name not in sources:
             have = ", ".join(sorted(sources)) or "none"
             raise ConfigError(f"The job uses data source {name!r}; this device has {have} (edge-agent join --data {name}=PATH).")
-        data = load_local_data(sources[name], input_shape=msg.input_shape, num_classes=msg.num_classes,
-                               test_fraction=config.test_fraction, seed=config.seed)
+        data = load_local_data(sources[name], config, input_shape=msg.input_shape, num_classes=msg.num_classes)
         self.log.info("data %s (%s): %s", name, sources[name], describe_data(data).line())
         return data
 

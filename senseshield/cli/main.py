@@ -207,8 +207,7 @@ def simulate(
 
         try:
             shape, classes = job_shape(config)
-            devices = [load_local_data(f, input_shape=shape, num_classes=classes, test_fraction=config.test_fraction,
-                                       seed=config.seed) for f in files]
+            devices = [load_local_data(f, config, input_shape=shape, num_classes=classes) for f in files]
         except ConfigError as exc:
             _fail(str(exc))
     with progress_bar(quiet) as bar:
