@@ -266,15 +266,17 @@ class MaskDecision(Message):
 
 @message
 class Metrics(Message):
-    """``agents/<id>/metrics``: after applying a round's model, the agent's test accuracy
-    and its phase timings (seconds) for that round; ``epsilon`` is its DP-SGD accountant's
+    """``agents/<id>/metrics``: after applying a round's model, the agent's value of the job's
+    metric on its test split (``metric``: accuracy, mse, ...; ``metrics``: every evaluation
+    metric and the round's ``training_*`` metrics) and its phase timings (seconds); ``epsilon`` is its DP-SGD accountant's
     RDP figure and ``dp_history`` that accountant's history (noise multiplier, sample rate,
     steps), from which the coordinator computes the run's final figures by PLD too."""
 
     schema_name: ClassVar[str] = "metrics"
-    version: ClassVar[int] = 2
+    version: ClassVar[int] = 3
     cluster: int = Field(ge=0)
-    accuracy: float = Field(ge=0, le=1)
+    metric: float = Field(allow_inf_nan=False)
+    metrics: dict[str, float] = {}
     n_test: int = Field(ge=0)
     timings: dict[str, float] = {}
     epsilon: float | None = None
