@@ -189,6 +189,13 @@ class FleetConfig(Message):
     round_deadline: float = Field(gt=0)
     initial: np.ndarray
 
+    @model_validator(mode="after")
+    def _outputs(self) -> "FleetConfig":
+        task = self.config.get("task") or "classification"
+        if task == "classification" and self.num_classes < 2:
+            raise ValueError(f"num_classes {self.num_classes} is below 2, which a classification job needs")
+        return self
+
 
 @message
 class Assignment(Message):
