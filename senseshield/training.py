@@ -509,13 +509,19 @@ def train_dpsgd(
     before = get_vector(private._module)
     ctx = _round_config(config, None, seed=0, round=round, n=len(y), optimizer=optimizer, dpsgd=True)
     fn = training_function(config.train)
-    out = _call(fn, config.train, private, _NonEmpty(loader), ctx, what="training function")
+    refusal = None
+    try:
+        out = _call(fn, config.train, private, _NonEmpty(loader), ctx, what="training function")
+    except ConfigError as exc:  # Opacus notices a function that never steps its optimizer
+        if steps.count or config.train is None:
+            raise
+        refusal, out = exc, {}
     steps.restore()
-    if steps.count == 0 and not np.array_equal(before, get_vector(private._module)):
+    if refusal is not None or (steps.count == 0 and not np.array_equal(before, get_vector(private._module))):
         raise ConfigError(
             f"Training function {config.train!r} changed the model without config.optimizer.step(), "
             f"so DP-SGD cannot make it private; step the optimizer it is given (Opacus wraps it to "
-            f"clip and noise every step) instead of one of its own.")
+            f"clip and noise every step) instead of one of its own.") from refusal
     last = float(out.get("loss", 0.0))
     model.load_state_dict(private._module.state_dict())
     return last, list(engine.accountant.history)

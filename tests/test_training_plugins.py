@@ -98,6 +98,7 @@ def test_dp_sgd_wraps_a_custom_optimizer_and_refuses_a_train_function_it_cannot(
         simulate(job.model_copy(update={"train": f"{module}:own_optimizer"}), noise_seed=1)
 
 
+@pytest.mark.slow  # 41 s on the shared 2-core machine
 def test_regression_fleet_equals_simulator(devices, tmp_path) -> None:
     """The essential integration test: a regression job with a custom loss and training
     function on a fleet of OS processes (real Mosquitto-free embedded broker) ends with the
