@@ -297,7 +297,7 @@ class LoadGenerator:
         for agent in sorted(self.sent_updates.get(r, ())):
             if self.cluster_of.get((agent, r)) == cluster:
                 self.send(agent, f"agents/{agent}/metrics",
-                          Metrics(cluster=cluster, accuracy=accuracy, n_test=len(data.y_test)), r)
+                          Metrics(cluster=cluster, metric=accuracy, n_test=len(data.y_test)), r)
 
 
 class Sampler:

@@ -76,8 +76,10 @@ from senseshield.results import (
     RoundRecord,
     RoundTally,
     RunResult,
+    metric_line,
     privacy_fields,
     weighted_accuracy,
+    weighted_metrics,
 )
 from senseshield.strategies import BootstrapReport, FleetPlan
 from senseshield.strategies.base import RoundCosts, measured_intervals
@@ -416,6 +418,7 @@ class Coordinator(Service):
 
         config = record.spec
         self.job, self.config = record, config
+        self.metric_name = train_config(config).metric_name  # accuracy, mse, ... (the job's task)
         self.strategy = build_strategy(config.strategy, config.options)
         self.scheme = effective_scheme(config, self.strategy)
         self.round_deadline = self.deadline_override or config.round_deadline
@@ -1255,12 +1258,13 @@ class Coordinator(Service):
         late = sum(len(c["straggled"]) for c in rec["clusters"].values())
         out = len(self.plan.cluster_of) - len(self.sampled) if self.plan is not None else 0
         latest = max((rr for _, rr in self.metrics), default=0)
-        pairs = [(m.accuracy, m.n_test) for (_, rr), m in self.metrics.items() if rr == latest]
-        accuracy = f"accuracy {weighted_accuracy(pairs):.3f} (round {latest})" if pairs else "accuracy pending"
+        pairs = [(m.metric, m.n_test) for (_, rr), m in self.metrics.items() if rr == latest]
+        name = self.metric_name
+        accuracy = f"{name} {weighted_accuracy(pairs):.4g} (round {latest})" if pairs else f"{name} pending"
         changes = "".join(f", {w} {', '.join(who)}" for w, who in (("joined", rec["joined"]), ("left", rec["left"])) if who)
         self._event(f"round {r}/{self.config.rounds}: {delivered} in, {late} late, {out} out{changes}; "
                     f"{accuracy}; {rec['seconds']:.1f} s")
-        if pairs:
+        if pairs and name == "accuracy":  # job list's accuracy column
             self.book.set(self.job, accuracy=weighted_accuracy(pairs))
         self.book.set(self.job, round=r, devices=len(self.active))
 
@@ -1280,14 +1284,14 @@ class Coordinator(Service):
                 rounds = [rr for rr in by_agent.get(a, {}) if rr <= r]
                 if rounds:
                     latest = by_agent[a][max(rounds)]
-                    pairs.append((latest.accuracy, latest.n_test))
+                    pairs.append(({**latest.metrics, self.metric_name: latest.metric}, latest.n_test))
             eps, eps_server = rec["user_epsilon"], rec.get("user_epsilon_server", rec["user_epsilon"])
             if self.strategy.dp_level is not None:
                 agent_eps = [m.epsilon for (aid, rr), m in self.metrics.items() if rr == r and m.epsilon is not None]
                 eps = max([eps or 0.0, *agent_eps])
                 eps_server = max([eps_server or 0.0, *agent_eps])
             record = rec["tally"].record(
-                r, self.strategy, accuracy=weighted_accuracy(pairs), seconds=rec["seconds"],
+                r, self.strategy, metric_name=self.metric_name, metrics=weighted_metrics(pairs), seconds=rec["seconds"],
                 participants=rec["participants"], sample_rate=self.config.options.sample_rate,
                 sampled=rec.get("sampled"),
                 epsilon=eps, epsilon_server=eps_server, delta=self.config.options.delta,
@@ -1314,7 +1318,8 @@ class Coordinator(Service):
             clients.append(ClientRecord(
                 id=a, cluster=self.plan.cluster_of[a], category=None,
                 encryption_budget=self.plan.budget_of[a], he_ratio=float(np.mean(ratios)) if ratios else 0.0,
-                accuracy=latest[a].accuracy if a in latest else 0.0,
+                accuracy=(latest[a].metric if a in latest else 0.0) if self.metric_name == "accuracy" else None,
+                metric=latest[a].metric if a in latest else None, metrics=latest[a].metrics if a in latest else {},
                 n_train=hello.n_samples if hello else 0, n_test=latest[a].n_test if a in latest else 0,
                 bandwidth=hello.bandwidth if hello else 0.0, cpu_speed=hello.cpu_speed if hello else 0.0,
             ))
@@ -1338,7 +1343,8 @@ class Coordinator(Service):
             model=self.config.model, partition=self.config.partition, seed=self.config.seed,
             num_params=self.size, num_clusters=len(self.plan.clusters), cluster_ari=None,
             clustering_epsilon=o.cluster_epsilon if self.strategy.clusters_clients else None,
-            final_accuracy=rounds[-1].accuracy if rounds else 0.0,
+            final_accuracy=(rounds[-1].accuracy if rounds else 0.0) if self.metric_name == "accuracy" else None,
+            metric_name=self.metric_name, final_metric=rounds[-1].metric if rounds else None,
             seconds_total=time.time() - self.started, rounds=rounds, clients=clients,
             config=self.config.model_dump(mode="json"),
             machine={"python": platform.python_version(), "processor": platform.processor() or platform.machine(),
@@ -1402,7 +1408,7 @@ class Coordinator(Service):
                 "timestamps": {k: round(v, 6) for k, v in sorted(stamps.items(), key=lambda kv: kv[1])},
                 "busy_s": busy,
                 "budget": info.get("budget"),
-                "accuracy": m.accuracy if m else None,
+                "metric": m.metric if m else None,
             }
         return out
 
@@ -1612,7 +1618,7 @@ class Coordinator(Service):
         if state != "running":
             where = f"; report {self.job_out / 'report.json'}" if self.job_out is not None and report is not None else ""
             self._event(f"job {record.id} {state}" + (f": {reason}" if reason else "")
-                        + (f"; final accuracy {final:.3f}" if final is not None and report.rounds else "") + where)
+                        + (f"; {metric_line(report.model_dump())}" if report is not None and report.rounds else "") + where)
             self._clear_checkpoint()
         self.cancelled.discard(record.id)
         self.job = None

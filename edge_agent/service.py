@@ -79,14 +79,6 @@ if TYPE_CHECKING:  # torch loads in serve (_torch), after the agent's first line
 log = logging.getLogger("senseshield.agent")
 
 
-def _accuracy(session, x: np.ndarray, y: np.ndarray) -> float:  # noqa: ANN001
-    """Test accuracy with onnxruntime (what the device runs for inference)."""
-    if len(y) == 0:
-        return 0.0
-    classes, _ = session.predict(x)
-    return float(np.mean(classes == y))
-
-
 class AgentExit(Exception):
     """The agent stops: ``code`` 0 (run done) or 3 (refused by the coordinator)."""
 
@@ -175,6 +167,7 @@ class RunState:
     hello: Hello | None = None
     sent_metrics: dict[int, Metrics] = field(default_factory=dict)
     inference: dict[str, float] = field(default_factory=dict)  # onnxruntime latency of the model
+    trained: dict[str, float] = field(default_factory=dict)  # the last round's training_* metrics
 
 
 class EdgeAgent(Service):
@@ -498,8 +491,7 @@ class EdgeAgent(Service):
         if name not in sources:
             have = ", ".join(sorted(sources)) or "none"
             raise ConfigError(f"The job uses data source {name!r}; this device has {have} (edge-agent join --data {name}=PATH).")
-        data = load_local_data(sources[name], input_shape=msg.input_shape, num_classes=msg.num_classes,
-                               test_fraction=config.test_fraction, seed=config.seed)
+        data = load_local_data(sources[name], config, input_shape=msg.input_shape, num_classes=msg.num_classes)
         self.log.info("data %s (%s): %s", name, sources[name], describe_data(data).line())
         return data
 
@@ -574,7 +566,7 @@ class EdgeAgent(Service):
         calls). The first encryption also builds the key's tables, as
         round 1 would. The coordinator refines these from every round it sees."""
         from edge_agent.profile import measure_encryption
-        from senseshield.training import TrainConfig, torch_threads, train_local
+        from senseshield.training import torch_threads, train_local
 
         import copy
 
@@ -588,7 +580,7 @@ class EdgeAgent(Service):
             with torch_threads(config.train_threads):
                 t = time.perf_counter()
                 train_local(model, run.data.x_train, run.data.y_train,
-                            TrainConfig(epochs=1, batch_size=config.batch_size, lr=config.lr), seed=0)
+                            train_config(config, epochs=1), seed=0)
                 epoch_s.append(time.perf_counter() - t)
         train_s = float(np.median(epoch_s)) * (config.local_epochs + 1)  # + ~one epoch for the sensitivity
         measure_encryption(public_key=self.public, budget_s=0.05)  # builds the key's tables
@@ -682,6 +674,7 @@ class EdgeAgent(Service):
             state=run.client, noise_multiplier=plan.record_noise, noise=self.noise, index=run.index,
             steps=plan.local_steps,
         )
+        run.trained = {f"training_{k}": v for k, v in local.metrics.items()}
         shared = plan.mask()
         if plan.negotiate:
             t = time.time()
@@ -761,7 +754,7 @@ class EdgeAgent(Service):
         session = load_session(onnx_path, threads=self._torch().get_num_threads())
         t_apply = time.perf_counter() - t
         t = time.perf_counter()
-        accuracy = _accuracy(session, run.data.x_test, run.data.y_test)
+        values = {**self._evaluate(run, session, merged, r), **run.trained}
         tm.update({"apply": t_apply, "evaluate": time.perf_counter() - t})
         if not run.inference:  # the architecture is the run's: measure its latency once
             speed = latency(session, run.input_shape, repeats=self.latency_repeats, warmup=2)
@@ -775,12 +768,27 @@ class EdgeAgent(Service):
             epsilon = Accountant(run.client.dp_history).epsilon(run.config.options.delta)
         run.evaluated = r
         metrics = Metrics(
-            cluster=run.cluster, accuracy=accuracy, n_test=len(run.data.y_test),
+            cluster=run.cluster, metric=values.get(train_config(run.config).metric_name, 0.0), metrics=values,
+            n_test=len(run.data.y_test),
             timings={k: float(v) for k, v in tm.items()}, epsilon=epsilon,
             dp_history=[tuple(h) for h in run.client.dp_history], inference=run.inference,
         )
         run.sent_metrics[r] = metrics
         self.send(f"agents/{self.agent_id}/metrics", metrics, round=r)
+
+    def _evaluate(self, run: RunState, session, weights: np.ndarray, r: int) -> dict[str, float]:  # noqa: ANN001
+        """The job's metrics of ``weights`` on the device's test split: the built-in evaluation
+        on onnxruntime's outputs (what the device runs for inference), or the job's own
+        evaluation function on the torch model."""
+        from senseshield.training import evaluate_model, output_metrics, set_vector, torch_threads
+
+        assert run.data is not None and run.model is not None
+        train = train_config(run.config)
+        if run.config.evaluate is None:
+            return output_metrics(session.logits(run.data.x_test), run.data.y_test, train)
+        set_vector(run.model, weights)
+        with torch_threads(run.config.train_threads):
+            return evaluate_model(run.model, run.data.x_test, run.data.y_test, train, round=r)
 
     # ---- main ---------------------------------------------------------------------------
     def _key_for(self, run_id: str) -> bool:

@@ -317,7 +317,7 @@ class Scheme(ABC):
     def secret_key_from_bytes(cls, data: bytes) -> SecretKey: ...
 
 
-SCHEMES: Registry[type[Scheme]] = Registry("HE scheme")
+SCHEMES: Registry[type[Scheme]] = Registry("HE scheme", group="senseshield.schemes")
 
 
 def ephemeral_exchange(peer_box: bytes) -> bytes:

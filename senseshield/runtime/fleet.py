@@ -374,6 +374,12 @@ class Fleet:
         self.processes[name].kill()
 
 
+def data_label(files: list) -> str:
+    """How a run on per-device files is titled: ``a.csv, b.csv`` (or ``a.csv ... f.csv (6 files)``)."""
+    names = [Path(f).name for f in files]
+    return ", ".join(names) if len(names) <= 3 else f"{names[0]} ... {names[-1]} ({len(names)} files)"
+
+
 def fleet_up(config: Job, options: FleetOptions, progress: Progress | None = None,
              timeout: float | None = None) -> dict:
     """Start a local fleet, run ``config`` on it, stop it; returns the report."""
@@ -381,5 +387,7 @@ def fleet_up(config: Job, options: FleetOptions, progress: Progress | None = Non
         fleet.start()
         report = fleet.wait(timeout)
     report["exit_codes"] = fleet.stop()
+    if options.data and all(d is not None for d in options.data):  # the devices' own data, not the job's dataset
+        report["dataset"], report["partition"] = data_label(options.data), "devices"
     write_atomic(Path(options.out) / "report.json", json.dumps(report, indent=2))
     return report
