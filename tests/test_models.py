@@ -15,7 +15,8 @@ SHAPES = [(1, 8, 8), (1, 28, 28)]
 
 
 def test_registry() -> None:
-    assert MODELS.names() == ["lenet5", "linear", "mlp", "simplecnn"]
+    # the built-in models (an installed package's entry points may add more, as a test does)
+    assert {"lenet5", "linear", "mlp", "simplecnn"} <= set(MODELS.names())
 
 
 @pytest.mark.parametrize("name", ["linear", "mlp", "simplecnn", "lenet5"])
