@@ -73,7 +73,7 @@ from senseshield.job import Job, announced_run, build_job_model, device_index, t
 from senseshield.strategies import ClientContext
 from senseshield.inference import export_onnx, latency, load_session
 
-if TYPE_CHECKING:  # torch loads in serve (_torch), after the agent's first line
+if TYPE_CHECKING:  # torch loads with the first job (_torch): an idle agent does not hold it
     import torch
 
 log = logging.getLogger("senseshield.agent")
@@ -445,28 +445,14 @@ class EdgeAgent(Service):
 
     # ---- joining ------------------------------------------------------------------------
     def _torch(self):  # noqa: ANN202
-        """torch, on this agent's threads (imported after the agent's first line, before it
-        connects)."""
+        """torch, on this agent's threads (imported when the agent takes its first job: an idle
+        agent does not hold it)."""
         import torch
 
         if not self._torch_threads_set:
             torch.set_num_threads(self.threads)
             self._torch_threads_set = True
         return torch
-
-    def _preload(self) -> None:
-        """What taking a job needs, loaded after the agent's first line and before it is online,
-        so that joining a job does not wait for imports: torch (on this agent's threads) and
-        local training (with ``torch._dynamo``, which torch's optimizers load at their first
-        step: about 800 modules, 1 s), and scikit-learn's dataset loader for built-in data (no
-        --data). Opacus (DP jobs), TenSEAL (CKKS) and onnxruntime (the first evaluation) load
-        when used."""
-        self._torch()
-        import torch._dynamo  # noqa: F401
-        import senseshield.training  # noqa: F401
-
-        if not self.data_spec.sources:
-            import sklearn.datasets  # noqa: F401
 
     def _prepare(self, msg: FleetConfig) -> PreparedRun:
         """Check a new run's config against this device (config fields, strategy, the local
@@ -813,7 +799,10 @@ class EdgeAgent(Service):
             # a stop ends whatever the agent is doing (starting, joining, training a round,
             # evaluating): the coordinator sees it leave, as it sees a device that loses power
             self.abandon_work = True
-            self._preload()
+            # nothing heavy is loaded before a job needs it: torch, local training and the
+            # dataset loaders load when the first job is checked (_prepare, ~2.5 s on an x86
+            # core, before the job's first round), Opacus with a DP job, TenSEAL with CKKS,
+            # onnxruntime with the first evaluation; an idle agent holds none of them
             self.start([
                 "fleet/config", "keys/public", "fleet/control", f"agents/{self.agent_id}/inbox", "keyserver/challenges",
             ])
