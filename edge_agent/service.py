@@ -34,6 +34,7 @@ from senseshield.he import SCHEMES, PublicKey
 from senseshield.he.base import ephemeral_exchange, model_digest, round_context
 from senseshield.runtime.protocol.messages import (
     Decline,
+    RoundFailure,
     Assignment,
     BootstrapVector,
     Challenge,
@@ -193,6 +194,7 @@ class EdgeAgent(Service):
         threads: int | None = None,
         protocol: str = "5",
         kill_at_round: int | None = None,
+        fail_at_round: int | None = None,
         model_dir: Path | None = None,
         latency_repeats: int = 20,
         once: bool = False,
@@ -238,6 +240,7 @@ class EdgeAgent(Service):
         self.declined: set[str] = set()  # jobs this device said no to
         self.latency_repeats = latency_repeats
         self.kill_at_round = kill_at_round  # fault drills: SIGKILL itself when this round's plan arrives
+        self.fail_at_round = fail_at_round  # ... or its training raises in this round
         self.bandwidth, self.cpu_speed = bandwidth, cpu_speed
         self.profile = profile or {}
         self.data_spec = data
@@ -628,6 +631,20 @@ class EdgeAgent(Service):
         known = run.models.get(cluster)
         return known[1] if known is not None and known[0] == model_round else None
 
+    def _round_or_failure(self, r: int, plan: RoundPlan) -> None:
+        """Round ``r``; if a step of it raises (training included), the coordinator is told at
+        once (:class:`RoundFailure`) so that it closes the round without this device instead
+        of waiting for its deadline; the error is logged as before and the agent stays in the
+        job. A stop (SIGTERM) or a crash of the process is seen by its last will instead."""
+        try:
+            self._do_round(r, plan)
+        except Exception as exc:
+            if self.run is not None:
+                reason = f"round {r} failed on this device: {type(exc).__name__}: {exc}"[:2000]
+                self.guard("round failure", lambda: self.send(
+                    f"agents/{self.agent_id}/failure", RoundFailure(run_id=self.run.run_id, reason=reason), round=r))
+            raise
+
     def _do_round(self, r: int, plan: RoundPlan) -> None:
         run = self.run
         assert run is not None and run.data is not None and run.model is not None
@@ -662,6 +679,8 @@ class EdgeAgent(Service):
         tm["ready_at"] = max(self.plan_arrived_at.get(r, t_plan), model_at or 0.0)
         start = self._global(plan.cluster, plan.model_round)
         config, strategy = run.config, self.strategy
+        if self.fail_at_round == r:
+            raise RuntimeError(f"fault drill: training raised in round {r}")
         local = local_update(
             strategy, run.model, merge_personal(start, run.client),
             run.data, train=train_config(config), seed=client_seed(config.seed, r, run.index), round=r,
@@ -826,7 +845,7 @@ class EdgeAgent(Service):
                     self._plan_wait(waits).check()
                 while self.plans and self.exit is None and not self.stopping.is_set():
                     r, plan = self.plans.pop(0)
-                    self.guard(f"round {r}", lambda: self._do_round(r, plan))
+                    self.guard(f"round {r}", lambda: self._round_or_failure(r, plan))
                 self.guard("evaluation", self._evaluate_new_model)
             if self.exit is not None:
                 (log.info if self.exit.code == 0 else log.error)("%s: %s", self.agent_id, self.exit)
