@@ -328,29 +328,6 @@ def clock_mhz(*, cpuinfo: Path = CPUINFO) -> float | None:
 # ---- microbenchmarks ---------------------------------------------------------------------------
 
 
-def _gflops_probes(n: int, probes: int, min_seconds: float) -> list[float]:
-    import torch
-
-    if n < 1 or probes < 1 or not min_seconds >= 0:
-        raise ConfigError(f"Matmul n={n}, probes={probes}, min_seconds={min_seconds} is not allowed; "
-                          "n and probes must be >= 1, min_seconds >= 0.")
-    generator = torch.Generator().manual_seed(0)
-    a = torch.randn(n, n, generator=generator, dtype=torch.float32)
-    b = torch.randn(n, n, generator=generator, dtype=torch.float32)
-    torch.mm(a, b)
-
-    def probe() -> float:
-        done, start = 0, time.perf_counter()
-        while True:
-            torch.mm(a, b)
-            done += 1
-            elapsed = time.perf_counter() - start
-            if elapsed >= min_seconds:
-                return 2.0 * n**3 * done / max(elapsed, 1e-9) / 1e9
-
-    return [probe() for _ in range(probes)]
-
-
 def measure_gflops(n: int = 512, probes: int = 5, min_seconds: float = 0.05) -> Spread:
     """float32 GFLOP/s of ``n x n`` torch matmuls (2 n^3 flops each) with torch's default
     thread count: after one warm-up product, ``probes`` probes, each repeating products for
@@ -362,7 +339,12 @@ def measure_gflops(n: int = 512, probes: int = 5, min_seconds: float = 0.05) -> 
     It measures what the device offers now: a busy device (another process on a core that
     torch's threads need) scores lower in the probes that overlap the busy spell.
     """
-    return summarise(_gflops_probes(n, probes, min_seconds))
+    from edge_agent.matmul import gflops_probes
+
+    if n < 1 or probes < 1 or not min_seconds >= 0:
+        raise ConfigError(f"Matmul n={n}, probes={probes}, min_seconds={min_seconds} is not allowed; "
+                          "n and probes must be >= 1, min_seconds >= 0.")
+    return summarise(gflops_probes(n, probes, min_seconds))
 
 
 _GFLOPS_CHILD = """
@@ -370,8 +352,8 @@ import json, sys, time
 start = time.perf_counter()
 import torch
 imported = time.perf_counter() - start
-from edge_agent.profile import _gflops_probes
-print(json.dumps({"probes": _gflops_probes(*json.loads(sys.argv[1])), "import_s": imported,
+from edge_agent.matmul import gflops_probes
+print(json.dumps({"probes": gflops_probes(*json.loads(sys.argv[1])), "import_s": imported,
                   "torch": torch.__version__}))
 """
 
@@ -387,7 +369,7 @@ def measure_gflops_apart(n: int = 512, probes: int = 5, min_seconds: float = 0.0
     import signal
     import subprocess
 
-    if n < 1 or probes < 1 or not min_seconds >= 0:  # the child's check, before a process starts
+    if n < 1 or probes < 1 or not min_seconds >= 0:
         raise ConfigError(f"Matmul n={n}, probes={probes}, min_seconds={min_seconds} is not allowed; "
                           "n and probes must be >= 1, min_seconds >= 0.")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
