@@ -35,6 +35,7 @@ from senseshield.he import SCHEMES, PublicKey
 from senseshield.runtime.protocol.envelope import DEFAULT_MAX_FRAME_BYTES
 from senseshield.runtime.protocol.messages import (
     Decline,
+    RoundFailure,
     JobBoard,
     JobCancel,
     JobReply,
@@ -238,6 +239,7 @@ class ClusterRound:
     running: StreamingAggregate | None = None
     straggled: list[str] = field(default_factory=list)
     offline: set[str] = field(default_factory=set)  # members whose last will fired: not waited for
+    failed: dict[str, str] = field(default_factory=dict)  # members that said their round failed (why): not waited for
     request: bytes | None = None  # the aggregate frame, kept to re-send (reconnect, key server back)
     requested_at: float = 0.0
     sent_at: float = 0.0  # latest (re-)send of the request
@@ -309,6 +311,7 @@ class Coordinator(Service):
             PublicKeyAnnouncement: self._on_key,
             Hello: self._on_hello,
             Decline: self._on_decline,
+            RoundFailure: self._on_failure,
             Status: self._on_status,
             BootstrapVector: self._on_bootstrap,
             Proposal: self._on_proposal,
@@ -587,6 +590,20 @@ class Coordinator(Service):
             self._event(f"agent {agent_id} refused the job: {msg.reason}")
         else:
             self.log.info("agent %s is not selected: %s", agent_id, msg.reason)
+
+    def _on_failure(self, item: Inbound) -> None:
+        """An agent's round failed (its training raised): the round closes without it now,
+        as for an agent gone offline, not at the deadline."""
+        agent_id = check_sender(item)
+        msg: RoundFailure = item.message  # type: ignore[assignment]
+        if self.job is None or msg.run_id != self.run_id:
+            raise ProtocolError(f"Round failure of job {msg.run_id} from {agent_id!r}; the current job is {self.run_id}.")
+        cr = self._cluster_round_of(agent_id, item.round, "round failure")
+        if agent_id in cr.updates:
+            raise ProtocolError(f"Round failure of {agent_id!r} for round {item.round}, whose update arrived; ignored.")
+        cr.failed[agent_id] = msg.reason
+        self.log.warning("round %d: agent %s failed its round: %s", item.round, agent_id, msg.reason)
+        self._advance()
 
     def _report_of(self, agent_id: str) -> BootstrapReport:
         info = self.agents[agent_id]
@@ -980,7 +997,7 @@ class Coordinator(Service):
             if cr.phase == "proposals":
                 half = cr.deadline - self.round_deadline / 2
                 missing = [a for a in cr.members if a not in cr.proposals]
-                if set(missing) <= cr.offline or now >= half:
+                if set(missing) <= cr.offline | cr.failed.keys() or now >= half:
                     self._straggle(k, cr, missing, "proposal", half)
                     proposers = sorted(cr.proposals)
                     if proposers:
@@ -995,7 +1012,7 @@ class Coordinator(Service):
                     cr.phase = "updates"
             if cr.phase == "updates":
                 missing = cr.expected - set(cr.updates)
-                if missing <= cr.offline or now >= cr.deadline:
+                if missing <= cr.offline | cr.failed.keys() or now >= cr.deadline:
                     self._straggle(k, cr, sorted(missing), "update", cr.deadline)
                     self._aggregate(k, cr)
             # an online key server silent for this long lost the request; an offline one is
@@ -1009,12 +1026,15 @@ class Coordinator(Service):
         for a in missing:
             cr.straggled.append(a)
             gone = a in cr.offline
+            failed = cr.failed.get(a) if not gone else None
             self.straggling.append({"round": self.round, "cluster": k, "agent": a,
-                                    "missing": "offline" if gone else what,
+                                    "missing": "offline" if gone else "failed" if failed else what,
                                     "deadline": deadline, "online": self._online(a),
                                     "arrived_late": False})
             if gone:
                 self.log.warning("round %d cluster %d: %s went offline (last will); closing without it", self.round, k, a)
+            elif failed:
+                self.log.warning("round %d cluster %d: %s failed its round; closing without it", self.round, k, a)
             else:
                 self.log.warning("round %d cluster %d: no %s from %s by the deadline; closing without it", self.round, k, what, a)
 
@@ -1210,7 +1230,8 @@ class Coordinator(Service):
             for a, why in sorted(cr.refused.items()):
                 tally.notes.append(f"round {r} cluster {k}: refused the update of {a} ({why})")
             for why, who in (("offline", [a for a in cr.straggled if a in cr.offline]),
-                             ("deadline", [a for a in cr.straggled if a not in cr.offline])):
+                             ("failed", [a for a in cr.straggled if a not in cr.offline and a in cr.failed]),
+                             ("deadline", [a for a in cr.straggled if a not in cr.offline and a not in cr.failed])):
                 if who:
                     tally.notes.append(f"round {r} cluster {k}: closed without {', '.join(sorted(who))} ({why})")
         if self.strategy.user_dp_round(r) and self.sampled:
@@ -1507,7 +1528,7 @@ class Coordinator(Service):
     SUBSCRIPTIONS = [
         "keys/public", "keyserver/results", "clusters/+/model", "fleet/config", "jobs/submit", "jobs/cancel",
         "agents/+/hello", "agents/+/decline", "agents/+/status", "agents/+/bootstrap", "agents/+/proposal",
-        "agents/+/update", "agents/+/metrics",
+        "agents/+/update", "agents/+/metrics", "agents/+/failure",
     ]
 
     def serve(self) -> None:

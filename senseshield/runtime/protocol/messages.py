@@ -318,6 +318,18 @@ class Decline(Message):
 
 
 @message
+class RoundFailure(Message):
+    """``agents/<id>/failure``: the agent could not finish round ``round`` of job ``run_id``
+    (its training or another step of the round raised) and says why in one sentence. The
+    coordinator closes the round without it at once, as it does for an agent whose last will
+    fired, instead of waiting for the deadline; the agent stays in the job."""
+
+    schema_name: ClassVar[str] = "failure"
+    run_id: str
+    reason: str = Field(max_length=2000)
+
+
+@message
 class JobSubmit(Message):
     """``jobs/submit`` (operator -> coordinator): a job to queue (a :class:`senseshield.job.Job`
     as JSON); the answer goes to ``jobs/replies/<request_id>``."""
