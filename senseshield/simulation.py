@@ -114,7 +114,7 @@ def run_simulation(
     ``observe(round, cluster, updates, mean, truth)``: called after every cluster's aggregate
     with what the coordinator sees (the protected updates and the published mean update) and
     what only the experimenter knows (``truth``: each client's update before protection), for
-    attack experiments (``senseshield_checks``)."""
+    attack experiments written apart from this package)."""
     started = time.perf_counter()
     noise = DeviceNoise(noise_seed)
     np.random.seed(config.seed % 2**32)

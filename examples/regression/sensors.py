@@ -44,5 +44,5 @@ def train(model, loader, config):  # noqa: ANN001 - the contract of docs/trainin
             torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
             config.optimizer.step()
             seen += len(y)
-            total += float(loss) * len(y)
+            total += float(loss.detach()) * len(y)
     return {"loss": total / max(seen, 1), "samples": float(seen)}
