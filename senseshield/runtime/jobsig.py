@@ -65,10 +65,7 @@ def open_signed_job(data: bytes, trust: Trust, *, fleet: str) -> tuple[str, Job]
         raise ProtocolError(f"it is signed for fleet {frame.fleet!r}, not {fleet!r}")
     if not frame.is_signed:
         raise ProtocolError(f"it is not signed (sender {frame.sender!r})")
-    try:
-        trust.verify(frame.sender, frame.signer_key, frame.signed, frame.signature, role=role_of_name(frame.sender))
-    except ProtocolError as exc:
-        raise ProtocolError(f"its signature is not trusted: {str(exc).rstrip('.')}") from None
+    trust.verify(frame.sender, frame.signer_key, frame.signed, frame.signature, role=role_of_name(frame.sender))
     if trust.role(frame.sender) != "operator":
         raise ProtocolError(f"it is signed by {frame.sender!r}, which the trust file pins as "
                             f"{trust.role(frame.sender)!r}, not as an operator")
@@ -106,7 +103,8 @@ def job_refusal(run_id: str, config: dict[str, Any], submission: bytes, trust: T
         operator, job = open_signed_job(submission, trust, fleet=fleet)
         ran = normalised(config)
     except (ProtocolError, ConfigError) as exc:
-        return f"Job {run_id} is refused: the signed job it carries is not an operator's of fleet {fleet!r}: {str(exc).rstrip('.')}."
+        return (f"Job {run_id} is refused: the job it carries is not signed by an operator of fleet {fleet!r} "
+                f"({str(exc).rstrip('.')}).")
     signed = job.model_dump(mode="json")
     differ = [k for k in sorted(set(signed) | set(ran)) if signed.get(k) != ran.get(k)]
     if differ:
