@@ -8,14 +8,18 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+
+import pytest
 
 import yaml
 from typer.testing import CliRunner
 
 from senseshield.cli.main import app
 from senseshield.development import DEVELOPMENT_ENV
+from senseshield.errors import ConfigError
 from senseshield.job import Job, with_shape
 from senseshield.runtime.identity import Identity, Trust
 from senseshield.runtime.jobsig import open_signed_job
@@ -49,7 +53,7 @@ def test_job_sign_writes_the_operators_signed_job_and_refuses_with_one_sentence(
     stranger = tmp_path / "ids" / "stranger.key"
     Identity.load_or_create("operator", stranger)
     for argv, said in [
-        (["--identity", str(stranger), "--trust", str(trust)], "not its pinned key"),
+        (["--identity", str(stranger), "--trust", str(trust), "--fleet", FLEET], "not its pinned key"),
         (["--identity", str(tmp_path / "ids" / "coordinator.key"), "--name", "coordinator"], "is not an operator's identity"),
         (["--identity", str(tmp_path / "ids" / "none.key")], "is not a file"),
         (["--identity", str(tmp_path / "ids" / "operator.key"), "--fleet", "other", "--trust", str(trust)], "fleet"),
@@ -59,6 +63,32 @@ def test_job_sign_writes_the_operators_signed_job_and_refuses_with_one_sentence(
         assert not (tmp_path / "bad.signed").exists()
 
 
+def test_a_coordinator_fails_a_refused_job_at_once_with_the_key_servers_sentence(mosquitto, tmp_path):
+    """In process, both real services: an unsigned job (the coordinator's own --strategy
+    flags) fails with the key server's refusal, not after a wait for the key or devices."""
+    from coordinator.service import Coordinator
+    from keyserver.service import KeyServer
+
+    trust, ids = _fleet(tmp_path)
+    pinned = Trust.load(trust, fleet=FLEET)
+    keyserver = KeyServer(mosquitto.url, fleet=FLEET, key_dir=tmp_path / "keys", identity=ids["keyserver"],
+                          trust=Trust.load(trust, fleet=FLEET))
+    thread = threading.Thread(target=keyserver.run, daemon=True)
+    thread.start()
+    coordinator = Coordinator(mosquitto.url, fleet=FLEET, once=True, identity=ids["coordinator"], trust=pinned,
+                              join_timeout=600)
+    record = coordinator.submit(with_shape(Job(strategy="plaintext", model="linear", rounds=1, min_devices=1)))
+    try:
+        with pytest.raises(ConfigError) as refused:
+            coordinator.serve()
+    finally:
+        keyserver.stopping.set()
+        thread.join(10)
+    assert str(refused.value).startswith(f"Job {record.id} is refused: it carries no job signed by an operator")
+    assert coordinator.book.get(record.id).state != "done"
+
+
+@pytest.mark.slow  # two coordinator processes and a key server (~24 s on 2 cores)
 def test_a_job_the_key_server_refuses_fails_at_once_with_its_sentence(mosquitto, tmp_path):
     """A key server with a trust file (no development mode) and `coordinator serve --job
     job.yaml --once` (unsigned): the coordinator exits 1 with the key server's refusal, without
