@@ -63,6 +63,7 @@ def test_job_sign_writes_the_operators_signed_job_and_refuses_with_one_sentence(
         assert not (tmp_path / "bad.signed").exists()
 
 
+@pytest.mark.slow  # ~13 s on a loaded 2-core machine (the coordinator preloads torch, sklearn, opacus)
 def test_a_coordinator_fails_a_refused_job_at_once_with_the_key_servers_sentence(mosquitto, tmp_path):
     """In process, both real services: an unsigned job (the coordinator's own --strategy
     flags) fails with the key server's refusal, not after a wait for the key or devices."""
