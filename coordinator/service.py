@@ -65,6 +65,7 @@ from senseshield.runtime.protocol.messages import (
 from senseshield.accounting import Accountant, Epsilons, epsilons
 from senseshield.runtime.files import npy_bytes, write_atomic
 from senseshield.runtime.identity import Identity, Trust, check_frame
+from senseshield.runtime.jobsig import check_signed_job
 from senseshield.runtime.protocol.envelope import decode_frame
 from senseshield.runtime.service import Inbound, Service, Stopped, check_sender, writable_dir
 from coordinator.contributions import Contributions, aggregate_of
@@ -326,21 +327,30 @@ class Coordinator(Service):
             self.on(cls, handler)
         self.watch("keyserver", self._on_keyserver_status)
         self.run_id = ""
+        self.key_refused = ""
         self.plan: FleetPlan | None = None
         self.agents: dict[str, AgentInfo] = {}
         self.clusters: dict[int, ClusterRound] = {}
 
     # ---- jobs ---------------------------------------------------------------------------
-    def submit(self, job: Job, job_id: str | None = None) -> JobRecord:
+    def submit(self, job: Job, job_id: str | None = None, *, signed: bytes = b"", operator: str = "") -> JobRecord:
         """Queue ``job`` after checking it as the fleet will run it (strategy, scheme, shape,
-        the model builds here); ConfigError naming what is wrong."""
+        the model builds here); ConfigError naming what is wrong. ``signed``: the frame
+        ``operator`` signed it in, forwarded to the key server (b"": an unsigned job, which a
+        key server refuses outside development mode or --allow-unsigned-jobs)."""
         if job_id is not None and (job_id in self.book.records or not job_id.replace("-", "").isalnum()):
             raise ConfigError(f"Job id {job_id!r} is not allowed; it is taken or not of letters, digits and '-'.")
         check_job(job)
-        record = self.book.add(job, job_id)
+        record = self.book.add(job, job_id, signed=signed, operator=operator)
         self.log.info("job %s queued: %s", record.id, job.label)
         self._publish_board()
         return record
+
+    def open_signed(self, data: bytes, where: str) -> tuple[Job, bytes, str]:
+        """(job, frame, operator) of a signed job file (``senseshield job sign``), checked as
+        the key server will check it; ConfigError naming ``where`` and what is wrong."""
+        operator, job = check_signed_job(data, self.trust, fleet=self.fleet, where=where)
+        return job, data, operator
 
     def _reply(self, reply: JobReply) -> None:
         self.replies[reply.request_id] = reply
@@ -360,7 +370,7 @@ class Coordinator(Service):
             self._reply(self.replies[msg.request_id])
             return
         try:
-            record = self.submit(job_from_dict(msg.job, where="job"))
+            record = self.submit(job_from_dict(msg.job, where="job"), signed=item.frame.raw, operator=item.sender)
             reply = JobReply(request_id=msg.request_id, accepted=True, job_id=record.id)
         except ConfigError as exc:
             self.log.warning("job refused: %s", exc)
@@ -391,6 +401,8 @@ class Coordinator(Service):
             raise KeyboardInterrupt
         if self.job is not None and self.job.id in self.cancelled:
             raise JobCancelled(self.job.id)
+        if self.job is not None and self.key_refused:  # the key server will not serve this job
+            raise ConfigError(self.key_refused)
 
     def _publish_board(self) -> None:
         if self.link.connected:
@@ -434,6 +446,7 @@ class Coordinator(Service):
         self.job_out = (self.out_dir if self.once else self.out_dir / "jobs" / record.id) if self.out_dir is not None else None
         self.public: PublicKey | None = None
         self.key_id: str | None = None
+        self.key_refused = ""  # the key server's one sentence if it refuses this job
         self.agents = {}
         self.refused: dict[str, str] = {}
         self.declined: dict[str, str] = {}
@@ -468,6 +481,10 @@ class Coordinator(Service):
             raise ProtocolError(f"keys/public from {item.sender!r}; only the key server may announce keys.")
         if self.job is None or (msg.run_id and msg.run_id != self.run_id):
             return  # a key for another job (e.g. the previous job's, retained)
+        if msg.refused:  # e.g. not signed by a pinned operator: the job fails with this sentence
+            self.log.error("the key server refuses job %s: %s", self.run_id, msg.refused)
+            self.key_refused = msg.refused
+            return
         want = self.scheme or ""
         if msg.scheme != want:
             raise ProtocolError(f"The key server announces scheme {msg.scheme!r}; this run needs {want!r}.")
@@ -1589,6 +1606,7 @@ class Coordinator(Service):
         config_msg = FleetConfig(
             run_id=self.run_id, config=self.config.model_dump(mode="json"), input_shape=self.input_shape,
             num_classes=self.num_classes, round_deadline=self.round_deadline, initial=self.initial,
+            submission=record.signed,
         )
         self._config_frame = self.frame(config_msg)
         state, reason = "done", ""

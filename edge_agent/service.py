@@ -307,6 +307,9 @@ class EdgeAgent(Service):
         if item.sender != "keyserver":
             raise ProtocolError(f"keys/public from {item.sender!r}; only the key server may announce keys.")
         msg: PublicKeyAnnouncement = item.message  # type: ignore[assignment]
+        if msg.refused:  # the key server will not serve that job (the coordinator cancels it)
+            self.log.warning("the key server refuses job %s: %s", msg.run_id, msg.refused)
+            return
         if self.key is not None and msg.key_id == self.key.key_id:
             self.key = msg  # the same key (perhaps for the next job): keep the key object and its pool
             return

@@ -44,7 +44,9 @@ from senseshield.he import SCHEMES, PublicKey, SecretKey
 from senseshield.he.base import round_context
 from senseshield.he.fingerprint import SEED_BYTES
 from senseshield.he.packed import STRUCTURES
+from senseshield.development import development_mode
 from senseshield.runtime.identity import b64, check_frame, unb64
+from senseshield.runtime.jobsig import job_refusal
 from senseshield.runtime.protocol.envelope import decode_frame
 from senseshield.runtime.protocol.messages import (
     AggregateRequest,
@@ -136,6 +138,7 @@ class KeyServer(Service):
         min_fraction: float = 0.0,
         min_encryptors: int = 2,
         allow_unverifiable: bool = False,
+        allow_unsigned_jobs: bool = False,
         protocol: str = "5",
         threads: int | None = None,
         workers: int | None = None,
@@ -166,6 +169,9 @@ class KeyServer(Service):
         # CKKS sums cannot be checked against fingerprints: decrypted only if the operator
         # says the coordinator is trusted to sum honestly (docs/security.md#ckks)
         self.allow_unverifiable = allow_unverifiable
+        # a run must be a job an operator the trust file pins signed (senseshield.runtime.jobsig),
+        # unless told otherwise; without a trust file there is no pinned operator to check against
+        self.require_signed_jobs = not (allow_unsigned_jobs or development_mode() or self.trust.tofu)
         self.threads = threads if threads is not None else defaults.shared_threads()
         self.key_structure = key_structure
         # aggregates decrypt on these workers while the service's thread goes on verifying
@@ -209,6 +215,8 @@ class KeyServer(Service):
         if msg.run_id == self.run_id:
             return
         config, _, scheme = announced_run(msg.config)  # checked before anything changes
+        if self._refuse_unsigned(msg):
+            return
         self.run_id, self.config, self.initial = msg.run_id, config, msg.initial.copy()
         self.models, self.results = {}, {}
         self.plans, self.seeds, self.spent, self.challenges, self.boxes = {}, {}, {}, {}, {}
@@ -228,6 +236,18 @@ class KeyServer(Service):
         if self.public is not None and not self.public.verifiable and not self.allow_unverifiable:
             self.log.warning("run %s: %s aggregates cannot be verified; they will be refused (--allow-unverifiable "
                              "trusts the coordinator to sum honestly)", self.run_id, scheme)
+
+    def _refuse_unsigned(self, msg: FleetConfig) -> bool:
+        """True (logged, and announced for the run so the coordinator fails the job at once)
+        if the run is not the job an operator signed (:func:`job_refusal`)."""
+        reason = job_refusal(msg.run_id, msg.config, msg.submission, self.trust, fleet=self.fleet,
+                             required=self.require_signed_jobs)
+        if reason is None:
+            return False
+        self.log.error("%s", reason)
+        self.send("keys/public", PublicKeyAnnouncement(scheme="", key_id=NO_KEY_ID, key=b"", run_id=msg.run_id,
+                                                       refused=reason), retain=True)
+        return True
 
     def _on_request(self, item: Inbound) -> None:
         msg: AggregateRequest = item.message  # type: ignore[assignment]

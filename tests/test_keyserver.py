@@ -23,11 +23,13 @@ from senseshield.he import SCHEMES
 from senseshield.he.base import round_context
 from senseshield.job import Job
 from senseshield.runtime.identity import Identity, Trust, unb64
+from senseshield.runtime.jobsig import sign_job
 from senseshield.runtime.protocol.messages import (
     AggregateResult,
     Challenge,
     ClusterModel,
     FleetConfig,
+    JobSubmit,
     PublicKeyAnnouncement,
     Receipt,
     RoundOpen,
@@ -51,7 +53,7 @@ class Harness:
 
     def __init__(self, url: str, key_dir, *, min_contributors: int = 2, min_fraction: float = 0.0,  # noqa: ANN001
                  workers: int | None = None, allow_unverifiable: bool = False) -> None:
-        self.ids = {n: Identity.generate(n) for n in ["keyserver", "coordinator", *AGENTS]}
+        self.ids = {n: Identity.generate(n) for n in ["keyserver", "coordinator", "operator", *AGENTS]}
         roles = {n: ("agent" if n in AGENTS else n) for n in self.ids}
         self.trust = Trust.for_identities({n: (i, roles[n]) for n, i in self.ids.items()}, fleet=FLEET)
         self.server = KeyServer(url, fleet=FLEET, key_dir=key_dir, min_contributors=min_contributors,
@@ -94,13 +96,18 @@ class Harness:
         raise AssertionError(f"no {cls.__name__} within {timeout} s")
 
     # -- the run --------------------------------------------------------------------------
-    def start_run(self, strategy: str = "sensecrypt", run: str = "run-1", scheme: str | None = "packed-paillier") -> object:
+    def start_run(self, strategy: str = "sensecrypt", run: str = "run-1", scheme: str | None = "packed-paillier",
+                  *, submission: bytes | None = None, config: Job | None = None) -> object:
+        """Publish the run's fleet/config as the coordinator, with the job the operator signed
+        (``submission``: other bytes; ``config``: another job than the signed one)."""
         self.run = run
-        config = Job(strategy=strategy, model="linear", clients=2, key_bits=1024,
-                     scheme=None if strategy in ("plaintext", "masked") else scheme)
-        self.send("fleet/config", FleetConfig(run_id=self.run, config=config.model_dump(mode="json"),
+        job = Job(strategy=strategy, model="linear", clients=2, key_bits=1024,
+                  scheme=None if strategy in ("plaintext", "masked") else scheme)
+        if submission is None:
+            submission = sign_job(job, self.ids["operator"], fleet=FLEET)
+        self.send("fleet/config", FleetConfig(run_id=self.run, config=(config or job).model_dump(mode="json"),
                                               input_shape=[1, 8, 8], num_classes=10, round_deadline=30,
-                                              initial=np.zeros(SIZE)))
+                                              initial=np.zeros(SIZE), submission=submission))
         announcement, _ = self.wait(PublicKeyAnnouncement)
         self.public = SCHEMES.get(announcement.scheme).public_key_from_bytes(announcement.key) if announcement.scheme else None
         return announcement
@@ -534,3 +541,34 @@ def test_ckks_aggregates_are_decrypted_only_where_the_coordinator_is_trusted(mos
             assert "cannot be checked" in result.reason
     finally:
         h.stop()
+
+
+def test_only_a_job_an_operator_signed_is_served(harness, caplog):
+    """Issue 22 item 3: the coordinator alone cannot start a job. A fleet/config without the
+    operator's signed job, with a job the coordinator signed (under its own name, or under the
+    operator's name with its own key), or whose config is not the signed job (another seed)
+    is refused: the key server announces the refusal for that run in one sentence naming it
+    and why, logs it, takes nothing of the run and keeps serving; the genuine job is served."""
+    job = Job(strategy="sensecrypt", model="linear", clients=2, key_bits=1024, scheme="packed-paillier")
+    coordinator = harness.ids["coordinator"]
+    submit = JobSubmit(request_id="r1", job=job.model_dump(mode="json"))
+    cases = {
+        "run-unsigned": ({"submission": b""}, "it carries no job signed by an operator of fleet 'ks'"),
+        "run-by-coordinator": ({"submission": to_frame(submit, fleet=FLEET, sender="coordinator", round=0, signer=coordinator)},
+                               "it is signed by 'coordinator', which the trust file pins as 'coordinator', not as an operator"),
+        "run-posing": ({"submission": to_frame(submit, fleet=FLEET, sender="operator", round=0, signer=coordinator)},
+                       "Frame from 'operator' is signed with key"),
+        "run-other-fleet": ({"submission": sign_job(job, harness.ids["operator"], fleet="other")},
+                            "it is signed for fleet 'other', not 'ks'"),
+        "run-seed": ({"config": job.model_copy(update={"seed": job.seed + 1})},
+                     f"its configuration is not the job 'operator' signed (seed is {job.seed + 1}, signed {job.seed})"),
+    }
+    for run, (kwargs, why) in cases.items():
+        announcement = harness.start_run(run=run, **kwargs)
+        assert (announcement.run_id, announcement.scheme, announcement.key) == (run, "", b"")
+        assert announcement.refused.startswith(f"Job {run} is refused: ") and why in announcement.refused, announcement.refused
+        assert announcement.refused in caplog.text
+    assert harness.server.run_id is None and harness.thread.is_alive()  # nothing of a refused run was taken
+    announcement = harness.start_run(run="run-genuine")
+    assert not announcement.refused and announcement.scheme == "packed-paillier"
+    assert harness.server.run_id == "run-genuine"

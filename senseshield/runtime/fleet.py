@@ -38,6 +38,7 @@ from senseshield.data.shards import device_shards, shards
 from senseshield.job import Job, check_job, with_shape
 from senseshield.runtime.files import write_atomic
 from senseshield.runtime.identity import Identity, Trust, check_frame
+from senseshield.runtime.jobsig import sign_job
 from senseshield.runtime.service import writable_dir
 
 Progress = Callable[[str, int, int], None]
@@ -79,15 +80,17 @@ def agent_ids(n: int) -> list[str]:
     return [f"c{i:03d}" for i in range(n)]
 
 
-def job_file(config: Job, options: "FleetOptions", path: Path) -> Path:
-    """Write the job ``coordinator serve --job`` runs: ``config`` for ``options.agents``
-    devices (its ``min_devices``), the fleet's round deadline, and the model's input shape
-    and classes (from the built-in dataset unless the job gives them)."""
+def job_file(config: Job, options: "FleetOptions", path: Path, operator: Identity) -> Path:
+    """Write the job ``coordinator serve --job`` runs, signed by ``operator`` (``path``, as
+    ``senseshield job sign`` writes it; a readable copy beside it, ``.yaml``): ``config`` for
+    ``options.agents`` devices (its ``min_devices``), the fleet's round deadline, and the
+    model's input shape and classes (from the built-in dataset unless the job gives them)."""
     deadline = options.round_deadline if options.round_deadline is not None else config.round_deadline
     job = with_shape(config.model_copy(update={
         "clients": options.agents, "min_devices": options.agents, "round_deadline": deadline,
     }))
-    return write_atomic(path, yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False))
+    write_atomic(path.with_suffix(".yaml"), yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False))
+    return write_atomic(path, sign_job(job, operator, fleet=options.fleet))
 
 
 class Fleet:
@@ -153,7 +156,8 @@ class Fleet:
                                   "--allow-unverifiable",
                                   *self.options.extra_keyserver_args])
         once = [] if self.options.serve else [
-            "--job", str(job_file(self.config, self.options, self.out / "job.yaml")), "--once",
+            "--job", str(job_file(self.config, self.options, self.out / "job.signed", self.identities["operator"][0])),
+            "--once",
             "--join-timeout", str(self.options.join_timeout)]
         self._spawn("coordinator", [
             *_python("coordinator.cli"), "serve", *common, *once, "--out", str(self.out),

@@ -127,14 +127,20 @@ _NUMPY = {"f32": np.dtype("f4"), "f64": np.dtype("f8"), "u8": np.dtype("u1"), "i
 
 @message
 class PublicKeyAnnouncement(Message):
-    """``keys/public`` (retained): the key server's public material. Never a secret."""
+    """``keys/public`` (retained): the key server's public material. Never a secret.
+
+    ``refused`` (version 2): the key server will not serve job ``run_id`` and says why in one
+    sentence (e.g. the job is not signed by an operator the trust file pins); the coordinator
+    fails the job with it, agents ignore the announcement."""
 
     schema_name: ClassVar[str] = "public-key"
+    version: ClassVar[int] = 2
     sections: ClassVar[dict[str, str]] = {"key": "bytes"}
     scheme: str
     key_id: str
     key: bytes
     run_id: str = ""  # the job (FleetConfig.run_id) this key serves; agents join with it
+    refused: str = Field("", max_length=2000)
 
 
 @message
@@ -178,16 +184,22 @@ class FleetConfig(Message):
     ``config`` is a :class:`senseshield.job.Job` as JSON (a fleet run is
     the simulation of the same config, run by processes); ``initial`` is the round-0 model,
     built by the coordinator exactly as the simulator builds it; ``run_id`` is new each run.
+    ``submission`` (version 2): the operator's signed ``jobs/submit`` frame of this job, as
+    the operator sent it (empty: an unsigned job); the key server serves the run only if an
+    operator the trust file pins signed it and ``config`` is that job
+    (:mod:`senseshield.runtime.jobsig`).
     """
 
     schema_name: ClassVar[str] = "fleet-config"
-    sections: ClassVar[dict[str, str]] = {"initial": "f64"}
+    version: ClassVar[int] = 2
+    sections: ClassVar[dict[str, str]] = {"initial": "f64", "submission": "bytes"}
     run_id: str
     config: dict[str, Any]
     input_shape: list[int]
     num_classes: int = Field(ge=1)  # a regression's targets may be 1
     round_deadline: float = Field(gt=0)
     initial: np.ndarray
+    submission: bytes = b""
 
     @model_validator(mode="after")
     def _outputs(self) -> "FleetConfig":
