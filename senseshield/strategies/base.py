@@ -387,6 +387,7 @@ class Strategy(ABC):
     per_client_masks: ClassVar[bool] = False  # clients of a cluster encrypt different positions
     # "user": the client noises the update it sends (privatise); "record": DP-SGD; None: no DP
     dp_level: ClassVar[str | None] = None
+    dp_adjacency: ClassVar[str | None] = None  # the accounting.ADJACENCY entry, if not dp_level's
     needs_synthetic: ClassVar[bool] = False  # clients fit the DP synthetic-data provider
 
     def __init__(self, options: StrategyOptions | None = None) -> None:

@@ -128,6 +128,7 @@ class MaskedDP(MaskedFull):
     name = "masked-dp"
     summary = "every parameter masked, each agent adds its share of Gaussian noise: distributed user-level DP"
     dp_level = "user"
+    dp_adjacency = "distributed"
 
     def sample_weight(self, n_samples: int) -> int:
         return 1  # equal weights: the sum's sensitivity is C whatever a device claims as its n_i
