@@ -35,6 +35,7 @@ from senseshield.he import SCHEMES, PublicKey
 from senseshield.runtime.protocol.envelope import DEFAULT_MAX_FRAME_BYTES
 from senseshield.runtime.protocol.messages import (
     Decline,
+    RoundFailure,
     JobBoard,
     JobCancel,
     JobReply,
@@ -76,8 +77,10 @@ from senseshield.results import (
     RoundRecord,
     RoundTally,
     RunResult,
+    metric_line,
     privacy_fields,
     weighted_accuracy,
+    weighted_metrics,
 )
 from senseshield.strategies import BootstrapReport, FleetPlan
 from senseshield.strategies.base import RoundCosts, measured_intervals
@@ -236,6 +239,7 @@ class ClusterRound:
     running: StreamingAggregate | None = None
     straggled: list[str] = field(default_factory=list)
     offline: set[str] = field(default_factory=set)  # members whose last will fired: not waited for
+    failed: dict[str, str] = field(default_factory=dict)  # members that said their round failed (why): not waited for
     request: bytes | None = None  # the aggregate frame, kept to re-send (reconnect, key server back)
     requested_at: float = 0.0
     sent_at: float = 0.0  # latest (re-)send of the request
@@ -307,6 +311,7 @@ class Coordinator(Service):
             PublicKeyAnnouncement: self._on_key,
             Hello: self._on_hello,
             Decline: self._on_decline,
+            RoundFailure: self._on_failure,
             Status: self._on_status,
             BootstrapVector: self._on_bootstrap,
             Proposal: self._on_proposal,
@@ -416,6 +421,7 @@ class Coordinator(Service):
 
         config = record.spec
         self.job, self.config = record, config
+        self.metric_name = train_config(config).metric_name  # accuracy, mse, ... (the job's task)
         self.strategy = build_strategy(config.strategy, config.options)
         self.scheme = effective_scheme(config, self.strategy)
         self.round_deadline = self.deadline_override or config.round_deadline
@@ -584,6 +590,20 @@ class Coordinator(Service):
             self._event(f"agent {agent_id} refused the job: {msg.reason}")
         else:
             self.log.info("agent %s is not selected: %s", agent_id, msg.reason)
+
+    def _on_failure(self, item: Inbound) -> None:
+        """An agent's round failed (its training raised): the round closes without it now,
+        as for an agent gone offline, not at the deadline."""
+        agent_id = check_sender(item)
+        msg: RoundFailure = item.message  # type: ignore[assignment]
+        if self.job is None or msg.run_id != self.run_id:
+            raise ProtocolError(f"Round failure of job {msg.run_id} from {agent_id!r}; the current job is {self.run_id}.")
+        cr = self._cluster_round_of(agent_id, item.round, "round failure")
+        if agent_id in cr.updates:
+            raise ProtocolError(f"Round failure of {agent_id!r} for round {item.round}, whose update arrived; ignored.")
+        cr.failed[agent_id] = msg.reason
+        self.log.warning("round %d: agent %s failed its round: %s", item.round, agent_id, msg.reason)
+        self._advance()
 
     def _report_of(self, agent_id: str) -> BootstrapReport:
         info = self.agents[agent_id]
@@ -978,7 +998,7 @@ class Coordinator(Service):
             if cr.phase == "proposals":
                 half = cr.deadline - self.round_deadline / 2
                 missing = [a for a in cr.members if a not in cr.proposals]
-                if set(missing) <= cr.offline or now >= half:
+                if set(missing) <= cr.offline | cr.failed.keys() or now >= half:
                     self._straggle(k, cr, missing, "proposal", half)
                     proposers = sorted(cr.proposals)
                     if proposers:
@@ -993,7 +1013,7 @@ class Coordinator(Service):
                     cr.phase = "updates"
             if cr.phase == "updates":
                 missing = cr.expected - set(cr.updates)
-                if missing <= cr.offline or now >= cr.deadline:
+                if missing <= cr.offline | cr.failed.keys() or now >= cr.deadline:
                     self._straggle(k, cr, sorted(missing), "update", cr.deadline)
                     self._aggregate(k, cr)
             # an online key server silent for this long lost the request; an offline one is
@@ -1007,12 +1027,15 @@ class Coordinator(Service):
         for a in missing:
             cr.straggled.append(a)
             gone = a in cr.offline
+            failed = cr.failed.get(a) if not gone else None
             self.straggling.append({"round": self.round, "cluster": k, "agent": a,
-                                    "missing": "offline" if gone else what,
+                                    "missing": "offline" if gone else "failed" if failed else what,
                                     "deadline": deadline, "online": self._online(a),
                                     "arrived_late": False})
             if gone:
                 self.log.warning("round %d cluster %d: %s went offline (last will); closing without it", self.round, k, a)
+            elif failed:
+                self.log.warning("round %d cluster %d: %s failed its round; closing without it", self.round, k, a)
             else:
                 self.log.warning("round %d cluster %d: no %s from %s by the deadline; closing without it", self.round, k, what, a)
 
@@ -1208,7 +1231,8 @@ class Coordinator(Service):
             for a, why in sorted(cr.refused.items()):
                 tally.notes.append(f"round {r} cluster {k}: refused the update of {a} ({why})")
             for why, who in (("offline", [a for a in cr.straggled if a in cr.offline]),
-                             ("deadline", [a for a in cr.straggled if a not in cr.offline])):
+                             ("failed", [a for a in cr.straggled if a not in cr.offline and a in cr.failed]),
+                             ("deadline", [a for a in cr.straggled if a not in cr.offline and a not in cr.failed])):
                 if who:
                     tally.notes.append(f"round {r} cluster {k}: closed without {', '.join(sorted(who))} ({why})")
         if self.strategy.user_dp_round(r) and self.sampled:
@@ -1261,12 +1285,13 @@ class Coordinator(Service):
         late = sum(len(c["straggled"]) for c in rec["clusters"].values())
         out = len(self.plan.cluster_of) - len(self.sampled) if self.plan is not None else 0
         latest = max((rr for _, rr in self.metrics), default=0)
-        pairs = [(m.accuracy, m.n_test) for (_, rr), m in self.metrics.items() if rr == latest]
-        accuracy = f"accuracy {weighted_accuracy(pairs):.3f} (round {latest})" if pairs else "accuracy pending"
+        pairs = [(m.metric, m.n_test) for (_, rr), m in self.metrics.items() if rr == latest]
+        name = self.metric_name
+        accuracy = f"{name} {weighted_accuracy(pairs):.4g} (round {latest})" if pairs else f"{name} pending"
         changes = "".join(f", {w} {', '.join(who)}" for w, who in (("joined", rec["joined"]), ("left", rec["left"])) if who)
         self._event(f"round {r}/{self.config.rounds}: {delivered} in, {late} late, {out} out{changes}; "
                     f"{accuracy}; {rec['seconds']:.1f} s")
-        if pairs:
+        if pairs and name == "accuracy":  # job list's accuracy column
             self.book.set(self.job, accuracy=weighted_accuracy(pairs))
         self.book.set(self.job, round=r, devices=len(self.active))
 
@@ -1286,14 +1311,14 @@ class Coordinator(Service):
                 rounds = [rr for rr in by_agent.get(a, {}) if rr <= r]
                 if rounds:
                     latest = by_agent[a][max(rounds)]
-                    pairs.append((latest.accuracy, latest.n_test))
+                    pairs.append(({**latest.metrics, self.metric_name: latest.metric}, latest.n_test))
             eps, eps_server = rec["user_epsilon"], rec.get("user_epsilon_server", rec["user_epsilon"])
             if self.strategy.dp_level is not None:
                 agent_eps = [m.epsilon for (aid, rr), m in self.metrics.items() if rr == r and m.epsilon is not None]
                 eps = max([eps or 0.0, *agent_eps])
                 eps_server = max([eps_server or 0.0, *agent_eps])
             record = rec["tally"].record(
-                r, self.strategy, accuracy=weighted_accuracy(pairs), seconds=rec["seconds"],
+                r, self.strategy, metric_name=self.metric_name, metrics=weighted_metrics(pairs), seconds=rec["seconds"],
                 participants=rec["participants"], sample_rate=self.config.options.sample_rate,
                 sampled=rec.get("sampled"),
                 epsilon=eps, epsilon_server=eps_server, delta=self.config.options.delta,
@@ -1320,7 +1345,8 @@ class Coordinator(Service):
             clients.append(ClientRecord(
                 id=a, cluster=self.plan.cluster_of[a], category=None,
                 encryption_budget=self.plan.budget_of[a], he_ratio=float(np.mean(ratios)) if ratios else 0.0,
-                accuracy=latest[a].accuracy if a in latest else 0.0,
+                accuracy=(latest[a].metric if a in latest else 0.0) if self.metric_name == "accuracy" else None,
+                metric=latest[a].metric if a in latest else None, metrics=latest[a].metrics if a in latest else {},
                 n_train=hello.n_samples if hello else 0, n_test=latest[a].n_test if a in latest else 0,
                 bandwidth=hello.bandwidth if hello else 0.0, cpu_speed=hello.cpu_speed if hello else 0.0,
             ))
@@ -1344,7 +1370,8 @@ class Coordinator(Service):
             model=self.config.model, partition=self.config.partition, seed=self.config.seed,
             num_params=self.size, num_clusters=len(self.plan.clusters), cluster_ari=None,
             clustering_epsilon=o.cluster_epsilon if self.strategy.clusters_clients else None,
-            final_accuracy=rounds[-1].accuracy if rounds else 0.0,
+            final_accuracy=(rounds[-1].accuracy if rounds else 0.0) if self.metric_name == "accuracy" else None,
+            metric_name=self.metric_name, final_metric=rounds[-1].metric if rounds else None,
             seconds_total=time.time() - self.started, rounds=rounds, clients=clients,
             config=self.config.model_dump(mode="json"),
             machine={"python": platform.python_version(), "processor": platform.processor() or platform.machine(),
@@ -1408,7 +1435,7 @@ class Coordinator(Service):
                 "timestamps": {k: round(v, 6) for k, v in sorted(stamps.items(), key=lambda kv: kv[1])},
                 "busy_s": busy,
                 "budget": info.get("budget"),
-                "accuracy": m.accuracy if m else None,
+                "metric": m.metric if m else None,
             }
         return out
 
@@ -1507,7 +1534,7 @@ class Coordinator(Service):
     SUBSCRIPTIONS = [
         "keys/public", "keyserver/results", "clusters/+/model", "fleet/config", "jobs/submit", "jobs/cancel",
         "agents/+/hello", "agents/+/decline", "agents/+/status", "agents/+/bootstrap", "agents/+/proposal",
-        "agents/+/update", "agents/+/metrics",
+        "agents/+/update", "agents/+/metrics", "agents/+/failure",
     ]
 
     def serve(self) -> None:
@@ -1618,7 +1645,7 @@ class Coordinator(Service):
         if state != "running":
             where = f"; report {self.job_out / 'report.json'}" if self.job_out is not None and report is not None else ""
             self._event(f"job {record.id} {state}" + (f": {reason}" if reason else "")
-                        + (f"; final accuracy {final:.3f}" if final is not None and report.rounds else "") + where)
+                        + (f"; {metric_line(report.model_dump())}" if report is not None and report.rounds else "") + where)
             self._clear_checkpoint()
         self.cancelled.discard(record.id)
         self.job = None

@@ -470,7 +470,9 @@ class KeyServer(Service):
             missing = [a for a, rc in receipts.items() if rc.key_id != self.public.key_id]
             if missing:
                 return f"the receipts of {missing} are not under the current key", {}
-            parts = [(rc.fingerprint, rc.n_samples) for rc in receipts.values() if rc.fingerprint]
+            # (a scheme whose encryptors fold their weight in: each contribution enters once)
+            parts = [(rc.fingerprint, 1 if self.public.prefolds_weight else rc.n_samples)
+                     for rc in receipts.values() if rc.fingerprint]
             prints.update({a: rc.fingerprint.hex() for a, rc in receipts.items()})
             if not self.secret.verify_aggregate(ciphertext, self.seeds[r], parts, msg.plain_fold):
                 return (f"{FINGERPRINT_MISMATCH} under round {r}'s challenge (forged, altered or from "

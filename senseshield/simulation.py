@@ -31,7 +31,7 @@ from senseshield.results import (
     RunResult,
     SimulationResult,
     privacy_fields,
-    weighted_accuracy,
+    weighted_metrics,
 )
 from senseshield.engine.work import full_steps
 from senseshield.rounds import (
@@ -52,7 +52,7 @@ from senseshield.device_noise import SECRET, DeviceNoise
 from senseshield.he.base import round_context
 from senseshield.runtime.identity import Identity
 from senseshield.strategies import BootstrapReport, ClientContext, FleetPlan, Strategy, build_strategy
-from senseshield.training import evaluate, layout_of, set_vector
+from senseshield.training import evaluate_model, layout_of, set_vector
 
 Progress = Callable[[str, int, int], None]
 
@@ -125,6 +125,9 @@ def run_simulation(
         input_shape, num_classes = job_shape(config)
         clients = [_Client(**vars(s)) for s in device_shards(config, devices)]
     else:
+        if config.task != "classification":
+            raise ConfigError(f"task={config.task!r} needs each device's data (devices=, --data); the built-in "
+                              f"dataset {config.dataset!r} is for classification.")
         dataset = load_dataset(config.dataset, seed=config.seed)
         input_shape, num_classes = dataset.input_shape, dataset.num_classes
         if config.input_shape is not None and tuple(config.input_shape) != tuple(input_shape):
@@ -158,7 +161,9 @@ def run_simulation(
     train = train_config(config)
 
     rounds: list[RoundRecord] = []
-    accuracies: dict[str, float] = {}
+    evaluations: dict[str, dict[str, float]] = {}  # each client's latest metrics
+    trained: dict[str, dict[str, float]] = {}  # each client's latest training metrics
+    metric_name = train.metric_name
     recorder = Trace(dict(plan.cluster_of), dict(plan.budget_of)) if trace else None
     for r in range(1, config.rounds + 1):
         t_round = time.perf_counter()
@@ -198,6 +203,8 @@ def run_simulation(
                 )
                 for c in members
             }
+            for cid, update in local.items():
+                trained[cid] = {f"training_{name}": v for name, v in update.metrics.items()}
             shared = plan.fixed_masks.get(k)
             if strategy.negotiates:
                 t = time.perf_counter()
@@ -252,13 +259,15 @@ def run_simulation(
         t = time.perf_counter()
         for client in clients:
             set_vector(model, merge_personal(globals_[plan.cluster_of[client.id]], client.state))
-            accuracies[client.id] = evaluate(model, client.data.x_test, client.data.y_test)
+            evaluations[client.id] = {**evaluate_model(model, client.data.x_test, client.data.y_test, train, round=r),
+                                      **trained.get(client.id, {})}
         tally.phases["evaluate"] += time.perf_counter() - t
         rounds.append(
             tally.record(
                 r,
                 strategy,
-                accuracy=weighted_accuracy([(accuracies[c.id], len(c.data.y_test)) for c in clients]),
+                metric_name=metric_name,
+                metrics=weighted_metrics([(evaluations[c.id], len(c.data.y_test)) for c in clients]),
                 seconds=time.perf_counter() - t_round,
                 participants=len(sampled),
                 sample_rate=o.sample_rate,
@@ -290,6 +299,8 @@ def run_simulation(
         cluster_ari=ari,
         clustering_epsilon=config.options.cluster_epsilon if strategy.clusters_clients else None,
         final_accuracy=rounds[-1].accuracy,
+        metric_name=metric_name,
+        final_metric=rounds[-1].metric,
         seconds_total=time.perf_counter() - started,
         rounds=rounds,
         clients=[
@@ -299,7 +310,9 @@ def run_simulation(
                 category=c.category,
                 encryption_budget=plan.budget_of[c.id],
                 he_ratio=float(np.mean(c.he_ratios)) if c.he_ratios else 0.0,
-                accuracy=accuracies[c.id],
+                accuracy=evaluations[c.id].get(metric_name, 0.0) if metric_name == "accuracy" else None,
+                metric=evaluations[c.id].get(metric_name),
+                metrics=evaluations[c.id],
                 n_train=c.data.n_train,
                 n_test=len(c.data.y_test),
                 bandwidth=c.bandwidth,

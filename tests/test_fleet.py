@@ -202,6 +202,26 @@ def test_faults_are_rejected_and_a_killed_agent_does_not_delay_its_round(mosquit
     assert "intruder" not in report["refused"] and not notices
 
 
+def test_an_agent_whose_training_raises_is_not_waited_for(mosquitto, tmp_path):
+    """c002's training raises in round 2 (fault drill): it tells the coordinator
+    (``agents/<id>/failure``), which closes round 2 without it at once instead of waiting for
+    the deadline (600 s here: the run could not end within the wait's timeout otherwise);
+    the agent stays in the job and contributes again in round 3. A crashed agent (SIGKILL
+    mid-round) is seen by its last will: test_faults_are_rejected_and_a_killed_agent_does_not_delay_its_round."""
+    config = Job(strategy="plaintext", model="linear", clients=3, rounds=3)
+    options = FleetOptions(agents=3, out=tmp_path, broker=mosquitto.url, fleet="fails", round_deadline=600,
+                           min_contributors=1, extra_agent_args={"c002": ["--fail-at-round", "2"]})
+    with Fleet(config, options) as fleet:
+        fleet.start()
+        report = fleet.wait(timeout=240)
+    assert [(s["round"], s["missing"]) for s in report["straggling_events"] if s["agent"] == "c002"] == [(2, "failed")]
+    assert [r["participants"] for r in report["rounds"]] == [3, 2, 3]
+    assert "round 2 cluster 0: closed without c002 (failed)" in report["rounds"][1]["notes"]
+    log = (tmp_path / "logs" / "coordinator.log").read_text()
+    assert "agent c002 failed its round: round 2 failed on this device: RuntimeError: fault drill: training raised in round 2" in log
+    assert fleet.exit_codes["c002"] == 0
+
+
 def test_a_broker_restart_mid_run_is_survived(mosquitto, tmp_path):
     config = Job(strategy="plaintext", model="linear", clients=3, rounds=4)
     options = FleetOptions(agents=3, out=tmp_path, broker=mosquitto.url, fleet="restart", round_deadline=60,

@@ -419,7 +419,7 @@ def test_the_fuzzers_descriptor_and_nan_frames_reach_the_checks_they_exercise():
     signer = Identity.generate("c000")
     material = [
         ("agents/c000/hello", Hello(run_id="r", agent_id="c000", n_samples=10, bandwidth=5.0, cpu_speed=2.0)),
-        ("agents/c000/metrics", Metrics(cluster=0, accuracy=0.5, n_test=10)),
+        ("agents/c000/metrics", Metrics(cluster=0, metric=0.5, n_test=10)),
         ("agents/c000/inbox", Assignment(cluster=0, encryption_budget=0.25)),
         ("agents/c000/inbox", RoundPlan(cluster=0, encryption_budget=0.2, deadline=1e9, block_size=1, size=9,
                                         shared_mask=np.zeros(0, np.uint8))),
@@ -494,7 +494,7 @@ def test_bad_updates_forged_configs_metrics_and_chunk_floods_stop_nothing(mosqui
                             "sha256": "0" * 64},
                     sections={"data": bytes(500_000)}))
         wait_for(lambda: any(f.sender == "c000" and f.round == 1 for _, _, f in wire.frames.get("metrics", [])))
-        forged = Metrics(cluster=0, accuracy=0.5, n_test=1)
+        forged = Metrics(cluster=0, metric=0.5, n_test=1)
         c000 = SIGNERS["c000"]
         wire.publish("agents/c000/metrics", to_frame(forged, fleet=fleet_name, sender="c000", round=1, signer=c000))  # reported
         wire.publish("agents/c000/metrics", to_frame(forged, fleet=fleet_name, sender="c000", round=99, signer=c000))  # future

@@ -209,8 +209,7 @@ def simulate(
 
         try:
             shape, classes = job_shape(config)
-            devices = [load_local_data(f, input_shape=shape, num_classes=classes, test_fraction=config.test_fraction,
-                                       seed=config.seed) for f in files]
+            devices = [load_local_data(f, config, input_shape=shape, num_classes=classes) for f in files]
         except ConfigError as exc:
             _fail(str(exc))
     with progress_bar(quiet) as bar:
@@ -229,14 +228,17 @@ def simulate(
 
 
 def _print_summary(result) -> None:  # type: ignore[no-untyped-def]
+    from senseshield.results import metric_line, privacy_line
+
     scheme = escape(f" [{result.scheme}]") if result.scheme else ""
     table = Table(title=f"{result.strategy}{scheme} on {result.dataset}/{result.model}, {result.partition}")
-    for col in ("round", "accuracy", "HE ratio", "union ratio", "MB up", "MB down", "seconds"):
+    for col in ("round", result.metric_name, "HE ratio", "union ratio", "MB up", "MB down", "seconds"):
         table.add_column(col, justify="right")
     for r in result.rounds:
+        value = r.metric if r.metric is not None else r.accuracy
         table.add_row(
             str(r.round),
-            f"{r.accuracy:.3f}",
+            f"{value:.4g}" if value is not None else "-",
             f"{r.he_ratio_mean:.3f}",
             f"{r.union_ratio_mean:.3f}",
             f"{r.bytes_up / 1e6:.2f}",
@@ -253,11 +255,9 @@ def _print_summary(result) -> None:  # type: ignore[no-untyped-def]
         )
     ari = f", ARI vs planted categories {result.cluster_ari:.2f}" if result.cluster_ari is not None else ""
     out.print(
-        f"final accuracy {result.final_accuracy:.3f}; {result.num_clusters} cluster(s){ari}; "
+        f"{metric_line(result.model_dump())}; {result.num_clusters} cluster(s){ari}; "
         f"{result.num_params} parameters; {result.seconds_total:.1f} s"
     )
-    from senseshield.results import privacy_line
-
     privacy = privacy_line(result.model_dump())
     if privacy is not None:
         out.print(escape(privacy))

@@ -176,10 +176,19 @@ class Fleet:
             *_python("edge_agent.cli"), "join", *self.common, "--agent-id", agent, "--profile", str(self.profiles[i]),
             *source, "--threads", str(self.threads), *([] if self.options.serve else ["--once"]),
             *([] if self.options.noise_seed is None else ["--dev-noise-seed", str(self.options.noise_seed)]),
+            # the operator's one job on its own agents: a plaintext run (a trial's baseline) is
+            # taken despite the profiles' floors (a long-running fleet's agents still decline)
+            *(["--allow-plaintext"] if not self.options.serve and self._plaintext_job() else []),
             "--model-dir", str(self.out / "agents" / agent), "--identity", str(self.identity_file(agent)),
             *self.options.extra_agent_args.get(agent, []),
         ])
         return agent
+
+    def _plaintext_job(self) -> bool:
+        from senseshield.job import effective_scheme
+        from senseshield.strategies import build_strategy
+
+        return effective_scheme(self.config, build_strategy(self.config.strategy, self.config.options)) is None
 
     def identity_file(self, name: str) -> Path:
         return self.out / "identities" / f"{name}.key"
@@ -365,6 +374,12 @@ class Fleet:
         self.processes[name].kill()
 
 
+def data_label(files: list) -> str:
+    """How a run on per-device files is titled: ``a.csv, b.csv`` (or ``a.csv ... f.csv (6 files)``)."""
+    names = [Path(f).name for f in files]
+    return ", ".join(names) if len(names) <= 3 else f"{names[0]} ... {names[-1]} ({len(names)} files)"
+
+
 def fleet_up(config: Job, options: FleetOptions, progress: Progress | None = None,
              timeout: float | None = None) -> dict:
     """Start a local fleet, run ``config`` on it, stop it; returns the report."""
@@ -372,5 +387,7 @@ def fleet_up(config: Job, options: FleetOptions, progress: Progress | None = Non
         fleet.start()
         report = fleet.wait(timeout)
     report["exit_codes"] = fleet.stop()
+    if options.data and all(d is not None for d in options.data):  # the devices' own data, not the job's dataset
+        report["dataset"], report["partition"] = data_label(options.data), "devices"
     write_atomic(Path(options.out) / "report.json", json.dumps(report, indent=2))
     return report

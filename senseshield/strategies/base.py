@@ -507,7 +507,7 @@ class Strategy(ABC):
         """The positions of this round's update that the client encrypts."""
 
 
-STRATEGIES: Registry[type[Strategy]] = Registry("strategy")
+STRATEGIES: Registry[type[Strategy]] = Registry("strategy", group="senseshield.strategies")
 
 
 def _budgets(reports: Sequence[BootstrapReport]) -> dict[str, float]:

@@ -185,9 +185,16 @@ class FleetConfig(Message):
     run_id: str
     config: dict[str, Any]
     input_shape: list[int]
-    num_classes: int = Field(ge=2)
+    num_classes: int = Field(ge=1)  # a regression's targets may be 1
     round_deadline: float = Field(gt=0)
     initial: np.ndarray
+
+    @model_validator(mode="after")
+    def _outputs(self) -> "FleetConfig":
+        task = self.config.get("task") or "classification"
+        if task == "classification" and self.num_classes < 2:
+            raise ValueError(f"num_classes {self.num_classes} is below 2, which a classification job needs")
+        return self
 
 
 @message
@@ -267,15 +274,17 @@ class MaskDecision(Message):
 
 @message
 class Metrics(Message):
-    """``agents/<id>/metrics``: after applying a round's model, the agent's test accuracy
-    and its phase timings (seconds) for that round; ``epsilon`` is its DP-SGD accountant's
+    """``agents/<id>/metrics``: after applying a round's model, the agent's value of the job's
+    metric on its test split (``metric``: accuracy, mse, ...; ``metrics``: every evaluation
+    metric and the round's ``training_*`` metrics) and its phase timings (seconds); ``epsilon`` is its DP-SGD accountant's
     RDP figure and ``dp_history`` that accountant's history (noise multiplier, sample rate,
     steps), from which the coordinator computes the run's final figures by PLD too."""
 
     schema_name: ClassVar[str] = "metrics"
-    version: ClassVar[int] = 2
+    version: ClassVar[int] = 3
     cluster: int = Field(ge=0)
-    accuracy: float = Field(ge=0, le=1)
+    metric: float = Field(allow_inf_nan=False)
+    metrics: dict[str, float] = {}
     n_test: int = Field(ge=0)
     timings: dict[str, float] = {}
     epsilon: float | None = None
@@ -306,6 +315,18 @@ class Decline(Message):
     run_id: str
     reason: str = Field(max_length=2000)
     selected: bool = True  # False: the job's selection leaves this device out (not an error)
+
+
+@message
+class RoundFailure(Message):
+    """``agents/<id>/failure``: the agent could not finish round ``round`` of job ``run_id``
+    (its training or another step of the round raised) and says why in one sentence. The
+    coordinator closes the round without it at once, as it does for an agent whose last will
+    fired, instead of waiting for the deadline; the agent stays in the job."""
+
+    schema_name: ClassVar[str] = "failure"
+    run_id: str
+    reason: str = Field(max_length=2000)
 
 
 @message
