@@ -137,3 +137,25 @@ def test_masked_dp_learns_at_a_moderate_epsilon_where_dp_fedavg_does_not():
     assert masked.epsilon == pytest.approx(8.0, abs=0.05) and masked.epsilon_server == masked.epsilon
     assert masked.final_accuracy > 0.5  # chance is 0.1
     assert masked.final_accuracy > fedavg.final_accuracy + 0.2
+
+
+@pytest.mark.slow
+def test_a_fleet_round_with_a_dropout_is_charged_at_the_noise_its_sum_carried(mosquitto, tmp_path):
+    """c002's training raises in round 2 (fault drill), so round 2's sum holds two of the
+    three noise shares: the coordinator charges it at sigma sqrt(2/3), notes it, and the
+    report's epsilons are the accountant's for that history (~35 s, make test-slow)."""
+    from senseshield.accounting import Accountant
+    from senseshield.runtime.fleet import Fleet, FleetOptions
+
+    config = Job(strategy="masked-dp", model="linear", clients=3, rounds=2, options=StrategyOptions(sigma=2.0, clip=0.5))
+    options = FleetOptions(agents=3, out=tmp_path, broker=mosquitto.url, fleet="dropdp", round_deadline=600,
+                           min_contributors=1, extra_agent_args={"c002": ["--fail-at-round", "2"]})
+    with Fleet(config, options) as fleet:
+        fleet.start()
+        report = fleet.wait(timeout=240)
+    assert [r["participants"] for r in report["rounds"]] == [3, 2]
+    assert any("charged at noise multiplier 1.63, not 2" in n for n in report["rounds"][1]["notes"])
+    expected = Accountant([(2.0, 1.0, 1), (2.0 * math.sqrt(2 / 3), 1.0, 1)]).epsilon(DELTA)
+    assert report["epsilon"] == pytest.approx(expected, rel=1e-9)
+    assert report["epsilon_server"] == pytest.approx(expected, rel=1e-9)
+    assert report["epsilon"] > Accountant([(2.0, 1.0, 2)]).epsilon(DELTA)
