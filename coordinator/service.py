@@ -907,8 +907,9 @@ class Coordinator(Service):
         if not 1 <= item.round <= self.round:
             raise ProtocolError(f"Update of {agent_id!r} is for round {item.round}; the current round is {self.round}.")
         hello = self._check_facts(agent_id, "Update", cluster=msg.cluster, size=msg.size)
-        if msg.n_samples != hello.n_samples:
-            raise ProtocolError(f"Update of {agent_id!r} claims {msg.n_samples} samples; it joined with {hello.n_samples}.")
+        if msg.n_samples != self.strategy.sample_weight(hello.n_samples):
+            raise ProtocolError(f"Update of {agent_id!r} weighs {msg.n_samples}; it joined with {hello.n_samples} samples, "
+                                f"which {self.strategy.name} weighs {self.strategy.sample_weight(hello.n_samples)}.")
         update = update_from_message(msg, self.public, client_id=agent_id, round=item.round, size=self.size)
         self._check_receipt(agent_id, item.round, msg)
         cr = self._cluster_round_of(agent_id, item.round, "update")
@@ -1252,7 +1253,12 @@ class Coordinator(Service):
                 if who:
                     tally.notes.append(f"round {r} cluster {k}: closed without {', '.join(sorted(who))} ({why})")
         if self.strategy.user_dp_round(r) and self.sampled:
-            self.user_accountant.step(noise_multiplier=self.sigma_user or 0.0, sample_rate=o.sample_rate)
+            cohorts = [(len(cr.members), len(cr.updates)) for cr in self.clusters.values() if cr.accepted]
+            sigma = self.strategy.release_sigma(self.sigma_user or 0.0, cohorts)
+            if sigma < (self.sigma_user or 0.0):
+                tally.notes.append(f"round {r}: fewer agents contributed than the noise was sized for; the round is "
+                                   f"charged at noise multiplier {sigma:.3g}, not {self.sigma_user:.3g}")
+            self.user_accountant.step(noise_multiplier=sigma, sample_rate=o.sample_rate)
             for a in self.sampled:  # the server knows who was sampled: no amplification against it
                 self.participations[a] = self.participations.get(a, 0) + 1
         spent = self._user_epsilons() if self.strategy.dp_level else None

@@ -120,7 +120,7 @@ def privacy_fields(strategy: Strategy, eps: Epsilons | None) -> dict:
         return {}
     return {"epsilon": eps.observer, "epsilon_server": eps.server, "epsilon_pld": eps.observer_pld,
             "epsilon_server_pld": eps.server_pld, "server_rounds": eps.server_rounds,
-            "accountant": "rdp", "adjacency": ADJACENCY[strategy.dp_level]}
+            "accountant": "rdp", "adjacency": ADJACENCY[strategy.dp_adjacency or strategy.dp_level]}
 
 
 def privacy_line(report: dict) -> str | None:

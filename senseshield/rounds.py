@@ -310,7 +310,8 @@ def protect_local(
     The strategy's :meth:`~Strategy.privatise` adds its client-side DP noise (only on
     values that travel in plaintext), drawn from ``rng``: the device's secret ``protect``
     stream (``DeviceNoise.generator``); None draws from fresh OS entropy.
-    ``choice.withheld`` marks positions never sent.
+    ``choice.withheld`` marks positions never sent. The update's weight is the strategy's
+    :meth:`~Strategy.sample_weight` of ``n_samples`` (FedAvg: n_samples itself).
     ``min_encrypted``: the device's own floor (``--min-he-ratio``); with a scheme that lets
     each client choose its blocks, a mask below it is topped up with the most sensitive
     blocks (:func:`~senseshield.engine.masks.top_up_mask`) and ``choice.info["topped_up"]``
@@ -338,7 +339,7 @@ def protect_local(
         client_id=context.client_id,
         round=context.round,
         cluster=context.cluster,
-        n_samples=n_samples,
+        n_samples=strategy.sample_weight(n_samples),
         withheld=choice.withheld,
     )
     update.timings.update(local.timings)

@@ -170,6 +170,7 @@ def run_simulation(
         tally = RoundTally()
         round_masks: dict[str, str] = {}
         round_models: dict[int, np.ndarray] = {}
+        cohorts: list[tuple[int, int]] = []  # (planned, contributors) of each cluster's aggregate
         sampled = (
             {c.id for c in clients}
             if o.sample_rate >= 1.0
@@ -238,6 +239,7 @@ def run_simulation(
                     aggregate.ciphertext, [(boxes[c].box_key, weights[c]) for c in aggregate.contributors],
                     round_context("simulation", "", r, k))
             mean = decrypt_aggregate(aggregate, secret_key)
+            cohorts.append((len(members), len(aggregate.contributors)))
             tally.phases["decrypt"] += time.perf_counter() - t
             tally.union_ratios.append(float(aggregate.union_mask.mean()))
             tally.add_sealed(r, k, aggregate_sealed(aggregate, public_key), config.options.min_encryptors)
@@ -249,7 +251,8 @@ def run_simulation(
         if recorder is not None:
             recorder.record_round(r, round_masks, round_models)
         if strategy.user_dp_round(r) and sampled:
-            user_accountant.step(noise_multiplier=sigma_user or 0.0, sample_rate=o.sample_rate)
+            user_accountant.step(noise_multiplier=strategy.release_sigma(sigma_user or 0.0, cohorts),
+                                 sample_rate=o.sample_rate)
             for cid in sampled:
                 participations[cid] = participations.get(cid, 0) + 1
         spent = _epsilons(strategy, user_accountant, participations, clients, o.delta)

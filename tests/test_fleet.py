@@ -71,8 +71,12 @@ class Capture:
         # per-value Paillier (~45 s): the fuzz test runs it by default, this one with make test-slow
         pytest.param("paillier-full", "linear", "iid", {"key_bits": 1024}, marks=pytest.mark.slow),
         ("sensecrypt", "mlp", "categories:2", {"key_bits": 1024}),
-        # every parameter masked through the key server (issue 22): exact, so bit for bit
-        ("masked", "mlp", "categories:2", {}),
+        # every parameter masked through the key server (issue 22): exact, so bit for bit (~45 s;
+        # masked-dp below runs the same pads, sums and unmasking by default; make test-slow)
+        pytest.param("masked", "mlp", "categories:2", {}, marks=pytest.mark.slow),
+        # distributed DP on the masked sums (issue 22 item 7): each agent's noise share is secret
+        # on devices, so both replay one test-only noise seed (development mode); equal weights
+        ("masked-dp", "mlp", "categories:2", {"options": StrategyOptions(sigma=0.5, clip=0.5), "noise_seed": 7}),
         # the issue-16 hybrid: its plaintext noise is secret on devices, so both replay one
         # test-only noise seed (development mode) to compare bit for bit (make test-slow)
         pytest.param("sensecrypt", "mlp", "categories:2",
@@ -99,6 +103,8 @@ def test_fleet_ends_with_the_simulators_model(mosquitto, tmp_path, strategy, mod
         assert np.array_equal(fleet_models[k], weights), f"cluster {k}: the key server's float64 model differs"
     assert [r["accuracy"] for r in report["rounds"]] == pytest.approx([r.accuracy for r in sim.rounds], abs=1e-9)
     assert [c["cluster"] for c in report["clients"]] == [c.cluster for c in sim.clients]
+    # the same privacy figures (None without DP)
+    assert (report.get("epsilon"), report.get("epsilon_server")) == (sim.epsilon, sim.epsilon_server)
     assert report["exit_codes"] == {name: 0 for name in report["exit_codes"]}
     # the run's key is named in the report and in every agent's log (issue 25's small traps)
     if strategy != "plaintext":
