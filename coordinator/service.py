@@ -908,7 +908,7 @@ class Coordinator(Service):
             raise ProtocolError(f"Update of {agent_id!r} is for round {item.round}; the current round is {self.round}.")
         hello = self._check_facts(agent_id, "Update", cluster=msg.cluster, size=msg.size)
         if msg.n_samples != self.strategy.sample_weight(hello.n_samples):
-            raise ProtocolError(f"Update of {agent_id!r} weighs {msg.n_samples}; it joined with {hello.n_samples} samples, "
+            raise ProtocolError(f"Update of {agent_id!r} claims {msg.n_samples} samples; it joined with {hello.n_samples}, "
                                 f"which {self.strategy.name} weighs {self.strategy.sample_weight(hello.n_samples)}.")
         update = update_from_message(msg, self.public, client_id=agent_id, round=item.round, size=self.size)
         self._check_receipt(agent_id, item.round, msg)
