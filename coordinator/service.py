@@ -23,7 +23,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -67,6 +67,7 @@ from senseshield.runtime.files import npy_bytes, write_atomic
 from senseshield.runtime.identity import Identity, Trust, check_frame
 from senseshield.runtime.protocol.envelope import decode_frame
 from senseshield.runtime.service import Inbound, Service, Stopped, check_sender, writable_dir
+from coordinator.checkpoint import Checkpoint, RunState
 from coordinator.contributions import Contributions, aggregate_of
 from coordinator.jobs import OPEN, JobBook, JobRecord
 from coordinator.metrics import METRICS_PORT_ENV, CoordinatorMetrics  # noqa: F401 (re-exported)
@@ -220,6 +221,7 @@ class Coordinator(Service):
         self.deadline_override = round_deadline
         self.progress = progress
         self.kill_before_close = kill_before_close  # fault drill: SIGKILL itself before closing this round
+        self.checkpoints = Checkpoint.of_fleet(self.state_dir, fleet, log)
         self.book = JobBook(self.state_dir / f"jobs-{fleet}.json" if self.state_dir is not None else None)
         self.job: JobRecord | None = None
         self.cancelled: set[str] = set()
@@ -1372,76 +1374,46 @@ class Coordinator(Service):
             return
         write_atomic(self.job_out / "models" / f"round-{r}" / f"cluster-{k}.npy", npy_bytes(weights.astype(np.float64)))
 
-    # ---- checkpoint ---------------------------------------------------------------------
+    # ---- checkpoint (coordinator.checkpoint) --------------------------------------------
     def _state_file(self) -> Path | None:
-        return None if self.state_dir is None else self.state_dir / f"coordinator-{self.fleet}.json"
+        return self.checkpoints.path
 
     def _checkpoint(self) -> None:
-        path = self._state_file()
-        if path is None or self.plan is None:
+        if self.checkpoints.path is None or self.plan is None:
             return
-        state = {
-            "run_id": self.run_id,
-            "config": self.config.model_dump(mode="json"),
-            "completed": self.completed,
-            "cluster_of": self.plan.cluster_of,
-            "budget_of": self.plan.budget_of,
-            "budget_notes": self.plan.budget_notes,
-            "uplink_delays": self.uplink_delays,
-            "fixed_masks": {str(k): np.flatnonzero(m).tolist() for k, m in self.plan.fixed_masks.items()},
-            "model_round": {str(k): r for k, r in self.model_round.items()},
-            "sigma_user": self.sigma_user,
-            "sigma_record": self.sigma_record,
-            "hellos": {a: i.hello.model_dump(mode="json") for a, i in self.agents.items()},
-            "sampler": self.sampler.bit_generator.state,
-            "accountant": self.user_accountant.history,
-            "participations": self.participations,
-            "records": [{**rec, "tally": asdict(rec["tally"])} for rec in self.records],
-            "metrics": [[a, r, m.model_dump(mode="json")] for (a, r), m in self.metrics.items()],
-            "agent_rounds": self.agent_rounds,
-            "straggling": self.straggling,
-            "refused": self.refused,
-            "declined": self.declined,
-            "admitted": self.admitted,
-            "active": sorted(self.active),
-            "bootstrap_seconds": self.bootstrap_seconds,
-            "in_flight": self.in_flight,
-        }
-        write_atomic(path, json.dumps(state))
+        self.checkpoints.save(RunState(
+            run_id=self.run_id, config=self.config.model_dump(mode="json"), completed=self.completed,
+            plan=self.plan, hellos={a: i.hello for a, i in self.agents.items()},
+            sampler=self.sampler.bit_generator.state, accountant=self.user_accountant.history,
+            model_round=self.model_round, sigma_user=self.sigma_user, sigma_record=self.sigma_record,
+            uplink_delays=self.uplink_delays, participations=self.participations, records=self.records,
+            metrics=self.metrics, agent_rounds=self.agent_rounds, straggling=self.straggling,
+            refused=self.refused, declined=self.declined, admitted=self.admitted, active=self.active,
+            bootstrap_seconds=self.bootstrap_seconds, in_flight=self.in_flight,
+        ))
 
     def _resume(self) -> None:
-        path = self._state_file()
-        if path is None or not path.exists():
+        state = self.checkpoints.load(self.run_id, self.config.model_dump(mode="json"), self.size)
+        if state is None:
             return
-        state = json.loads(path.read_text())
-        if state["run_id"] != self.run_id:
-            return  # the checkpoint of another job
-        if state["config"] != self.config.model_dump(mode="json"):
-            self.log.warning("state in %s is for another configuration of job %s; starting it anew", path, self.run_id)
-            return
-        self.completed = self.round = int(state["completed"])
-        fixed = {}
-        for k, idx in state["fixed_masks"].items():
-            m = np.zeros(self.size, dtype=bool)
-            m[idx] = True
-            fixed[int(k)] = m
-        self.plan = FleetPlan(state["cluster_of"], state["budget_of"], fixed, state.get("budget_notes", {}))
-        self.uplink_delays = state.get("uplink_delays", {})
-        self.model_round = {int(k): r for k, r in state["model_round"].items()}
-        self.sigma_user, self.sigma_record = state["sigma_user"], state["sigma_record"]
-        self.agents = {a: AgentInfo(Hello(**h)) for a, h in state["hellos"].items()}
-        self.sampler.bit_generator.state = state["sampler"]
-        self.user_accountant = Accountant([tuple(h) for h in state["accountant"]])
-        self.participations = dict(state.get("participations", {}))
-        self.records = [{**rec, "tally": RoundTally(**rec["tally"])} for rec in state["records"]]
-        self.metrics = {(a, int(r)): Metrics(**m) for a, r, m in state["metrics"]}
-        self.agent_rounds = {a: {int(r): v for r, v in rounds.items()} for a, rounds in state["agent_rounds"].items()}
-        self.straggling, self.refused = state["straggling"], state["refused"]
-        self.declined = state.get("declined", {})
-        self.admitted = state.get("admitted", {})
-        self.active = set(state.get("active", []))
-        self.bootstrap_seconds = state["bootstrap_seconds"]
-        flight = state.get("in_flight")
+        self.completed = self.round = state.completed
+        self.plan = state.plan
+        self.uplink_delays = state.uplink_delays
+        self.model_round = state.model_round
+        self.sigma_user, self.sigma_record = state.sigma_user, state.sigma_record
+        self.agents = {a: AgentInfo(h) for a, h in state.hellos.items()}
+        self.sampler.bit_generator.state = state.sampler
+        self.user_accountant = Accountant(state.accountant)
+        self.participations = state.participations
+        self.records = state.records
+        self.metrics = state.metrics
+        self.agent_rounds = state.agent_rounds
+        self.straggling, self.refused = state.straggling, state.refused
+        self.declined = state.declined
+        self.admitted = state.admitted
+        self.active = state.active
+        self.bootstrap_seconds = state.bootstrap_seconds
+        flight = state.in_flight
         if flight and flight.get("round") == self.completed + 1:  # the round in flight when it stopped
             self.in_flight = {**flight, "restarted_at": time.time()}
         self.log.info("resuming run %s after round %d", self.run_id, self.completed)
@@ -1567,9 +1539,7 @@ class Coordinator(Service):
         self.job = None
 
     def _clear_checkpoint(self) -> None:
-        path = self._state_file()
-        if path is not None and path.exists():
-            path.unlink()
+        self.checkpoints.clear()
 
     def _wait_final_metrics(self, timeout: float = 30.0) -> None:
         """Give agents a moment to report their accuracy on the final models."""
