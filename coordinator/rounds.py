@@ -17,6 +17,7 @@ from coordinator.roster import AgentInfo
 from senseshield.determinism import mask_digest
 from senseshield.engine.aggregation import StreamingAggregate
 from senseshield.errors import ProtocolError
+from senseshield.results import RoundTally
 from senseshield.runtime.identity import Trust, check_frame
 from senseshield.runtime.protocol.envelope import decode_frame
 from senseshield.runtime.protocol.messages import Hello, Receipt, from_frame
@@ -34,6 +35,11 @@ class UpdateNote:
     report: dict
     mask_sha256: str
     receipt: bytes
+
+    def facts(self) -> dict:
+        """What the agent's round record keeps of the update."""
+        return {"he_ratio": self.he_ratio, "bytes_up": self.nbytes, "mask_sha256": self.mask_sha256,
+                "agent_timings": dict(self.timings)}
 
 
 @dataclass
@@ -63,6 +69,14 @@ class ClusterRound:
     # devices whose update the key server found at fault (agent -> why)
     book: Contributions = field(default_factory=Contributions)
     refused: dict[str, str] = field(default_factory=dict)
+    union_ratio: float | None = None  # of the aggregate sent (the share of encrypted positions)
+    sealed: dict | None = None  # positions left sealed (too few encryptors), engine.aggregation.aggregate_sealed
+
+    def record(self) -> dict:
+        """The cluster's part of the round's record (report.json ``server[].clusters``)."""
+        return {"members": self.members, "updates": sorted(self.updates), "straggled": self.straggled,
+                "accepted": self.accepted, "reason": self.reason, "refused": self.refused,
+                "timings": self.timings, "timestamps": self.timestamps}
 
 
 def note_of(update, nbytes: int, report: dict, receipt: bytes) -> UpdateNote:  # noqa: ANN001 - a ProtectedUpdate
@@ -115,3 +129,38 @@ def floor_refusal(strategy: Strategy, budget: float, he_ratio: float, *, agent_i
         return None
     return (f"round {r}: update of {agent_id!r} encrypts {he_ratio:.4f} of the parameters, below the "
             f"{floor:.4f} its encryption budget {budget:.4f} requires; refused")
+
+
+def round_tally(r: int, clusters: dict[int, ClusterRound], *, work: dict[str, dict], plan: FleetPlan,
+                model_bytes: int, min_encryptors: int, notes: list[str] = ()) -> RoundTally:
+    """What round ``r`` adds up to once every cluster's round is done: the devices' planned
+    ``work`` (agent -> its round record: steps, full_steps, budget), each folded update, the
+    server's aggregate and decrypt seconds, the union and sealed positions, the models sent
+    (``model_bytes`` to every member of an accepted cluster), and the notes (``notes`` first,
+    then per cluster: model unchanged, refused updates, who it closed without and why)."""
+    tally = RoundTally()
+    tally.notes.extend(notes)
+    for a, planned in work.items():
+        if "full_steps" in planned:
+            tally.add_work(a, steps=planned["steps"], full_steps=planned["full_steps"], budget=planned["budget"])
+    for k, cr in sorted(clusters.items()):
+        for a in sorted(cr.updates):
+            note = cr.updates[a]
+            tally.add_update(a, note.timings, note.he_ratio, note.nbytes, note.report)
+        tally.phases["aggregate"] += cr.timings.get("aggregate", 0.0)
+        tally.phases["decrypt"] += cr.timings.get("decrypt", 0.0)
+        if cr.union_ratio is not None:
+            tally.union_ratios.append(cr.union_ratio)
+            tally.add_sealed(r, k, cr.sealed, min_encryptors)
+        if cr.accepted:
+            tally.bytes_down += len(plan.members(k)) * model_bytes
+        else:
+            tally.notes.append(f"round {r} cluster {k}: model unchanged ({cr.reason})")
+        for a, why in sorted(cr.refused.items()):
+            tally.notes.append(f"round {r} cluster {k}: refused the update of {a} ({why})")
+        for why, who in (("offline", [a for a in cr.straggled if a in cr.offline]),
+                         ("failed", [a for a in cr.straggled if a not in cr.offline and a in cr.failed]),
+                         ("deadline", [a for a in cr.straggled if a not in cr.offline and a not in cr.failed])):
+            if who:
+                tally.notes.append(f"round {r} cluster {k}: closed without {', '.join(sorted(who))} ({why})")
+    return tally

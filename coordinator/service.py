@@ -68,13 +68,15 @@ from coordinator.report import (  # noqa: F401 (FleetReport re-exported)
     FleetReport, RunView, agent_round_records, clock_offset, round_line, user_epsilons,
 )
 from coordinator.contributions import aggregate_of
-from coordinator.rounds import ClusterRound, UpdateNote, check_facts, check_receipt, floor_refusal, note_of
+from coordinator.rounds import (
+    ClusterRound, UpdateNote, check_facts, check_receipt, floor_refusal, note_of, round_tally,
+)
 from coordinator.jobs import OPEN, JobBook, JobRecord
 from coordinator.metrics import METRICS_PORT_ENV, CoordinatorMetrics  # noqa: F401 (re-exported)
 from senseshield.job import (
     Job, check_job, effective_scheme, initial_model, job_from_dict, job_shape, noise_multipliers, train_config,
 )
-from senseshield.results import RoundRecord, RoundTally, metric_line
+from senseshield.results import RoundRecord, metric_line
 from senseshield.strategies import BootstrapReport, FleetPlan
 from senseshield.strategies.base import RoundCosts, measured_intervals
 from senseshield.engine.work import full_steps, recent_median
@@ -870,8 +872,8 @@ class Coordinator(Service):
         receipts = [cr.updates[a].receipt for a in sorted(cr.updates)]
         request = aggregate_to_message(aggregate, self.public, run_id=self.run_id, receipts=receipts)
         cr.timings["aggregate"] = cr.timings.get("aggregate", 0.0) + time.perf_counter() - t
-        cr.union_ratio = float(aggregate.union_mask.mean())  # type: ignore[attr-defined]
-        cr.sealed = aggregate_sealed(aggregate, self.public)  # type: ignore[attr-defined]
+        cr.union_ratio = float(aggregate.union_mask.mean())
+        cr.sealed = aggregate_sealed(aggregate, self.public)
         cr.request = self.frame(request, round=self.round)
         cr.requested_at = time.time()
         cr.timestamps["requested_at"] = cr.requested_at
@@ -1017,35 +1019,12 @@ class Coordinator(Service):
             self.log.warning("fault drill: killing myself (SIGKILL) before closing round %d", r)
             os.kill(os.getpid(), signal.SIGKILL)
         o = self.config.options
-        tally = RoundTally()
-        tally.notes.extend(self.offline_notes)
-        for a in sorted(self.sampled):
-            planned = self.agent_rounds.get(a, {}).get(r, {})
-            if "full_steps" in planned:
-                tally.add_work(a, steps=planned["steps"], full_steps=planned["full_steps"], budget=planned["budget"])
-        for k, cr in sorted(self.clusters.items()):
-            for a in sorted(cr.updates):
-                note = cr.updates[a]
-                tally.add_update(a, note.timings, note.he_ratio, note.nbytes, note.report)
-                self.agent_rounds[a][r].update({"he_ratio": note.he_ratio, "bytes_up": note.nbytes,
-                                                "mask_sha256": note.mask_sha256,
-                                                "agent_timings": dict(note.timings)})
-            tally.phases["aggregate"] += cr.timings.get("aggregate", 0.0)
-            tally.phases["decrypt"] += cr.timings.get("decrypt", 0.0)
-            if hasattr(cr, "union_ratio"):
-                tally.union_ratios.append(cr.union_ratio)  # type: ignore[attr-defined]
-                tally.add_sealed(r, k, getattr(cr, "sealed", None), o.min_encryptors)
-            if cr.accepted:
-                tally.bytes_down += len(self.plan.members(k)) * getattr(self, "model_bytes", self.size * 4)  # type: ignore[union-attr]
-            else:
-                tally.notes.append(f"round {r} cluster {k}: model unchanged ({cr.reason})")
-            for a, why in sorted(cr.refused.items()):
-                tally.notes.append(f"round {r} cluster {k}: refused the update of {a} ({why})")
-            for why, who in (("offline", [a for a in cr.straggled if a in cr.offline]),
-                             ("failed", [a for a in cr.straggled if a not in cr.offline and a in cr.failed]),
-                             ("deadline", [a for a in cr.straggled if a not in cr.offline and a not in cr.failed])):
-                if who:
-                    tally.notes.append(f"round {r} cluster {k}: closed without {', '.join(sorted(who))} ({why})")
+        tally = round_tally(r, self.clusters, work={a: self.agent_rounds.get(a, {}).get(r, {}) for a in sorted(self.sampled)},
+                            plan=self.plan, model_bytes=getattr(self, "model_bytes", self.size * 4),
+                            min_encryptors=o.min_encryptors, notes=self.offline_notes)
+        for cr in self.clusters.values():
+            for a, note in cr.updates.items():
+                self.agent_rounds[a][r].update(note.facts())
         if self.strategy.user_dp_round(r) and self.sampled:
             self.user_accountant.step(noise_multiplier=self.sigma_user or 0.0, sample_rate=o.sample_rate)
             for a in self.sampled:  # the server knows who was sampled: no amplification against it
@@ -1064,11 +1043,7 @@ class Coordinator(Service):
             "user_epsilon_server": spent.server if spent else None,
             "started_at": self.round_started,
             "finished_at": time.time(),
-            "clusters": {k: {"members": cr.members, "updates": sorted(cr.updates), "straggled": cr.straggled,
-                             "accepted": cr.accepted, "reason": cr.reason, "refused": cr.refused,
-                             "timings": cr.timings,
-                             "timestamps": cr.timestamps}
-                         for k, cr in self.clusters.items()},
+            "clusters": {k: cr.record() for k, cr in self.clusters.items()},
         })
         self.completed = r
         resumed = bool((self.in_flight or {}).get("restarted_at"))

@@ -9,7 +9,7 @@ import hashlib
 import pytest
 
 from coordinator.roster import AgentInfo
-from coordinator.rounds import check_facts, check_receipt, floor_refusal
+from coordinator.rounds import ClusterRound, UpdateNote, check_facts, check_receipt, floor_refusal, round_tally
 from senseshield.errors import ProtocolError
 from senseshield.runtime.identity import Identity, Trust
 from senseshield.runtime.protocol.messages import Hello, Receipt, to_frame
@@ -80,3 +80,28 @@ def test_an_update_below_the_budgets_floor_is_refused():
     assert floor_refusal(default, 0.3, 0.0, agent_id="a0", r=1, size=100, block_size=10) is not None
     assert floor_refusal(default, 0.3, 0.1, agent_id="a0", r=1, size=100, block_size=10) is None
     assert floor_refusal(default, 0.0, 0.0, agent_id="a0", r=1, size=100, block_size=10) is None
+
+
+def test_a_rounds_tally_and_notes():
+    note = lambda n: UpdateNote({"train": 1.0}, 0.25, n, {}, "m", b"r")  # noqa: E731
+    plan = FleetPlan({"a0": 0, "a1": 0, "a2": 0, "b0": 1, "b1": 1, "b2": 1}, dict.fromkeys(["a0", "b0"], 0.5))
+    ok = ClusterRound(["a0", "a1", "a2"], 0.0, "done", updates={"a0": note(100), "a1": note(300)},
+                      straggled=["a2"], accepted=True, timings={"aggregate": 0.5, "decrypt": 1.0}, union_ratio=0.5)
+    lost = ClusterRound(["b0", "b1", "b2"], 0.0, "done", updates={"b0": note(50)}, straggled=["b1", "b2"],
+                        offline={"b1"}, failed={"b2": "out of memory"}, accepted=False, reason="key server away",
+                        refused={"b9": "bad fingerprint"}, timings={"aggregate": 0.25})
+    work = {"a0": {"steps": 3, "full_steps": 5, "budget": 0.5}, "a1": {"cluster": 0}}
+    tally = round_tally(4, {1: lost, 0: ok}, work=work, plan=plan, model_bytes=1000, min_encryptors=2,
+                        notes=["round 4: c9 offline, not sampled"])
+    assert tally.bytes_up == 450 and tally.bytes_down == 3000  # the accepted cluster's three members
+    assert tally.work == {"a0": {"steps": 3, "full_steps": 5, "budget": 0.5}}
+    assert tally.phases["aggregate"] == 0.75 and tally.phases["decrypt"] == 1.0 and tally.union_ratios == [0.5]
+    assert tally.notes == [
+        "round 4: c9 offline, not sampled",
+        "round 4 cluster 0: closed without a2 (deadline)",
+        "round 4 cluster 1: model unchanged (key server away)",
+        "round 4 cluster 1: refused the update of b9 (bad fingerprint)",
+        "round 4 cluster 1: closed without b1 (offline)",
+        "round 4 cluster 1: closed without b2 (failed)",
+    ]
+    assert ok.record()["updates"] == ["a0", "a1"] and note(7).facts()["bytes_up"] == 7
