@@ -17,18 +17,15 @@ simulator's result for the same config and seed.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from senseshield.determinism import mask_digest
 from senseshield.engine.aggregation import StreamingAggregate, aggregate_sealed
 from senseshield.errors import ConfigError, ProtocolError
 from senseshield.he import SCHEMES, PublicKey
@@ -44,7 +41,6 @@ from senseshield.runtime.protocol.messages import (
     Assignment,
     BootstrapVector,
     ClusterModel,
-    Receipt,
     RoundOpen,
     FleetConfig,
     Hello,
@@ -56,33 +52,32 @@ from senseshield.runtime.protocol.messages import (
     RoundPlan,
     Status,
     UpdateMessage,
-    from_frame,
     aggregate_to_message,
     pack_mask,
     unpack_mask,
     update_from_message,
 )
-from senseshield.accounting import Accountant, Epsilons, epsilons
+from senseshield.accounting import Accountant, Epsilons
 from senseshield.runtime.files import npy_bytes, write_atomic
-from senseshield.runtime.identity import Identity, Trust, check_frame
+from senseshield.runtime.identity import Identity, Trust
 from senseshield.runtime.jobsig import check_signed_job
-from senseshield.runtime.protocol.envelope import decode_frame
 from senseshield.runtime.service import Inbound, Service, Stopped, check_sender, writable_dir
-from coordinator.contributions import Contributions, aggregate_of
+from coordinator.checkpoint import Checkpoint, RunState
+from coordinator import roster
+from coordinator.roster import AgentInfo
+from coordinator.report import (  # noqa: F401 (FleetReport re-exported)
+    FleetReport, RunView, agent_round_records, clock_offset, round_line, user_epsilons,
+)
+from coordinator.contributions import aggregate_of
+from coordinator.rounds import (
+    ClusterRound, UpdateNote, check_facts, check_receipt, floor_refusal, note_of, round_tally,
+)
 from coordinator.jobs import OPEN, JobBook, JobRecord
+from coordinator.metrics import METRICS_PORT_ENV, CoordinatorMetrics  # noqa: F401 (re-exported)
 from senseshield.job import (
     Job, check_job, effective_scheme, initial_model, job_from_dict, job_shape, noise_multipliers, train_config,
 )
-from senseshield.results import (
-    ClientRecord,
-    RoundRecord,
-    RoundTally,
-    RunResult,
-    metric_line,
-    privacy_fields,
-    weighted_accuracy,
-    weighted_metrics,
-)
+from senseshield.results import RoundRecord, metric_line
 from senseshield.strategies import BootstrapReport, FleetPlan
 from senseshield.strategies.base import RoundCosts, measured_intervals
 from senseshield.engine.work import full_steps, recent_median
@@ -90,168 +85,11 @@ from senseshield.rounds import plan_local_steps
 
 log = logging.getLogger("senseshield.coordinator")
 
-METRICS_PORT_ENV = "SENSESHIELD_METRICS_PORT"
-"""Prometheus port when the constructor's ``metrics_port`` is None (lets launchers such as
-``senseshield trial run --metrics-port`` switch the endpoint on)."""
-
 Progress = Callable[[str, int, int], None]
-
-
-class FleetReport(RunResult):
-    """``DIR/report.json`` of a fleet run: :class:`~senseshield.results.RunResult`'s fields (a contract) plus
-    the fleet's: per-agent, per-round phase seconds, bytes and timestamps (Unix time on the
-    coordinator's clock: agents' own timestamps are shifted by their estimated clock offset,
-    ``agents[].clock_offset_s``), the server's aggregate/decrypt seconds and timestamps per
-    cluster, ``straggling`` figures (per round slowest/fastest/ratio/idle and the median
-    ratio, :func:`senseshield.trials.report.straggling_summary`), ``straggling_events`` (agents a
-    round closed without), how budgets were chosen (``budgets``), refused agents and
-    rejected messages (``rejected_messages``: the latest 1,000 reasons; ``rejected_total``:
-    how many in all)."""
-
-    fleet: str
-    run_id: str
-    key_id: str | None = None  # the key server's key of the run (None: nothing encrypted)
-    input_shape: list[int]
-    num_classes: int
-    round_deadline: float
-    bootstrap_seconds: float
-    agents: list[dict]
-    server: list[dict]
-    straggling: dict = {}
-    straggling_events: list[dict] = []
-    budgets: dict = {}
-    refused: dict[str, str] = {}
-    declined: dict[str, str] = {}  # devices that did not take the job, and why
-    rejected_messages: list[str] = []
-    rejected_total: int = 0
-
-
-class CoordinatorMetrics:
-    """Optional Prometheus endpoint of a live fleet (``prometheus-client``), on ``port``
-    (0: a free port, see :attr:`port`), all interfaces. Its own registry, so several
-    coordinators in one process do not collide. Gauges describe the latest round:
-
-    * ``senseshield_round``, ``senseshield_round_seconds``, ``senseshield_agents_joined``,
-      ``senseshield_agents_online``;
-    * ``senseshield_agent_phase_seconds{agent,phase}`` (train, encrypt, upload, wait, ...),
-      ``senseshield_agent_bytes_up_total{agent}``;
-    * ``senseshield_server_phase_seconds{cluster,phase}`` (aggregate, decrypt);
-    * ``senseshield_straggling_ratio``, ``senseshield_straggling_idle_seconds``,
-      ``senseshield_straggling_median_ratio``, ``senseshield_slowest_agent_seconds{agent}``;
-    * ``senseshield_straggling_events``, ``senseshield_rejected_messages``.
-    """
-
-    def __init__(self, port: int, host: str = "127.0.0.1") -> None:
-        from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
-
-        self.registry = registry = CollectorRegistry()
-        g = lambda name, doc, labels=(): Gauge(name, doc, labels, registry=registry)  # noqa: E731
-        self.round = g("senseshield_round", "Last completed round.")
-        self.round_seconds = g("senseshield_round_seconds", "Seconds of the last completed round.")
-        self.joined = g("senseshield_agents_joined", "Agents that said hello in this run.")
-        self.online = g("senseshield_agents_online", "Agents online (last will not fired).")
-        self.phase = g("senseshield_agent_phase_seconds", "Seconds of an agent's phase in its latest reported round.",
-                       ("agent", "phase"))
-        self.bytes_up = Counter("senseshield_agent_bytes_up", "Bytes of updates an agent delivered.", ("agent",),
-                                registry=registry)
-        self.server = g("senseshield_server_phase_seconds", "Aggregate/decrypt seconds of a cluster, last round.",
-                        ("cluster", "phase"))
-        self.ratio = g("senseshield_straggling_ratio", "Slowest/fastest agent time, latest complete round.")
-        self.idle = g("senseshield_straggling_idle_seconds", "Seconds agents waited for the slowest, latest round.")
-        self.median = g("senseshield_straggling_median_ratio", "Median straggling ratio over the rounds so far.")
-        self.slowest = g("senseshield_slowest_agent_seconds", "Busy seconds of the slowest agent, latest round.",
-                         ("agent",))
-        self.events = g("senseshield_straggling_events", "Agents a round closed without (so far).")
-        self.rejected = g("senseshield_rejected_messages", "Messages rejected so far.")
-        self.server_handle, self.thread = start_http_server(port, addr=host, registry=registry)
-        self.port = self.server_handle.server_port
-
-    def agent_round(self, agent: str, round: int, timings: dict[str, float]) -> None:
-        for name, value in timings.items():
-            if not name.endswith("_at") and not name.startswith("bytes_"):
-                self.phase.labels(agent, name).set(value)
-
-    def round_done(self, r: int, record: dict, bytes_up: dict, events: int, rejected: int, online: int,
-                   joined: int) -> None:
-        self.round.set(r)
-        self.round_seconds.set(record["seconds"])
-        for k, c in record["clusters"].items():
-            for name in ("aggregate", "decrypt"):
-                if name in c["timings"]:
-                    self.server.labels(str(k), name).set(c["timings"][name])
-        for agent, n in bytes_up.items():
-            if n:
-                self.bytes_up.labels(agent).inc(n)
-        self.events.set(events)
-        self.rejected.set(rejected)
-        self.online.set(online)
-        self.joined.set(joined)
-
-    def straggling(self, last: dict, median: float | None) -> None:
-        if last.get("ratio") is not None:
-            self.ratio.set(last["ratio"])
-        self.idle.set(last["idle_s"])
-        self.slowest.clear()
-        self.slowest.labels(last["slowest_agent"]).set(last["slowest_s"])
-        if median is not None:
-            self.median.set(median)
-
-    def close(self) -> None:
-        self.server_handle.shutdown()
-        self.server_handle.server_close()
 
 
 class JobCancelled(Exception):
     """The running job was cancelled (``job cancel``)."""
-
-
-@dataclass
-class AgentInfo:
-    hello: Hello
-    online: bool = True
-    vector: np.ndarray | None = None
-    joined_at: float = field(default_factory=time.time)
-
-
-@dataclass(frozen=True)
-class UpdateNote:
-    """What the coordinator keeps of an update once it is in the running aggregate."""
-
-    timings: dict[str, float]
-    he_ratio: float
-    nbytes: int
-    report: dict
-    mask_sha256: str
-    receipt: bytes
-
-
-@dataclass
-class ClusterRound:
-    """One cluster's part of a round."""
-
-    members: list[str]
-    deadline: float
-    phase: str  # "proposals" | "updates" | "decrypting" | "done"
-    proposals: dict[str, np.ndarray] = field(default_factory=dict)
-    expected: set[str] = field(default_factory=set)  # who must send an update
-    # who sent an update, and what the round's report needs of it (the update itself is
-    # folded into ``running`` on arrival and not kept)
-    updates: dict[str, "UpdateNote"] = field(default_factory=dict)
-    running: StreamingAggregate | None = None
-    straggled: list[str] = field(default_factory=list)
-    offline: set[str] = field(default_factory=set)  # members whose last will fired: not waited for
-    failed: dict[str, str] = field(default_factory=dict)  # members that said their round failed (why): not waited for
-    request: bytes | None = None  # the aggregate frame, kept to re-send (reconnect, key server back)
-    requested_at: float = 0.0
-    sent_at: float = 0.0  # latest (re-)send of the request
-    accepted: bool | None = None
-    reason: str = ""
-    timings: dict[str, float] = field(default_factory=dict)
-    timestamps: dict[str, float] = field(default_factory=dict)  # coordinator clock
-    # the updates, kept until the verdict (to aggregate again without a bad one), and the
-    # devices whose update the key server found at fault (agent -> why)
-    book: Contributions = field(default_factory=Contributions)
-    refused: dict[str, str] = field(default_factory=dict)
 
 
 class Coordinator(Service):
@@ -299,6 +137,7 @@ class Coordinator(Service):
         self.deadline_override = round_deadline
         self.progress = progress
         self.kill_before_close = kill_before_close  # fault drill: SIGKILL itself before closing this round
+        self.checkpoints = Checkpoint.of_fleet(self.state_dir, fleet, log)
         self.book = JobBook(self.state_dir / f"jobs-{fleet}.json" if self.state_dir is not None else None)
         self.job: JobRecord | None = None
         self.cancelled: set[str] = set()
@@ -623,9 +462,7 @@ class Coordinator(Service):
         self._advance()
 
     def _report_of(self, agent_id: str) -> BootstrapReport:
-        info = self.agents[agent_id]
-        return BootstrapReport(agent_id, info.hello.n_samples, info.hello.bandwidth, info.hello.cpu_speed, info.vector,
-                               RoundCosts.from_profile(info.hello.profile), measured_intervals(info.hello.profile))
+        return roster.report_of(self.agents, agent_id)
 
     def _admit(self, agent_id: str) -> None:
         """A device that joined after the bootstrap: once ready (bootstrap vector in), the
@@ -661,12 +498,10 @@ class Coordinator(Service):
         return self.public.block_size if self.public is not None else 1
 
     def _online(self, agent_id: str) -> bool:
-        info = self.agents.get(agent_id)
-        return info is not None and info.online
+        return roster.online(self.agents, agent_id)
 
     def _ready(self, agent_id: str) -> bool:
-        info = self.agents.get(agent_id)
-        return info is not None and (not self.strategy.needs_bootstrap_sensitivity or info.vector is not None)
+        return roster.ready(self.agents, agent_id, needs_vector=self.strategy.needs_bootstrap_sensitivity)
 
     # ---- bootstrap ----------------------------------------------------------------------
     def _bootstrap(self) -> None:
@@ -941,39 +776,24 @@ class Coordinator(Service):
 
     @staticmethod
     def _note(update, item: Inbound, msg: UpdateMessage) -> UpdateNote:  # noqa: ANN001
-        return UpdateNote(dict(update.timings), update.he_ratio, item.nbytes, msg.report,
-                          mask_digest(update.mask, update.withheld), msg.receipt)
+        return note_of(update, item.nbytes, msg.report, msg.receipt)
 
     def _check_receipt(self, agent_id: str, r: int, msg: UpdateMessage) -> None:
         """The update's receipt must be the agent's own signed statement about this update
-        (the key server checks it again, and the fingerprint): one bad receipt would make
-        the whole cluster's aggregate refused."""
-        if not msg.receipt:
-            raise ProtocolError(f"Update of {agent_id!r} carries no signed receipt.")
-        frame = decode_frame(msg.receipt)
-        check_frame(self.trust, frame)
-        receipt = from_frame(frame)
-        if not isinstance(receipt, Receipt) or frame.sender != agent_id or frame.round != r:
-            raise ProtocolError(f"Update of {agent_id!r} carries a receipt of {frame.sender!r} for round {frame.round}.")
-        if (receipt.run_id, receipt.cluster, receipt.n_samples) != (self.run_id, msg.cluster, msg.n_samples):
-            raise ProtocolError(f"Update of {agent_id!r} carries a receipt for another run, cluster or sample count.")
-        if receipt.ciphertext_digest != (hashlib.sha256(msg.ciphertext).hexdigest() if msg.ciphertext else ""):
-            raise ProtocolError(f"Update of {agent_id!r} carries a receipt for another ciphertext.")
-        if bool(receipt.fingerprint) != bool(msg.ciphertext and self.public is not None and self.public.verifiable):
-            raise ProtocolError(f"Update of {agent_id!r} carries a receipt without the fingerprint of its ciphertext.")
+        (coordinator.rounds.check_receipt)."""
+        check_receipt(self.trust, msg.receipt, agent_id=agent_id, r=r, run_id=self.run_id, cluster=msg.cluster,
+                      n_samples=msg.n_samples, ciphertext=msg.ciphertext,
+                      verifiable=self.public is not None and self.public.verifiable)
 
     def _check_floor(self, agent_id: str, r: int, he_ratio: float, cr: ClusterRound) -> None:
-        """An update must encrypt what the device's budget asks for (the strategy's
-        :meth:`~senseshield.strategies.base.Strategy.encryption_floor`): one below it is
-        refused, named in the report's ``refused``, and not waited for; the round goes on."""
+        """An update must encrypt what the device's budget asks for (coordinator.rounds.floor_refusal):
+        one below it is refused, named in the report's ``refused``, and not waited for; the round goes on."""
         if self.public is None or self.plan is None:
             return
-        budget = self.plan.budget_of.get(agent_id, 0.0)
-        floor = self.strategy.encryption_floor(budget, size=self.size, block_size=self.block_size)
-        if he_ratio + 1e-9 >= floor:
+        reason = floor_refusal(self.strategy, self.plan.budget_of.get(agent_id, 0.0), he_ratio, agent_id=agent_id,
+                               r=r, size=self.size, block_size=self.block_size)
+        if reason is None:
             return
-        reason = (f"round {r}: update of {agent_id!r} encrypts {he_ratio:.4f} of the parameters, below the "
-                  f"{floor:.4f} its encryption budget {budget:.4f} requires; refused")
         self.refused[agent_id] = reason
         cr.expected.discard(agent_id)
         self._advance()
@@ -981,13 +801,7 @@ class Coordinator(Service):
 
     def _check_facts(self, agent_id: str, what: str, *, cluster: int, size: int) -> Hello:
         """An agent's message must name its cluster and the model's size; returns its hello."""
-        if self.plan is None or agent_id not in self.plan.cluster_of or agent_id not in self.agents:
-            raise ProtocolError(f"{what} from {agent_id!r}, which is not in this run.")
-        if size != self.size:
-            raise ProtocolError(f"{what} of {agent_id!r} has {size} parameters; the model has {self.size}.")
-        if cluster != self.plan.cluster_of[agent_id]:
-            raise ProtocolError(f"{what} of {agent_id!r} is for cluster {cluster}; it belongs to {self.plan.cluster_of[agent_id]}.")
-        return self.agents[agent_id].hello
+        return check_facts(self.plan, self.agents, self.size, agent_id, what, cluster=cluster, size=size)
 
     def _cluster_round_of(self, agent_id: str, r: int, what: str) -> ClusterRound:
         if self.plan is None or agent_id not in self.plan.cluster_of:
@@ -1076,8 +890,8 @@ class Coordinator(Service):
         receipts = [cr.updates[a].receipt for a in sorted(cr.updates)]
         request = aggregate_to_message(aggregate, self.public, run_id=self.run_id, receipts=receipts)
         cr.timings["aggregate"] = cr.timings.get("aggregate", 0.0) + time.perf_counter() - t
-        cr.union_ratio = float(aggregate.union_mask.mean())  # type: ignore[attr-defined]
-        cr.sealed = aggregate_sealed(aggregate, self.public)  # type: ignore[attr-defined]
+        cr.union_ratio = float(aggregate.union_mask.mean())
+        cr.sealed = aggregate_sealed(aggregate, self.public)
         cr.request = self.frame(request, round=self.round)
         cr.requested_at = time.time()
         cr.timestamps["requested_at"] = cr.requested_at
@@ -1223,35 +1037,12 @@ class Coordinator(Service):
             self.log.warning("fault drill: killing myself (SIGKILL) before closing round %d", r)
             os.kill(os.getpid(), signal.SIGKILL)
         o = self.config.options
-        tally = RoundTally()
-        tally.notes.extend(self.offline_notes)
-        for a in sorted(self.sampled):
-            planned = self.agent_rounds.get(a, {}).get(r, {})
-            if "full_steps" in planned:
-                tally.add_work(a, steps=planned["steps"], full_steps=planned["full_steps"], budget=planned["budget"])
-        for k, cr in sorted(self.clusters.items()):
-            for a in sorted(cr.updates):
-                note = cr.updates[a]
-                tally.add_update(a, note.timings, note.he_ratio, note.nbytes, note.report)
-                self.agent_rounds[a][r].update({"he_ratio": note.he_ratio, "bytes_up": note.nbytes,
-                                                "mask_sha256": note.mask_sha256,
-                                                "agent_timings": dict(note.timings)})
-            tally.phases["aggregate"] += cr.timings.get("aggregate", 0.0)
-            tally.phases["decrypt"] += cr.timings.get("decrypt", 0.0)
-            if hasattr(cr, "union_ratio"):
-                tally.union_ratios.append(cr.union_ratio)  # type: ignore[attr-defined]
-                tally.add_sealed(r, k, getattr(cr, "sealed", None), o.min_encryptors)
-            if cr.accepted:
-                tally.bytes_down += len(self.plan.members(k)) * getattr(self, "model_bytes", self.size * 4)  # type: ignore[union-attr]
-            else:
-                tally.notes.append(f"round {r} cluster {k}: model unchanged ({cr.reason})")
-            for a, why in sorted(cr.refused.items()):
-                tally.notes.append(f"round {r} cluster {k}: refused the update of {a} ({why})")
-            for why, who in (("offline", [a for a in cr.straggled if a in cr.offline]),
-                             ("failed", [a for a in cr.straggled if a not in cr.offline and a in cr.failed]),
-                             ("deadline", [a for a in cr.straggled if a not in cr.offline and a not in cr.failed])):
-                if who:
-                    tally.notes.append(f"round {r} cluster {k}: closed without {', '.join(sorted(who))} ({why})")
+        tally = round_tally(r, self.clusters, work={a: self.agent_rounds.get(a, {}).get(r, {}) for a in sorted(self.sampled)},
+                            plan=self.plan, model_bytes=getattr(self, "model_bytes", self.size * 4),
+                            min_encryptors=o.min_encryptors, notes=self.offline_notes)
+        for cr in self.clusters.values():
+            for a, note in cr.updates.items():
+                self.agent_rounds[a][r].update(note.facts())
         if self.strategy.user_dp_round(r) and self.sampled:
             cohorts = [(len(cr.members), len(cr.updates)) for cr in self.clusters.values() if cr.accepted]
             sigma = self.strategy.release_sigma(self.sigma_user or 0.0, cohorts)
@@ -1275,11 +1066,7 @@ class Coordinator(Service):
             "user_epsilon_server": spent.server if spent else None,
             "started_at": self.round_started,
             "finished_at": time.time(),
-            "clusters": {k: {"members": cr.members, "updates": sorted(cr.updates), "straggled": cr.straggled,
-                             "accepted": cr.accepted, "reason": cr.reason, "refused": cr.refused,
-                             "timings": cr.timings,
-                             "timestamps": cr.timestamps}
-                         for k, cr in self.clusters.items()},
+            "clusters": {k: cr.record() for k, cr in self.clusters.items()},
         })
         self.completed = r
         resumed = bool((self.in_flight or {}).get("restarted_at"))
@@ -1295,254 +1082,103 @@ class Coordinator(Service):
                                            sum(i.online for i in self.agents.values()), len(self.agents))
 
     def _round_line(self, r: int) -> None:
-        """The operator's line for a closed round: devices in / late / out, the accuracy
-        the devices reported so far (of the newest round they evaluated), seconds."""
-        rec = self.records[-1]
-        delivered = sum(len(c["updates"]) for c in rec["clusters"].values())
-        late = sum(len(c["straggled"]) for c in rec["clusters"].values())
+        """The operator's line for a closed round (coordinator.report.round_line); the job
+        list's accuracy column and round."""
         out = len(self.plan.cluster_of) - len(self.sampled) if self.plan is not None else 0
-        latest = max((rr for _, rr in self.metrics), default=0)
-        pairs = [(m.metric, m.n_test) for (_, rr), m in self.metrics.items() if rr == latest]
-        name = self.metric_name
-        accuracy = f"{name} {weighted_accuracy(pairs):.4g} (round {latest})" if pairs else f"{name} pending"
-        changes = "".join(f", {w} {', '.join(who)}" for w, who in (("joined", rec["joined"]), ("left", rec["left"])) if who)
-        self._event(f"round {r}/{self.config.rounds}: {delivered} in, {late} late, {out} out{changes}; "
-                    f"{accuracy}; {rec['seconds']:.1f} s")
-        if pairs and name == "accuracy":  # job list's accuracy column
-            self.book.set(self.job, accuracy=weighted_accuracy(pairs))
+        line, value = round_line(self.records[-1], rounds=self.config.rounds, out=out, metrics=self.metrics,
+                                 metric_name=self.metric_name)
+        self._event(line)
+        if value is not None and self.metric_name == "accuracy":  # job list's accuracy column
+            self.book.set(self.job, accuracy=value)
         self.book.set(self.job, round=r, devices=len(self.active))
 
-    # ---- results ------------------------------------------------------------------------
-    def round_records(self) -> list[RoundRecord]:
-        """Per round: the tally plus accuracy from the agents' metrics (latest at or before r)."""
+    # ---- results (coordinator.report) ---------------------------------------------------
+    def _view(self) -> RunView:
+        """The job's state as the report reads it (by reference)."""
         assert self.plan is not None
-        out = []
-        ids = sorted(self.plan.cluster_of)
-        by_agent: dict[str, dict[int, Metrics]] = {}
-        for (a, rr), m in self.metrics.items():
-            by_agent.setdefault(a, {})[rr] = m
-        for rec in self.records:
-            r = rec["round"]
-            pairs = []
-            for a in ids:
-                rounds = [rr for rr in by_agent.get(a, {}) if rr <= r]
-                if rounds:
-                    latest = by_agent[a][max(rounds)]
-                    pairs.append(({**latest.metrics, self.metric_name: latest.metric}, latest.n_test))
-            eps, eps_server = rec["user_epsilon"], rec.get("user_epsilon_server", rec["user_epsilon"])
-            if self.strategy.dp_level is not None:
-                agent_eps = [m.epsilon for (aid, rr), m in self.metrics.items() if rr == r and m.epsilon is not None]
-                eps = max([eps or 0.0, *agent_eps])
-                eps_server = max([eps_server or 0.0, *agent_eps])
-            record = rec["tally"].record(
-                r, self.strategy, metric_name=self.metric_name, metrics=weighted_metrics(pairs), seconds=rec["seconds"],
-                participants=rec["participants"], sample_rate=self.config.options.sample_rate,
-                sampled=rec.get("sampled"),
-                epsilon=eps, epsilon_server=eps_server, delta=self.config.options.delta,
-            )
-            out.append(record.model_copy(update={"joined": rec.get("joined", []), "left": rec.get("left", [])}))
-        return out
-
-    def report(self) -> "FleetReport":
-        """The run's report: the simulator's fields plus per-agent phase timings and straggling."""
-        import platform
-
-        import torch
-
-        assert self.plan is not None
-        rounds = self.round_records()
-        latest: dict[str, Metrics] = {}
-        for (a, r), m in sorted(self.metrics.items(), key=lambda x: x[0][1]):
-            latest[a] = m
-        clients = []
-        agents = []
-        for a in sorted(self.plan.cluster_of):
-            hello = self.agents[a].hello if a in self.agents else None
-            ratios = [v["he_ratio"] for v in self.agent_rounds.get(a, {}).values() if "he_ratio" in v]
-            clients.append(ClientRecord(
-                id=a, cluster=self.plan.cluster_of[a], category=None,
-                encryption_budget=self.plan.budget_of[a], he_ratio=float(np.mean(ratios)) if ratios else 0.0,
-                accuracy=(latest[a].metric if a in latest else 0.0) if self.metric_name == "accuracy" else None,
-                metric=latest[a].metric if a in latest else None, metrics=latest[a].metrics if a in latest else {},
-                n_train=hello.n_samples if hello else 0, n_test=latest[a].n_test if a in latest else 0,
-                bandwidth=hello.bandwidth if hello else 0.0, cpu_speed=hello.cpu_speed if hello else 0.0,
-            ))
-            offset = self._clock_offset(a)
-            agents.append({"id": a, "profile": hello.profile if hello else {}, "online": self._online(a),
-                           "clock_offset_s": offset,
-                           "inference": latest[a].inference if a in latest else {},
-                           "rounds": self._agent_round_records(a, offset)})
-        server = [{"round": rec["round"], "started_at": rec.get("started_at"), "finished_at": rec.get("finished_at"),
-                   "clusters": {str(k): v for k, v in rec["clusters"].items()}}
-                  for rec in self.records]
-        from senseshield.trials.report import straggling_summary
-
-        straggling = straggling_summary(agents)
-        o = self.config.options
-        dp = self.strategy.dp_level is not None
-        final = (self._user_epsilons(records=[m.dp_history for m in latest.values()], pld=True)
-                 if dp and rounds else None)
-        return FleetReport(
-            strategy=self.config.strategy, scheme=self.scheme, dataset=self.config.dataset,
-            model=self.config.model, partition=self.config.partition, seed=self.config.seed,
-            num_params=self.size, num_clusters=len(self.plan.clusters), cluster_ari=None,
-            clustering_epsilon=o.cluster_epsilon if self.strategy.clusters_clients else None,
-            final_accuracy=(rounds[-1].accuracy if rounds else 0.0) if self.metric_name == "accuracy" else None,
-            metric_name=self.metric_name, final_metric=rounds[-1].metric if rounds else None,
-            seconds_total=time.time() - self.started, rounds=rounds, clients=clients,
-            config=self.config.model_dump(mode="json"),
-            machine={"python": platform.python_version(), "processor": platform.processor() or platform.machine(),
-                     "torch": torch.__version__},
-            delta=o.delta if dp else None, **privacy_fields(self.strategy, final),
-            noise_multiplier=self.sigma_user if self.sigma_user is not None else (max(self.sigma_record.values()) if self.sigma_record else None),
-            fleet=self.fleet, run_id=self.run_id, key_id=self.key_id if self.scheme else None,
-            input_shape=self.input_shape, num_classes=self.num_classes,
-            round_deadline=self.round_deadline, bootstrap_seconds=self.bootstrap_seconds,
-            agents=agents, server=server, straggling=straggling, straggling_events=self.straggling,
-            budgets=self.plan.budget_notes, refused=self.refused, declined=self.declined,
-            rejected_messages=list(self.rejected), rejected_total=self.rejected_total,
+        return RunView(
+            fleet=self.fleet, run_id=self.run_id, config=self.config, strategy=self.strategy, scheme=self.scheme,
+            metric_name=self.metric_name, size=self.size, input_shape=self.input_shape,
+            num_classes=self.num_classes, round_deadline=self.round_deadline, plan=self.plan, agents=self.agents,
+            records=self.records, metrics=self.metrics, agent_rounds=self.agent_rounds,
+            uplink_delays=self.uplink_delays, user_accountant=self.user_accountant,
+            participations=self.participations, started=self.started, bootstrap_seconds=self.bootstrap_seconds,
+            key_id=self.key_id, sigma_user=self.sigma_user, sigma_record=self.sigma_record,
+            straggling=self.straggling, refused=self.refused, declined=self.declined, rejected=self.rejected,
+            rejected_total=self.rejected_total,
         )
 
+    def round_records(self) -> list[RoundRecord]:
+        """Per round: the tally plus accuracy from the agents' metrics (latest at or before r)."""
+        return self._view().round_records()
+
+    def report(self) -> FleetReport:
+        """The run's report: the simulator's fields plus per-agent phase timings and straggling."""
+        return self._view().report()
+
     def _user_epsilons(self, *, records: list | None = None, pld: bool = False) -> Epsilons:
-        """The run's epsilons so far (senseshield.accounting): the user-level accountant,
-        whose server figure is that of the agent sampled most often, and ``records``, the
-        agents' DP-SGD histories."""
-        return epsilons(self.config.options.delta, user=self.user_accountant,
-                        participations=max(self.participations.values(), default=0),
-                        records=records or [], pld=pld)
+        return user_epsilons(self.config.options.delta, self.user_accountant, self.participations,
+                             records=records, pld=pld)
 
     def _clock_offset(self, agent_id: str) -> float:
-        """Estimated (agent clock - coordinator clock) in seconds, NTP style: half the
-        difference of the smallest downlink sample (round plan: received on the agent - sent
-        here) and the smallest uplink sample (hello/metrics: received here - sent there).
-        0.0 without samples both ways (e.g. every process on one machine's clock)."""
-        down = [m.timings["plan_received_at"] - m.timings["plan_frame_sent_at"]
-                for (a, _), m in self.metrics.items()
-                if a == agent_id and "plan_received_at" in m.timings and "plan_frame_sent_at" in m.timings]
-        up = self.uplink_delays.get(agent_id, [])
-        if not down or not up:
-            return 0.0
-        return round((min(down) - min(up)) / 2.0, 6)
+        return clock_offset(self.metrics, self.uplink_delays, agent_id)
 
     def _agent_round_records(self, agent_id: str, offset: float) -> dict[str, dict]:
-        """report.json ``agents[].rounds``: phases (s), bytes, and timestamps on our clock."""
-        out = {}
-        for r, info in sorted(self.agent_rounds.get(agent_id, {}).items()):
-            m = self.metrics.get((agent_id, r))
-            timings = m.timings if m else info.get("agent_timings", {})
-            stamps = {k: v - offset for k, v in (m.timings if m else {}).items()
-                      if k.endswith("_at") and k != "plan_frame_sent_at"}
-            stamps |= {k: v for k, v in info.items() if k in ("plan_sent", "update_received")}
-            if "ready_at" in stamps:  # plan and model in hand (the agent may still be busy)
-                stamps["start_at"] = stamps["ready_at"]
-            elif "plan_received_at" in stamps:
-                stamps["start_at"] = stamps["plan_received_at"] + float(timings.get("wait_model", 0.0))
-            busy = None
-            if "start_at" in stamps and "update_received" in stamps:
-                busy = round(max(stamps["update_received"] - stamps["start_at"], 0.0), 6)
-            out[str(r)] = {
-                "cluster": info["cluster"],
-                "delivered": "update_received" in info,
-                "he_ratio": info.get("he_ratio"),
-                "mask_sha256": info.get("mask_sha256"),
-                "bytes_up": info.get("bytes_up"),
-                "bytes_down": int(timings["bytes_down"]) if "bytes_down" in timings else None,
-                "phases": {k: round(v, 6) for k, v in timings.items()
-                           if not k.endswith("_at") and not k.startswith("bytes_")},
-                "timestamps": {k: round(v, 6) for k, v in sorted(stamps.items(), key=lambda kv: kv[1])},
-                "busy_s": busy,
-                "budget": info.get("budget"),
-                "metric": m.metric if m else None,
-            }
-        return out
+        return agent_round_records(self.agent_rounds, self.metrics, agent_id, offset)
 
     def _publish_straggling(self) -> None:
         """Prometheus: the straggling figures of the latest round whose metrics are all in."""
         if self.metrics_server is None or self.plan is None:
             return
-        from senseshield.trials.report import straggling_summary
-
-        agents = [{"id": a, "rounds": self._agent_round_records(a, self._clock_offset(a))}
-                  for a in sorted(self.plan.cluster_of)]
-        summary = straggling_summary(agents)
-        if summary["rounds"]:
-            self.metrics_server.straggling(summary["rounds"][-1], summary["median_ratio"])
+        figures = self._view().straggling_now()
+        if figures is not None:
+            self.metrics_server.straggling(*figures)
 
     def _save_model(self, r: int, k: int, weights: np.ndarray) -> None:
         if self.job_out is None:
             return
         write_atomic(self.job_out / "models" / f"round-{r}" / f"cluster-{k}.npy", npy_bytes(weights.astype(np.float64)))
 
-    # ---- checkpoint ---------------------------------------------------------------------
+    # ---- checkpoint (coordinator.checkpoint) --------------------------------------------
     def _state_file(self) -> Path | None:
-        return None if self.state_dir is None else self.state_dir / f"coordinator-{self.fleet}.json"
+        return self.checkpoints.path
 
     def _checkpoint(self) -> None:
-        path = self._state_file()
-        if path is None or self.plan is None:
+        if self.checkpoints.path is None or self.plan is None:
             return
-        state = {
-            "run_id": self.run_id,
-            "config": self.config.model_dump(mode="json"),
-            "completed": self.completed,
-            "cluster_of": self.plan.cluster_of,
-            "budget_of": self.plan.budget_of,
-            "budget_notes": self.plan.budget_notes,
-            "uplink_delays": self.uplink_delays,
-            "fixed_masks": {str(k): np.flatnonzero(m).tolist() for k, m in self.plan.fixed_masks.items()},
-            "model_round": {str(k): r for k, r in self.model_round.items()},
-            "sigma_user": self.sigma_user,
-            "sigma_record": self.sigma_record,
-            "hellos": {a: i.hello.model_dump(mode="json") for a, i in self.agents.items()},
-            "sampler": self.sampler.bit_generator.state,
-            "accountant": self.user_accountant.history,
-            "participations": self.participations,
-            "records": [{**rec, "tally": asdict(rec["tally"])} for rec in self.records],
-            "metrics": [[a, r, m.model_dump(mode="json")] for (a, r), m in self.metrics.items()],
-            "agent_rounds": self.agent_rounds,
-            "straggling": self.straggling,
-            "refused": self.refused,
-            "declined": self.declined,
-            "admitted": self.admitted,
-            "active": sorted(self.active),
-            "bootstrap_seconds": self.bootstrap_seconds,
-            "in_flight": self.in_flight,
-        }
-        write_atomic(path, json.dumps(state))
+        self.checkpoints.save(RunState(
+            run_id=self.run_id, config=self.config.model_dump(mode="json"), completed=self.completed,
+            plan=self.plan, hellos={a: i.hello for a, i in self.agents.items()},
+            sampler=self.sampler.bit_generator.state, accountant=self.user_accountant.history,
+            model_round=self.model_round, sigma_user=self.sigma_user, sigma_record=self.sigma_record,
+            uplink_delays=self.uplink_delays, participations=self.participations, records=self.records,
+            metrics=self.metrics, agent_rounds=self.agent_rounds, straggling=self.straggling,
+            refused=self.refused, declined=self.declined, admitted=self.admitted, active=self.active,
+            bootstrap_seconds=self.bootstrap_seconds, in_flight=self.in_flight,
+        ))
 
     def _resume(self) -> None:
-        path = self._state_file()
-        if path is None or not path.exists():
+        state = self.checkpoints.load(self.run_id, self.config.model_dump(mode="json"), self.size)
+        if state is None:
             return
-        state = json.loads(path.read_text())
-        if state["run_id"] != self.run_id:
-            return  # the checkpoint of another job
-        if state["config"] != self.config.model_dump(mode="json"):
-            self.log.warning("state in %s is for another configuration of job %s; starting it anew", path, self.run_id)
-            return
-        self.completed = self.round = int(state["completed"])
-        fixed = {}
-        for k, idx in state["fixed_masks"].items():
-            m = np.zeros(self.size, dtype=bool)
-            m[idx] = True
-            fixed[int(k)] = m
-        self.plan = FleetPlan(state["cluster_of"], state["budget_of"], fixed, state.get("budget_notes", {}))
-        self.uplink_delays = state.get("uplink_delays", {})
-        self.model_round = {int(k): r for k, r in state["model_round"].items()}
-        self.sigma_user, self.sigma_record = state["sigma_user"], state["sigma_record"]
-        self.agents = {a: AgentInfo(Hello(**h)) for a, h in state["hellos"].items()}
-        self.sampler.bit_generator.state = state["sampler"]
-        self.user_accountant = Accountant([tuple(h) for h in state["accountant"]])
-        self.participations = dict(state.get("participations", {}))
-        self.records = [{**rec, "tally": RoundTally(**rec["tally"])} for rec in state["records"]]
-        self.metrics = {(a, int(r)): Metrics(**m) for a, r, m in state["metrics"]}
-        self.agent_rounds = {a: {int(r): v for r, v in rounds.items()} for a, rounds in state["agent_rounds"].items()}
-        self.straggling, self.refused = state["straggling"], state["refused"]
-        self.declined = state.get("declined", {})
-        self.admitted = state.get("admitted", {})
-        self.active = set(state.get("active", []))
-        self.bootstrap_seconds = state["bootstrap_seconds"]
-        flight = state.get("in_flight")
+        self.completed = self.round = state.completed
+        self.plan = state.plan
+        self.uplink_delays = state.uplink_delays
+        self.model_round = state.model_round
+        self.sigma_user, self.sigma_record = state.sigma_user, state.sigma_record
+        self.agents = {a: AgentInfo(h) for a, h in state.hellos.items()}
+        self.sampler.bit_generator.state = state.sampler
+        self.user_accountant = Accountant(state.accountant)
+        self.participations = state.participations
+        self.records = state.records
+        self.metrics = state.metrics
+        self.agent_rounds = state.agent_rounds
+        self.straggling, self.refused = state.straggling, state.refused
+        self.declined = state.declined
+        self.admitted = state.admitted
+        self.active = state.active
+        self.bootstrap_seconds = state.bootstrap_seconds
+        flight = state.in_flight
         if flight and flight.get("round") == self.completed + 1:  # the round in flight when it stopped
             self.in_flight = {**flight, "restarted_at": time.time()}
         self.log.info("resuming run %s after round %d", self.run_id, self.completed)
@@ -1669,9 +1305,7 @@ class Coordinator(Service):
         self.job = None
 
     def _clear_checkpoint(self) -> None:
-        path = self._state_file()
-        if path is not None and path.exists():
-            path.unlink()
+        self.checkpoints.clear()
 
     def _wait_final_metrics(self, timeout: float = 30.0) -> None:
         """Give agents a moment to report their accuracy on the final models."""

@@ -50,3 +50,19 @@ def test_the_front_door_exports_the_public_names_lazily():
     assert "sensecrypt" in ss.STRATEGIES and "packed-paillier" in ss.SCHEMES and "mlp" in ss.MODELS
     for name in ss.__all__:
         assert getattr(ss, name) is not None, name
+
+
+def test_the_coordinators_parts_do_not_touch_the_transport():
+    """coordinator/service.py wires the parts to MQTT; each part (job book, roster, rounds and
+    their checks, reporter, checkpoint, metrics, contributions) imports neither the broker
+    client nor the service, nor torch (the report imports it only when it builds one)."""
+    parts = ("jobs", "contributions", "metrics", "checkpoint", "report", "roster", "rounds")
+    code = (
+        "import importlib, sys\n"
+        f"for part in {parts!r}:\n"
+        "    importlib.import_module('coordinator.' + part)\n"
+        "print(' '.join(m for m in ('paho', 'senseshield.runtime.service', 'senseshield.runtime.transport',\n"
+        "                           'coordinator.service', 'torch', 'senseshield.simulation') if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.split() == []

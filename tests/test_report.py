@@ -113,7 +113,7 @@ def test_report_bad_directory_is_one_sentence(tmp_path: Path) -> None:
 
 
 def test_prometheus_endpoint_of_the_coordinator() -> None:
-    from coordinator.service import CoordinatorMetrics
+    from coordinator.metrics import CoordinatorMetrics
 
     metrics = CoordinatorMetrics(0)  # the default address: localhost only (issue 14)
     assert metrics.server_handle.server_address[0] == "127.0.0.1"

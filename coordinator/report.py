@@ -1,0 +1,275 @@
+"""The coordinator's report of a job: ``report.json`` (:class:`FleetReport`), the per-round
+records, the operator's round line and the straggling figures of the Prometheus endpoint.
+
+Everything here is computed from a :class:`RunView`, an explicit view of the state the
+coordinator keeps of a job (it holds references, not copies: build one when you need it),
+so a report can be built from a hand-made state without a broker (tests/test_coordinator_report.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from coordinator.roster import AgentInfo, online
+from senseshield.accounting import Accountant, Epsilons, epsilons
+from senseshield.job import Job
+from senseshield.results import (
+    ClientRecord,
+    RoundRecord,
+    RunResult,
+    privacy_fields,
+    weighted_accuracy,
+    weighted_metrics,
+)
+from senseshield.runtime.protocol.messages import Metrics
+from senseshield.strategies import FleetPlan
+from senseshield.strategies.base import Strategy
+
+
+class FleetReport(RunResult):
+    """``DIR/report.json`` of a fleet run: :class:`~senseshield.results.RunResult`'s fields (a contract) plus
+    the fleet's: per-agent, per-round phase seconds, bytes and timestamps (Unix time on the
+    coordinator's clock: agents' own timestamps are shifted by their estimated clock offset,
+    ``agents[].clock_offset_s``), the server's aggregate/decrypt seconds and timestamps per
+    cluster, ``straggling`` figures (per round slowest/fastest/ratio/idle and the median
+    ratio, :func:`senseshield.trials.report.straggling_summary`), ``straggling_events`` (agents a
+    round closed without), how budgets were chosen (``budgets``), refused agents and
+    rejected messages (``rejected_messages``: the latest 1,000 reasons; ``rejected_total``:
+    how many in all)."""
+
+    fleet: str
+    run_id: str
+    key_id: str | None = None  # the key server's key of the run (None: nothing encrypted)
+    input_shape: list[int]
+    num_classes: int
+    round_deadline: float
+    bootstrap_seconds: float
+    agents: list[dict]
+    server: list[dict]
+    straggling: dict = {}
+    straggling_events: list[dict] = []
+    budgets: dict = {}
+    refused: dict[str, str] = {}
+    declined: dict[str, str] = {}  # devices that did not take the job, and why
+    rejected_messages: list[str] = []
+    rejected_total: int = 0
+
+
+def clock_offset(metrics: dict[tuple[str, int], Metrics], uplink_delays: dict[str, list[float]], agent_id: str) -> float:
+    """Estimated (agent clock - coordinator clock) in seconds, NTP style: half the
+    difference of the smallest downlink sample (round plan: received on the agent - sent
+    here) and the smallest uplink sample (hello/metrics: received here - sent there).
+    0.0 without samples both ways (e.g. every process on one machine's clock)."""
+    down = [m.timings["plan_received_at"] - m.timings["plan_frame_sent_at"]
+            for (a, _), m in metrics.items()
+            if a == agent_id and "plan_received_at" in m.timings and "plan_frame_sent_at" in m.timings]
+    up = uplink_delays.get(agent_id, [])
+    if not down or not up:
+        return 0.0
+    return round((min(down) - min(up)) / 2.0, 6)
+
+
+def agent_round_records(agent_rounds: dict[str, dict[int, dict]], metrics: dict[tuple[str, int], Metrics],
+                        agent_id: str, offset: float) -> dict[str, dict]:
+    """report.json ``agents[].rounds``: phases (s), bytes, and timestamps on our clock."""
+    out = {}
+    for r, info in sorted(agent_rounds.get(agent_id, {}).items()):
+        m = metrics.get((agent_id, r))
+        timings = m.timings if m else info.get("agent_timings", {})
+        stamps = {k: v - offset for k, v in (m.timings if m else {}).items()
+                  if k.endswith("_at") and k != "plan_frame_sent_at"}
+        stamps |= {k: v for k, v in info.items() if k in ("plan_sent", "update_received")}
+        if "ready_at" in stamps:  # plan and model in hand (the agent may still be busy)
+            stamps["start_at"] = stamps["ready_at"]
+        elif "plan_received_at" in stamps:
+            stamps["start_at"] = stamps["plan_received_at"] + float(timings.get("wait_model", 0.0))
+        busy = None
+        if "start_at" in stamps and "update_received" in stamps:
+            busy = round(max(stamps["update_received"] - stamps["start_at"], 0.0), 6)
+        out[str(r)] = {
+            "cluster": info["cluster"],
+            "delivered": "update_received" in info,
+            "he_ratio": info.get("he_ratio"),
+            "mask_sha256": info.get("mask_sha256"),
+            "bytes_up": info.get("bytes_up"),
+            "bytes_down": int(timings["bytes_down"]) if "bytes_down" in timings else None,
+            "phases": {k: round(v, 6) for k, v in timings.items()
+                       if not k.endswith("_at") and not k.startswith("bytes_")},
+            "timestamps": {k: round(v, 6) for k, v in sorted(stamps.items(), key=lambda kv: kv[1])},
+            "busy_s": busy,
+            "budget": info.get("budget"),
+            "metric": m.metric if m else None,
+        }
+    return out
+
+
+def user_epsilons(delta: float, accountant: Accountant, participations: dict[str, int], *,
+                  records: list | None = None, pld: bool = False) -> Epsilons:
+    """The run's epsilons so far (senseshield.accounting): the user-level accountant,
+    whose server figure is that of the agent sampled most often, and ``records``, the
+    agents' DP-SGD histories."""
+    return epsilons(delta, user=accountant, participations=max(participations.values(), default=0),
+                    records=records or [], pld=pld)
+
+
+def round_line(rec: dict, *, rounds: int, out: int, metrics: dict[tuple[str, int], Metrics],
+               metric_name: str) -> tuple[str, float | None]:
+    """The operator's line for the closed round ``rec`` (of ``rounds``; ``out`` devices of the
+    plan not sampled): devices in / late / out, the metric the devices reported so far (of
+    the newest round they evaluated), seconds; and that weighted metric (None: none yet)."""
+    delivered = sum(len(c["updates"]) for c in rec["clusters"].values())
+    late = sum(len(c["straggled"]) for c in rec["clusters"].values())
+    latest = max((rr for _, rr in metrics), default=0)
+    pairs = [(m.metric, m.n_test) for (_, rr), m in metrics.items() if rr == latest]
+    value = weighted_accuracy(pairs) if pairs else None
+    shown = f"{metric_name} {value:.4g} (round {latest})" if pairs else f"{metric_name} pending"
+    changes = "".join(f", {w} {', '.join(who)}" for w, who in (("joined", rec["joined"]), ("left", rec["left"])) if who)
+    line = f"round {rec['round']}/{rounds}: {delivered} in, {late} late, {out} out{changes}; {shown}; {rec['seconds']:.1f} s"
+    return line, value
+
+
+@dataclass
+class RunView:
+    """The state of a job a report is built from (the coordinator's, by reference)."""
+
+    fleet: str
+    run_id: str
+    config: Job
+    strategy: Strategy
+    scheme: str | None
+    metric_name: str
+    size: int
+    input_shape: list[int]
+    num_classes: int
+    round_deadline: float
+    plan: FleetPlan
+    agents: dict[str, AgentInfo]
+    records: list[dict]  # per closed round (the coordinator's round records, with their RoundTally)
+    metrics: dict[tuple[str, int], Metrics]
+    agent_rounds: dict[str, dict[int, dict]]
+    uplink_delays: dict[str, list[float]]
+    user_accountant: Accountant
+    participations: dict[str, int]
+    started: float = 0.0
+    bootstrap_seconds: float = 0.0
+    key_id: str | None = None
+    sigma_user: float | None = None
+    sigma_record: dict[str, float] | None = None
+    straggling: list[dict] | None = None  # events: agents a round closed without
+    refused: dict[str, str] | None = None
+    declined: dict[str, str] | None = None
+    rejected: Any = ()  # the latest rejection reasons
+    rejected_total: int = 0
+
+    def clock_offset(self, agent_id: str) -> float:
+        return clock_offset(self.metrics, self.uplink_delays, agent_id)
+
+    def agent_round_records(self, agent_id: str, offset: float) -> dict[str, dict]:
+        return agent_round_records(self.agent_rounds, self.metrics, agent_id, offset)
+
+    def user_epsilons(self, *, records: list | None = None, pld: bool = False) -> Epsilons:
+        return user_epsilons(self.config.options.delta, self.user_accountant, self.participations,
+                             records=records, pld=pld)
+
+    def straggling_now(self) -> tuple[dict, float | None] | None:
+        """The straggling figures of the latest round with delivered updates and the median
+        ratio so far (None before any): what the Prometheus endpoint shows."""
+        from senseshield.trials.report import straggling_summary
+
+        agents = [{"id": a, "rounds": self.agent_round_records(a, self.clock_offset(a))}
+                  for a in sorted(self.plan.cluster_of)]
+        summary = straggling_summary(agents)
+        return (summary["rounds"][-1], summary["median_ratio"]) if summary["rounds"] else None
+
+    def round_records(self) -> list[RoundRecord]:
+        """Per round: the tally plus accuracy from the agents' metrics (latest at or before r)."""
+        out = []
+        ids = sorted(self.plan.cluster_of)
+        by_agent: dict[str, dict[int, Metrics]] = {}
+        for (a, rr), m in self.metrics.items():
+            by_agent.setdefault(a, {})[rr] = m
+        for rec in self.records:
+            r = rec["round"]
+            pairs = []
+            for a in ids:
+                rounds = [rr for rr in by_agent.get(a, {}) if rr <= r]
+                if rounds:
+                    latest = by_agent[a][max(rounds)]
+                    pairs.append(({**latest.metrics, self.metric_name: latest.metric}, latest.n_test))
+            eps, eps_server = rec["user_epsilon"], rec.get("user_epsilon_server", rec["user_epsilon"])
+            if self.strategy.dp_level is not None:
+                agent_eps = [m.epsilon for (aid, rr), m in self.metrics.items() if rr == r and m.epsilon is not None]
+                eps = max([eps or 0.0, *agent_eps])
+                eps_server = max([eps_server or 0.0, *agent_eps])
+            record = rec["tally"].record(
+                r, self.strategy, metric_name=self.metric_name, metrics=weighted_metrics(pairs), seconds=rec["seconds"],
+                participants=rec["participants"], sample_rate=self.config.options.sample_rate,
+                sampled=rec.get("sampled"),
+                epsilon=eps, epsilon_server=eps_server, delta=self.config.options.delta,
+            )
+            out.append(record.model_copy(update={"joined": rec.get("joined", []), "left": rec.get("left", [])}))
+        return out
+
+    def report(self) -> FleetReport:
+        """The run's report: the simulator's fields plus per-agent phase timings and straggling."""
+        import platform
+
+        import torch
+
+        from senseshield.trials.report import straggling_summary
+
+        rounds = self.round_records()
+        latest: dict[str, Metrics] = {}
+        for (a, r), m in sorted(self.metrics.items(), key=lambda x: x[0][1]):
+            latest[a] = m
+        clients = []
+        agents = []
+        for a in sorted(self.plan.cluster_of):
+            hello = self.agents[a].hello if a in self.agents else None
+            ratios = [v["he_ratio"] for v in self.agent_rounds.get(a, {}).values() if "he_ratio" in v]
+            clients.append(ClientRecord(
+                id=a, cluster=self.plan.cluster_of[a], category=None,
+                encryption_budget=self.plan.budget_of[a], he_ratio=float(np.mean(ratios)) if ratios else 0.0,
+                accuracy=(latest[a].metric if a in latest else 0.0) if self.metric_name == "accuracy" else None,
+                metric=latest[a].metric if a in latest else None, metrics=latest[a].metrics if a in latest else {},
+                n_train=hello.n_samples if hello else 0, n_test=latest[a].n_test if a in latest else 0,
+                bandwidth=hello.bandwidth if hello else 0.0, cpu_speed=hello.cpu_speed if hello else 0.0,
+            ))
+            offset = self.clock_offset(a)
+            agents.append({"id": a, "profile": hello.profile if hello else {}, "online": online(self.agents, a),
+                           "clock_offset_s": offset,
+                           "inference": latest[a].inference if a in latest else {},
+                           "rounds": self.agent_round_records(a, offset)})
+        server = [{"round": rec["round"], "started_at": rec.get("started_at"), "finished_at": rec.get("finished_at"),
+                   "clusters": {str(k): v for k, v in rec["clusters"].items()}}
+                  for rec in self.records]
+        straggling = straggling_summary(agents)
+        o = self.config.options
+        dp = self.strategy.dp_level is not None
+        final = (self.user_epsilons(records=[m.dp_history for m in latest.values()], pld=True)
+                 if dp and rounds else None)
+        sigma_record = self.sigma_record or {}
+        return FleetReport(
+            strategy=self.config.strategy, scheme=self.scheme, dataset=self.config.dataset,
+            model=self.config.model, partition=self.config.partition, seed=self.config.seed,
+            num_params=self.size, num_clusters=len(self.plan.clusters), cluster_ari=None,
+            clustering_epsilon=o.cluster_epsilon if self.strategy.clusters_clients else None,
+            final_accuracy=(rounds[-1].accuracy if rounds else 0.0) if self.metric_name == "accuracy" else None,
+            metric_name=self.metric_name, final_metric=rounds[-1].metric if rounds else None,
+            seconds_total=time.time() - self.started, rounds=rounds, clients=clients,
+            config=self.config.model_dump(mode="json"),
+            machine={"python": platform.python_version(), "processor": platform.processor() or platform.machine(),
+                     "torch": torch.__version__},
+            delta=o.delta if dp else None, **privacy_fields(self.strategy, final),
+            noise_multiplier=self.sigma_user if self.sigma_user is not None else (max(sigma_record.values()) if sigma_record else None),
+            fleet=self.fleet, run_id=self.run_id, key_id=self.key_id if self.scheme else None,
+            input_shape=self.input_shape, num_classes=self.num_classes,
+            round_deadline=self.round_deadline, bootstrap_seconds=self.bootstrap_seconds,
+            agents=agents, server=server, straggling=straggling, straggling_events=self.straggling or [],
+            budgets=self.plan.budget_notes, refused=self.refused or {}, declined=self.declined or {},
+            rejected_messages=list(self.rejected), rejected_total=self.rejected_total,
+        )

@@ -1,0 +1,166 @@
+"""One cluster's round at the coordinator (:class:`ClusterRound`: members, phase, deadline, the
+updates folded so far, the key server's verdict), what is kept of each update
+(:class:`UpdateNote`), and the checks an update must pass before it touches the round, each
+a pure function raising :class:`~senseshield.errors.ProtocolError` (one sentence naming the
+agent): the facts it claims (:func:`check_facts`), its signed receipt (:func:`check_receipt`),
+and its encryption floor (:func:`floor_refusal`)."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from coordinator.contributions import Contributions
+from coordinator.roster import AgentInfo
+from senseshield.determinism import mask_digest
+from senseshield.engine.aggregation import StreamingAggregate
+from senseshield.errors import ProtocolError
+from senseshield.results import RoundTally
+from senseshield.runtime.identity import Trust, check_frame
+from senseshield.runtime.protocol.envelope import decode_frame
+from senseshield.runtime.protocol.messages import Hello, Receipt, from_frame
+from senseshield.strategies import FleetPlan
+from senseshield.strategies.base import Strategy
+
+
+@dataclass(frozen=True)
+class UpdateNote:
+    """What the coordinator keeps of an update once it is in the running aggregate."""
+
+    timings: dict[str, float]
+    he_ratio: float
+    nbytes: int
+    report: dict
+    mask_sha256: str
+    receipt: bytes
+
+    def facts(self) -> dict:
+        """What the agent's round record keeps of the update."""
+        return {"he_ratio": self.he_ratio, "bytes_up": self.nbytes, "mask_sha256": self.mask_sha256,
+                "agent_timings": dict(self.timings)}
+
+
+@dataclass
+class ClusterRound:
+    """One cluster's part of a round."""
+
+    members: list[str]
+    deadline: float
+    phase: str  # "proposals" | "updates" | "decrypting" | "done"
+    proposals: dict[str, np.ndarray] = field(default_factory=dict)
+    expected: set[str] = field(default_factory=set)  # who must send an update
+    # who sent an update, and what the round's report needs of it (the update itself is
+    # folded into ``running`` on arrival and not kept)
+    updates: dict[str, "UpdateNote"] = field(default_factory=dict)
+    running: StreamingAggregate | None = None
+    straggled: list[str] = field(default_factory=list)
+    offline: set[str] = field(default_factory=set)  # members whose last will fired: not waited for
+    failed: dict[str, str] = field(default_factory=dict)  # members that said their round failed (why): not waited for
+    request: bytes | None = None  # the aggregate frame, kept to re-send (reconnect, key server back)
+    requested_at: float = 0.0
+    sent_at: float = 0.0  # latest (re-)send of the request
+    accepted: bool | None = None
+    reason: str = ""
+    timings: dict[str, float] = field(default_factory=dict)
+    timestamps: dict[str, float] = field(default_factory=dict)  # coordinator clock
+    # the updates, kept until the verdict (to aggregate again without a bad one), and the
+    # devices whose update the key server found at fault (agent -> why)
+    book: Contributions = field(default_factory=Contributions)
+    refused: dict[str, str] = field(default_factory=dict)
+    union_ratio: float | None = None  # of the aggregate sent (the share of encrypted positions)
+    sealed: dict | None = None  # positions left sealed (too few encryptors), engine.aggregation.aggregate_sealed
+
+    def record(self) -> dict:
+        """The cluster's part of the round's record (report.json ``server[].clusters``)."""
+        return {"members": self.members, "updates": sorted(self.updates), "straggled": self.straggled,
+                "accepted": self.accepted, "reason": self.reason, "refused": self.refused,
+                "timings": self.timings, "timestamps": self.timestamps}
+
+
+def note_of(update, nbytes: int, report: dict, receipt: bytes) -> UpdateNote:  # noqa: ANN001 - a ProtectedUpdate
+    """What is kept of ``update`` (its frame was ``nbytes`` long) once it is folded in."""
+    return UpdateNote(dict(update.timings), update.he_ratio, nbytes, report,
+                      mask_digest(update.mask, update.withheld), receipt)
+
+
+def check_facts(plan: FleetPlan | None, agents: dict[str, AgentInfo], model_size: int, agent_id: str, what: str, *,
+                cluster: int, size: int) -> Hello:
+    """An agent's message must come from an agent of the run and name its cluster and the
+    model's size; returns its hello."""
+    if plan is None or agent_id not in plan.cluster_of or agent_id not in agents:
+        raise ProtocolError(f"{what} from {agent_id!r}, which is not in this run.")
+    if size != model_size:
+        raise ProtocolError(f"{what} of {agent_id!r} has {size} parameters; the model has {model_size}.")
+    if cluster != plan.cluster_of[agent_id]:
+        raise ProtocolError(f"{what} of {agent_id!r} is for cluster {cluster}; it belongs to {plan.cluster_of[agent_id]}.")
+    return agents[agent_id].hello
+
+
+def check_receipt(trust: Trust, receipt: bytes, *, agent_id: str, r: int, run_id: str, cluster: int, n_samples: int,
+                  ciphertext: bytes, verifiable: bool) -> None:
+    """The update's ``receipt`` must be the agent's own signed statement about this update
+    (the key server checks it again, and the fingerprint): one bad receipt would make the
+    whole cluster's aggregate refused. ``verifiable``: the update encrypts under a key whose
+    aggregates are checked against fingerprints (the receipt must carry one)."""
+    if not receipt:
+        raise ProtocolError(f"Update of {agent_id!r} carries no signed receipt.")
+    frame = decode_frame(receipt)
+    check_frame(trust, frame)
+    statement = from_frame(frame)
+    if not isinstance(statement, Receipt) or frame.sender != agent_id or frame.round != r:
+        raise ProtocolError(f"Update of {agent_id!r} carries a receipt of {frame.sender!r} for round {frame.round}.")
+    if (statement.run_id, statement.cluster, statement.n_samples) != (run_id, cluster, n_samples):
+        raise ProtocolError(f"Update of {agent_id!r} carries a receipt for another run, cluster or sample count.")
+    if statement.ciphertext_digest != (hashlib.sha256(ciphertext).hexdigest() if ciphertext else ""):
+        raise ProtocolError(f"Update of {agent_id!r} carries a receipt for another ciphertext.")
+    if bool(statement.fingerprint) != bool(ciphertext and verifiable):
+        raise ProtocolError(f"Update of {agent_id!r} carries a receipt without the fingerprint of its ciphertext.")
+
+
+def floor_refusal(strategy: Strategy, budget: float, he_ratio: float, *, agent_id: str, r: int, size: int,
+                  block_size: int) -> str | None:
+    """Why an update encrypting ``he_ratio`` of the parameters is refused from a device of
+    encryption budget ``budget`` (the strategy's
+    :meth:`~senseshield.strategies.base.Strategy.encryption_floor`); None if it is not."""
+    floor = strategy.encryption_floor(budget, size=size, block_size=block_size)
+    if he_ratio + 1e-9 >= floor:
+        return None
+    return (f"round {r}: update of {agent_id!r} encrypts {he_ratio:.4f} of the parameters, below the "
+            f"{floor:.4f} its encryption budget {budget:.4f} requires; refused")
+
+
+def round_tally(r: int, clusters: dict[int, ClusterRound], *, work: dict[str, dict], plan: FleetPlan,
+                model_bytes: int, min_encryptors: int, notes: list[str] = ()) -> RoundTally:
+    """What round ``r`` adds up to once every cluster's round is done: the devices' planned
+    ``work`` (agent -> its round record: steps, full_steps, budget), each folded update, the
+    server's aggregate and decrypt seconds, the union and sealed positions, the models sent
+    (``model_bytes`` to every member of an accepted cluster), and the notes (``notes`` first,
+    then per cluster: model unchanged, refused updates, who it closed without and why)."""
+    tally = RoundTally()
+    tally.notes.extend(notes)
+    for a, planned in work.items():
+        if "full_steps" in planned:
+            tally.add_work(a, steps=planned["steps"], full_steps=planned["full_steps"], budget=planned["budget"])
+    for k, cr in sorted(clusters.items()):
+        for a in sorted(cr.updates):
+            note = cr.updates[a]
+            tally.add_update(a, note.timings, note.he_ratio, note.nbytes, note.report)
+        tally.phases["aggregate"] += cr.timings.get("aggregate", 0.0)
+        tally.phases["decrypt"] += cr.timings.get("decrypt", 0.0)
+        if cr.union_ratio is not None:
+            tally.union_ratios.append(cr.union_ratio)
+            tally.add_sealed(r, k, cr.sealed, min_encryptors)
+        if cr.accepted:
+            tally.bytes_down += len(plan.members(k)) * model_bytes
+        else:
+            tally.notes.append(f"round {r} cluster {k}: model unchanged ({cr.reason})")
+        for a, why in sorted(cr.refused.items()):
+            tally.notes.append(f"round {r} cluster {k}: refused the update of {a} ({why})")
+        for why, who in (("offline", [a for a in cr.straggled if a in cr.offline]),
+                         ("failed", [a for a in cr.straggled if a not in cr.offline and a in cr.failed]),
+                         ("deadline", [a for a in cr.straggled if a not in cr.offline and a not in cr.failed])):
+            if who:
+                tally.notes.append(f"round {r} cluster {k}: closed without {', '.join(sorted(who))} ({why})")
+    return tally

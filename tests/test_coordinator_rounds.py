@@ -1,0 +1,107 @@
+"""The checks an update passes before it touches a round (coordinator.rounds), with real
+Ed25519 identities and signed frames, no broker: the facts it claims, its signed receipt,
+its encryption floor. Each refusal is one sentence naming the agent."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from coordinator.roster import AgentInfo
+from coordinator.rounds import ClusterRound, UpdateNote, check_facts, check_receipt, floor_refusal, round_tally
+from senseshield.errors import ProtocolError
+from senseshield.runtime.identity import Identity, Trust
+from senseshield.runtime.protocol.messages import Hello, Receipt, to_frame
+from senseshield.strategies import FleetPlan, build_strategy
+from senseshield.strategies.base import StrategyOptions
+
+FLEET, RUN = "f", "j-1"
+CIPHER = b"ciphertext bytes"
+
+
+@pytest.fixture(scope="module")
+def ids() -> dict[str, Identity]:
+    return {a: Identity.generate(a) for a in ("a0", "a1", "a9")}
+
+
+def _receipt(ids, *, sender="a0", signer="a0", r=2, run=RUN, cluster=0, n=100, cipher=CIPHER, fp=b"fp") -> bytes:
+    receipt = Receipt(run_id=run, cluster=cluster, n_samples=n, key_id="k", mask_digest="0" * 64,
+                      ciphertext_digest=hashlib.sha256(cipher).hexdigest() if cipher else "", fingerprint=fp)
+    return to_frame(receipt, fleet=FLEET, sender=sender, round=r, signer=ids[signer])
+
+
+def _check(trust, frame, **over) -> None:
+    args = dict(agent_id="a0", r=2, run_id=RUN, cluster=0, n_samples=100, ciphertext=CIPHER, verifiable=True)
+    check_receipt(trust, frame, **{**args, **over})
+
+
+def test_a_receipt_must_be_the_agents_own_statement_about_this_update(ids):
+    trust = Trust.for_identities({"a0": (ids["a0"], "agent"), "a1": (ids["a1"], "agent")}, fleet=FLEET)
+    _check(trust, _receipt(ids))  # genuine
+    _check(trust, _receipt(ids, cipher=b"", fp=b""), ciphertext=b"")  # nothing encrypted, no fingerprint
+    cases = {
+        "carries no signed receipt": (b"", {}),
+        "carries a receipt of 'a1' for round 2": (_receipt(ids, sender="a1", signer="a1"), {}),
+        "carries a receipt of 'a0' for round 1": (_receipt(ids, r=1), {}),
+        "for another run, cluster or sample count": (_receipt(ids, run="j-2"), {}),
+        "for another run, cluster or sample count.": (_receipt(ids, n=99), {}),
+        "carries a receipt for another ciphertext": (_receipt(ids), {"ciphertext": b"other bytes"}),
+        "without the fingerprint of its ciphertext": (_receipt(ids, fp=b""), {}),
+    }
+    for needle, (frame, over) in cases.items():
+        with pytest.raises(ProtocolError) as err:
+            _check(trust, frame, **over)
+        assert needle in str(err.value) and "'a0'" in str(err.value), (needle, str(err.value))
+    with pytest.raises(ProtocolError):  # signed by a key the trust file does not pin for a0
+        _check(trust, _receipt(ids, signer="a9"))
+
+
+def test_a_message_must_name_its_run_cluster_and_size():
+    hello = Hello(run_id=RUN, agent_id="a0", n_samples=100, bandwidth=1.0, cpu_speed=1.0)
+    plan, agents = FleetPlan({"a0": 1}, {"a0": 0.5}), {"a0": AgentInfo(hello)}
+    assert check_facts(plan, agents, 10, "a0", "Update", cluster=1, size=10) is hello
+    for args, needle in (((None, "a0", 1, 10), "Update from 'a0', which is not in this run."),
+                         ((plan, "a5", 1, 10), "Update from 'a5', which is not in this run."),
+                         ((plan, "a0", 1, 11), "Update of 'a0' has 11 parameters; the model has 10."),
+                         ((plan, "a0", 0, 10), "Update of 'a0' is for cluster 0; it belongs to 1.")):
+        p, agent, cluster, size = args
+        with pytest.raises(ProtocolError, match="^" + needle.replace(".", r"\.") + "$"):
+            check_facts(p, agents, 10, agent, "Update", cluster=cluster, size=size)
+
+
+def test_an_update_below_the_budgets_floor_is_refused():
+    full = build_strategy("paillier-full", StrategyOptions())  # every parameter, whatever the budget
+    assert floor_refusal(full, 0.1, 1.0, agent_id="a0", r=3, size=100, block_size=1) is None
+    reason = floor_refusal(full, 0.1, 0.5, agent_id="a0", r=3, size=100, block_size=1)
+    assert reason == ("round 3: update of 'a0' encrypts 0.5000 of the parameters, below the 1.0000 its encryption "
+                      "budget 0.1000 requires; refused")
+    default = build_strategy("sensecrypt", StrategyOptions())  # a positive budget: at least one block
+    assert floor_refusal(default, 0.3, 0.0, agent_id="a0", r=1, size=100, block_size=10) is not None
+    assert floor_refusal(default, 0.3, 0.1, agent_id="a0", r=1, size=100, block_size=10) is None
+    assert floor_refusal(default, 0.0, 0.0, agent_id="a0", r=1, size=100, block_size=10) is None
+
+
+def test_a_rounds_tally_and_notes():
+    note = lambda n: UpdateNote({"train": 1.0}, 0.25, n, {}, "m", b"r")  # noqa: E731
+    plan = FleetPlan({"a0": 0, "a1": 0, "a2": 0, "b0": 1, "b1": 1, "b2": 1}, dict.fromkeys(["a0", "b0"], 0.5))
+    ok = ClusterRound(["a0", "a1", "a2"], 0.0, "done", updates={"a0": note(100), "a1": note(300)},
+                      straggled=["a2"], accepted=True, timings={"aggregate": 0.5, "decrypt": 1.0}, union_ratio=0.5)
+    lost = ClusterRound(["b0", "b1", "b2"], 0.0, "done", updates={"b0": note(50)}, straggled=["b1", "b2"],
+                        offline={"b1"}, failed={"b2": "out of memory"}, accepted=False, reason="key server away",
+                        refused={"b9": "bad fingerprint"}, timings={"aggregate": 0.25})
+    work = {"a0": {"steps": 3, "full_steps": 5, "budget": 0.5}, "a1": {"cluster": 0}}
+    tally = round_tally(4, {1: lost, 0: ok}, work=work, plan=plan, model_bytes=1000, min_encryptors=2,
+                        notes=["round 4: c9 offline, not sampled"])
+    assert tally.bytes_up == 450 and tally.bytes_down == 3000  # the accepted cluster's three members
+    assert tally.work == {"a0": {"steps": 3, "full_steps": 5, "budget": 0.5}}
+    assert tally.phases["aggregate"] == 0.75 and tally.phases["decrypt"] == 1.0 and tally.union_ratios == [0.5]
+    assert tally.notes == [
+        "round 4: c9 offline, not sampled",
+        "round 4 cluster 0: closed without a2 (deadline)",
+        "round 4 cluster 1: model unchanged (key server away)",
+        "round 4 cluster 1: refused the update of b9 (bad fingerprint)",
+        "round 4 cluster 1: closed without b1 (offline)",
+        "round 4 cluster 1: closed without b2 (failed)",
+    ]
+    assert ok.record()["updates"] == ["a0", "a1"] and note(7).facts()["bytes_up"] == 7
