@@ -79,7 +79,7 @@ from senseshield.results import (
     weighted_accuracy,
 )
 from senseshield.strategies import BootstrapReport, FleetPlan
-from senseshield.strategies.base import RoundCosts, measured_intervals
+from senseshield.strategies.base import EncryptionRate, RoundCosts, measured_intervals
 from senseshield.engine.work import full_steps, recent_median
 from senseshield.rounds import plan_local_steps
 
@@ -580,7 +580,8 @@ class Coordinator(Service):
     def _report_of(self, agent_id: str) -> BootstrapReport:
         info = self.agents[agent_id]
         return BootstrapReport(agent_id, info.hello.n_samples, info.hello.bandwidth, info.hello.cpu_speed, info.vector,
-                               RoundCosts.from_profile(info.hello.profile), measured_intervals(info.hello.profile))
+                               RoundCosts.from_profile(info.hello.profile), measured_intervals(info.hello.profile),
+                               EncryptionRate.from_profile(info.hello.profile))
 
     def _admit(self, agent_id: str) -> None:
         """A device that joined after the bootstrap: once ready (bootstrap vector in), the

@@ -146,6 +146,9 @@ class DeviceProfile(BaseModel):
             "schemes (packed Paillier, CKKS) this counts values, not ciphertexts."
         ),
     )
+    he_bytes_per_value: Optional[float] = Field(
+        None, gt=0, description="Ciphertext bytes on the wire per encrypted value with he_scheme at he_key_bits."
+    )
     bandwidth_up_mbps: Optional[float] = Field(
         None, gt=0, description="Measured MB/s through the broker; None unless measured."
     )
@@ -371,6 +374,7 @@ class HEMeasurement:
     setup_s: float  # the first encryption (builds tables such as packed Paillier's fixed-base table)
     encrypt_s: float  # the timed encryptions
     spread: Spread | None = None  # values/s of the timed calls at the final vector length
+    bytes_per_value: float | None = None  # ciphertext bytes on the wire per value
 
 
 def resolve_key_bits(scheme: str, key_bits: int | None) -> int | None:
@@ -427,11 +431,15 @@ def measure_encryption(
     rng = np.random.default_rng(0)
     n = max(1, int(public_key.block_size))
 
+    sent: list[float] = []
+
     def encrypt(count: int) -> float:
         values = rng.uniform(-0.5, 0.5, count)
         start = time.perf_counter()
-        public_key.encrypt(values, np.arange(count, dtype=np.int64))
-        return time.perf_counter() - start
+        vector = public_key.encrypt(values, np.arange(count, dtype=np.int64))
+        elapsed = time.perf_counter() - start
+        sent[:] = [len(public_key.ciphertext_bytes(vector)) / count]
+        return elapsed
 
     setup_s = encrypt(n)
     rates: list[float] = []
@@ -446,7 +454,7 @@ def measure_encryption(
             n *= 2
             rates = []  # only calls of the final length count
     spread = summarise(rates)
-    return HEMeasurement(scheme, key_bits, spread.median, keygen_s, setup_s, spent, spread)
+    return HEMeasurement(scheme, key_bits, spread.median, keygen_s, setup_s, spent, spread, sent[0])
 
 
 @dataclass(frozen=True)
@@ -657,6 +665,7 @@ def measure_profile(
         he_scheme=he.scheme,
         he_key_bits=he.key_bits,
         he_encryptions_per_s=he.encryptions_per_s,
+        he_bytes_per_value=he.bytes_per_value,
         bandwidth_up_mbps=up,
         bandwidth_down_mbps=up,
         cpu_speed=cpu_speed_of(facts["clock_mhz"], cores),
