@@ -695,6 +695,7 @@ class Coordinator(Service):
         sampled = set(ids) if o.sample_rate >= 1.0 else {a for a in ids if self.sampler.random() < o.sample_rate}
         self.round, self.clusters, self.offline_notes = r, {}, []
         self._recalibrate(r)
+        self._refresh_measured(r)
         self.steps_of = self._local_steps(r, sorted(sampled & online))
         self.round_started = time.time()
         offline = sorted(sampled - online)
@@ -827,6 +828,55 @@ class Coordinator(Service):
         self.plan.budget_of.update(budgets)
         self.plan.budget_notes.setdefault("rounds", {})[str(r)] = notes["clusters"]
         self.log.info("round %d: calibrated budgets %s", r, {a: round(b, 3) for a, b in sorted(budgets.items())})
+
+    def round_encryption_rates(self, agent: str) -> list[float]:
+        """Values ``agent`` encrypted per second in each of its delivered rounds since round 2
+        (round 1 warms torch and the HE tables up), oldest first: encrypted share x model size
+        over its encrypt seconds (rounds encrypting under 5 ms are left out: too short to time)."""
+        rates = []
+        for rr, raw in sorted(self.agent_rounds.get(agent, {}).items()):
+            enc, f = (raw.get("agent_timings") or {}).get("encrypt", 0.0), raw.get("he_ratio")
+            if int(rr) >= 2 and f and enc > 0.005:
+                rates.append(f * self.size / enc)
+        return rates
+
+    def _refresh_measured(self, r: int, window: int = 5) -> None:
+        """Measured budgets, before round ``r``: a cluster whose members all measured their
+        encryption rate at join and all delivered a timed round since round 2 gets budgets from
+        what the rounds showed -- each device's median rate over its last ``window`` rounds
+        (:func:`senseshield.engine.work.recent_median`: one busy round does not move it), with
+        their min/max as its interval (devices that agree within it are pooled). Rates from
+        rounds and from the join are never mixed in one cluster (the rounds' encryption runs
+        on precomputed randomness)."""
+        if self.plan is None or self.config.options.budget_mode != "measured" or r < 3:
+            return
+        from dataclasses import replace
+
+        reports = {a: self._report_of(a) for a in sorted(self.plan.cluster_of) if a in self.agents}
+        refreshed = []
+        for k in self.plan.clusters:
+            members = [a for a in self.plan.members(k) if a in reports]
+            seen = {a: self.round_encryption_rates(a)[-window:] for a in members}
+            if not members or any(reports[a].encryption is None or not seen[a] for a in members):
+                continue
+            for a in members:
+                rep = reports[a]
+                intervals = dict(rep.intervals, he_encryptions_per_s=(min(seen[a]), max(seen[a])))
+                reports[a] = replace(rep, intervals=intervals,
+                                     encryption=replace(rep.encryption, per_s=recent_median(seen[a], k=window)))
+            refreshed.append(k)
+        if not refreshed:
+            return
+        cluster_of = {a: self.plan.cluster_of[a] for a in reports}
+        result = self.strategy.rebudget(list(reports.values()), cluster_of, size=self.size, block_size=self.block_size)
+        if result is None:
+            return
+        budgets, notes = result
+        changed = {a: b for a, b in budgets.items() if self.plan.cluster_of[a] in refreshed}
+        self.plan.budget_of.update(changed)
+        self.plan.budget_notes.setdefault("rounds", {})[str(r)] = {
+            str(k): v for k, v in notes.get("clusters", {}).items() if int(k) in refreshed}
+        self.log.info("round %d: budgets from round timings %s", r, {a: round(b, 3) for a, b in sorted(changed.items())})
 
     def _on_proposal(self, item: Inbound) -> None:
         agent_id = check_sender(item)

@@ -65,6 +65,10 @@ from senseshield.errors import ConfigError
 DEFAULT_SCHEME = "packed-paillier"
 DEFAULT_BANDWIDTH_MBPS = 10.0
 """Declared r_i (MB/s) when the bandwidth is not measured (~80 Mbit/s, a decent Wi-Fi link)."""
+LOOPBACK_BANDWIDTH_MBPS = 1000.0
+"""r_i (MB/s) of an agent whose broker is on its own host (loopback): no network limits it, and
+probes through a local broker measure how busy the host is, not a link (the measured figure
+stays in ``bandwidth_up_mbps``)."""
 DEFAULT_CLOCK_GHZ = 1.5
 """Clock assumed per core when it cannot be read (a Raspberry Pi 4's 1.5 GHz)."""
 
@@ -170,8 +174,9 @@ class DeviceProfile(BaseModel):
     bandwidth: float = Field(
         gt=0,
         description=(
-            f"r_i for the coordinator, MB/s: bandwidth_up_mbps if measured, else the declared "
-            f"default {DEFAULT_BANDWIDTH_MBPS:g}."
+            f"r_i for the coordinator, MB/s: bandwidth_up_mbps if measured (at least "
+            f"{LOOPBACK_BANDWIDTH_MBPS:g}, non-limiting, when the broker is on this host), else the "
+            f"declared default {DEFAULT_BANDWIDTH_MBPS:g}."
         ),
     )
     cpu_share: Optional[float] = Field(
@@ -328,6 +333,71 @@ def clock_mhz(*, cpuinfo: Path = CPUINFO) -> float | None:
     return max(speeds) if speeds else None
 
 
+def _cgroup_dirs(cgroup_file: Path, mounts: Path) -> list[tuple[str, Path, str]]:
+    """(version, mount point, this process's path in it) of the hierarchies holding the cpu
+    controller: cgroup v2 (``0::/path``) and a v1 hierarchy with ``cpu``."""
+    points: dict[str, Path] = {}
+    for line in (_read_text(mounts) or "").splitlines():
+        parts = line.split()
+        if len(parts) >= 4 and parts[2] == "cgroup2":
+            points.setdefault("v2", Path(parts[1]))
+        elif len(parts) >= 4 and parts[2] == "cgroup" and "cpu" in parts[3].split(","):
+            points.setdefault("v1", Path(parts[1]))
+    out = []
+    for line in (_read_text(cgroup_file) or "").splitlines():
+        number, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if number == "0" and controllers == "" and "v2" in points:
+            out.append(("v2", points["v2"], path))
+        elif "cpu" in controllers.split(",") and "v1" in points:
+            out.append(("v1", points["v1"], path))
+    return out
+
+
+def _quota(version: str, where: Path) -> float | None:
+    """CPUs one cgroup directory allows (quota / period), None when unlimited or unreadable."""
+    try:
+        if version == "v2":
+            fields = (_read_text(where / "cpu.max") or "").split()
+            if len(fields) != 2 or fields[0] == "max":
+                return None
+            quota, period = float(fields[0]), float(fields[1])
+        else:
+            quota = float((_read_text(where / "cpu.cfs_quota_us") or "-1").strip())
+            period = float((_read_text(where / "cpu.cfs_period_us") or "0").strip())
+    except ValueError:
+        return None
+    return quota / period if quota > 0 and period > 0 else None
+
+
+def cpu_limit(*, cgroup_file: Path = Path("/proc/self/cgroup"), mounts: Path = Path("/proc/self/mounts")) -> float | None:
+    """CPUs this process's cgroup allows: the least quota / period along its cgroup path (v2
+    ``cpu.max``, v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``), from the process's own
+    cgroup up to the root; None when nothing limits it or the cgroup files are not visible
+    (e.g. inside ``ip netns exec``, which mounts a fresh /sys)."""
+    limits = []
+    for version, root, path in _cgroup_dirs(cgroup_file, mounts):
+        where = root / path.lstrip("/")
+        if not where.is_dir():  # a cgroup namespace: the mount's root is our own cgroup
+            where = root
+        while True:
+            limit = _quota(version, where)
+            if limit is not None:
+                limits.append(limit)
+            if where == root or root not in where.parents:
+                break
+            where = where.parent
+    return min(limits) if limits else None
+
+
+def cpu_share(threads: int = 1, *, limit: float | None = None) -> float:
+    """CPUs ``threads`` busy threads of this process can have: ``min(threads, cpu_limit())``.
+    A measured rate per CPU-second times this is what the device sustains: a neighbour's CPU
+    hog (it takes wall time, not CPU time) does not lower it, this cgroup's quota does."""
+    limit = cpu_limit() if limit is None else limit
+    return float(threads) if limit is None else min(float(threads), limit)
+
+
 # ---- microbenchmarks ---------------------------------------------------------------------------
 
 
@@ -338,8 +408,9 @@ def measure_gflops(n: int = 512, probes: int = 5, min_seconds: float = 0.05) -> 
     time. Returns the :class:`~senseshield.engine.measurements.Spread` of the probes (the
     profile's ``gflops`` is the median).
 
-    It measures what the device offers now: a busy device (another process on a core that
-    torch's threads need) scores lower in the probes that overlap the busy spell.
+    A probe's figure is its flops per CPU-second of this process times the CPUs torch's
+    threads may use (:func:`cpu_share`): another process busy on the same cores takes wall
+    time, not this process's CPU time, so it does not lower the figure; a cgroup CPU quota does.
     """
     import torch
 
@@ -351,14 +422,16 @@ def measure_gflops(n: int = 512, probes: int = 5, min_seconds: float = 0.05) -> 
     b = torch.randn(n, n, generator=generator, dtype=torch.float32)
     torch.mm(a, b)
 
+    share = cpu_share(torch.get_num_threads())
+
     def probe() -> float:
-        done, start = 0, time.perf_counter()
+        done, start, cpu = 0, time.perf_counter(), time.process_time()
         while True:
             torch.mm(a, b)
             done += 1
-            elapsed = time.perf_counter() - start
-            if elapsed >= min_seconds:
-                return 2.0 * n**3 * done / max(elapsed, 1e-9) / 1e9
+            if time.perf_counter() - start >= min_seconds:
+                spent = time.process_time() - cpu
+                return 2.0 * n**3 * done / max(spent, 1e-9) / 1e9 * share
 
     return summarise([probe() for _ in range(probes)])
 
@@ -408,7 +481,9 @@ def measure_encryption(
     The key is generated once (``keygen_s``); one warm-up encryption of one block
     (``setup_s``); then vectors of whole blocks, doubling in length while one encryption
     takes under ``budget_s / 8``, are encrypted until ``budget_s`` is spent (at least three
-    calls at the final length). The rate is the median values/second of the calls at the
+    calls at the final length). A call's time is this thread's CPU time over the share of a
+    CPU the process's cgroup allows (:func:`cpu_share`): a neighbour's CPU hog does not lower
+    the rate, a CPU quota does. The rate is the median values/second of the calls at the
     final length (``spread`` summarises them), so per-value schemes and packed ones (66
     values per packed-Paillier ciphertext, thousands per CKKS ciphertext) are both counted
     in values.
@@ -433,11 +508,15 @@ def measure_encryption(
 
     sent: list[float] = []
 
+    share = cpu_share(1)  # encryption runs on this thread
+
     def encrypt(count: int) -> float:
+        """Seconds of this thread's CPU the encryption of ``count`` values takes, over the
+        share of a CPU this process may have (a neighbour's load does not count, a quota does)."""
         values = rng.uniform(-0.5, 0.5, count)
-        start = time.perf_counter()
+        start = time.thread_time()
         vector = public_key.encrypt(values, np.arange(count, dtype=np.int64))
-        elapsed = time.perf_counter() - start
+        elapsed = (time.thread_time() - start) / share
         sent[:] = [len(public_key.ciphertext_bytes(vector)) / count]
         return elapsed
 
@@ -659,6 +738,9 @@ def measure_profile(
     summaries["he_encryptions_per_s"] = ProbeSummary.of(he.spread)
 
     timings["total"] = time.perf_counter() - began
+    bandwidth = DEFAULT_BANDWIDTH_MBPS if up is None else up
+    if up is not None and is_loopback(broker):
+        bandwidth = max(up, LOOPBACK_BANDWIDTH_MBPS)
     return DeviceProfile(
         **facts,
         gflops=gflops.median,
@@ -669,10 +751,27 @@ def measure_profile(
         bandwidth_up_mbps=up,
         bandwidth_down_mbps=up,
         cpu_speed=cpu_speed_of(facts["clock_mhz"], cores),
-        bandwidth=DEFAULT_BANDWIDTH_MBPS if up is None else up,
+        bandwidth=bandwidth,
         timings=timings,
         measurements=summaries,
     )
+
+
+def is_loopback(broker: str | None) -> bool:
+    """Whether ``broker`` is on this host (localhost, 127.0.0.0/8, ::1)."""
+    import ipaddress
+
+    if broker is None:
+        return False
+    from senseshield.runtime.transport import parse_broker
+
+    host = parse_broker(broker)[0]
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def bound_profile(measured: DeviceProfile, declared: DeviceProfile, source: str) -> DeviceProfile:

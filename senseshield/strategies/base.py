@@ -469,8 +469,12 @@ class Strategy(ABC):
         block_size: int = 1,
         observed: dict[str, tuple[float, float]] | None = None,
     ) -> tuple[dict[str, float], dict[str, Any]] | None:
-        """Between rounds: new budgets from refined costs, or None to keep them (default)."""
-        return None
+        """Between rounds: new budgets from refined figures (measured mode: the reports'
+        ``encryption`` rates as the rounds showed them), or None to keep them (paper mode)."""
+        if self.options.budget_mode != "measured":
+            return None
+        budgets, notes = self.budgets_for(reports, cluster_of, size=size, block_size=block_size)
+        return budgets, {"mode": "measured", "clusters": notes}
 
     def consensus(
         self, proposals: Sequence[np.ndarray], *, size: int, block_size: int = 1
