@@ -12,7 +12,7 @@ together with the defaults (`--profile auto`), idle and next to two busy-looping
 
 Needs root and a writable cpu cgroup controller.
 
-    python benchmarks/bench_straggle.py [--agents 4] [--rounds 6] [--quota 0.05] [--out benchmarks/results/straggle.json]
+    python benchmarks/bench_straggle.py [--agents 4] [--rounds 10] [--quota 0.05] [--out benchmarks/results/straggle.json]
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def identical(n: int, hogs: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--agents", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--quota", type=float, default=0.05, help="CPU share of the slow agent (0.05 = 5 %% of a CPU)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/straggle.json"))
     parser.add_argument("--skip-fleet", action="store_true", help="only the identical-agents joins")
