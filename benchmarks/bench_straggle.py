@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 from edge_agent.profile import cpu_name
 from senseshield.bench.budgets import join_budgets, spread
 from senseshield.job import Job
@@ -70,12 +72,18 @@ def run(agents: int, rounds: int, slow: str, group: Path, limit: float | None, o
     joined = (report.get("budgets") or {}).get("clusters") or {}
     final = {c["id"]: c.get("encryption_budget") for c in report.get("clients", [])}
     st = report.get("straggling") or {}
+    phases = {}
+    for agent in report.get("agents", []):
+        rows = [x for x in (agent.get("rounds") or {}).values() if x.get("delivered")]
+        names = sorted({k for x in rows for k in x.get("phases", {})} - {"wait_model"})
+        phases[agent["id"]] = {k: round(float(np.median([x["phases"].get(k, 0.0) for x in rows])), 3) for k in names}
+        phases[agent["id"]]["busy"] = round(float(np.median([x["busy_s"] for x in rows if x.get("busy_s") is not None])), 3)
     return {
         "straggle_limit": limit, "seconds": round(seconds, 1), "final_accuracy": report.get("final_accuracy"),
         "median_straggling": st.get("median_ratio"),
         "straggling_per_round": [x.get("ratio") for x in st.get("rounds", [])],
         "budget_notes_at_join": joined, "budgets_at_end": final, "work": work,
-        "budget_refreshes": (report.get("budgets") or {}).get("rounds"),
+        "budget_refreshes": (report.get("budgets") or {}).get("rounds"), "phases": phases,
     }
 
 
@@ -118,6 +126,10 @@ def main() -> None:
                       f"{r['median_straggling']}, per round {r['straggling_per_round']}, {r['seconds']} s", flush=True)
                 print(f"  budgets at end {r['budgets_at_end']}", flush=True)
                 print(f"  steps per round {steps}", flush=True)
+                budgets = {a: [round(r["work"][k][a]["budget"], 4) for k in sorted(r["work"], key=int)
+                               if r["work"][k] and a in r["work"][k]] for a in agent_ids(args.agents)}
+                print(f"  budget per round {budgets}", flush=True)
+                print(f"  median phases (s) {r['phases']}", flush=True)
         finally:
             for pid in (group / "cgroup.procs").read_text().split():
                 subprocess.run(["kill", "-9", pid], check=False)

@@ -853,14 +853,16 @@ class Coordinator(Service):
                 rates.append(f * self.size / enc)
         return rates
 
-    def _refresh_measured(self, r: int, window: int = 5) -> None:
+    def _refresh_measured(self, r: int, window: int = 5, least: int = 3) -> None:
         """Measured budgets, before round ``r``: a cluster whose members all measured their
-        encryption rate at join and all delivered a timed round since round 2 gets budgets from
-        what the rounds showed -- each device's median rate over its last ``window`` rounds
-        (:func:`senseshield.engine.work.recent_median`: one busy round does not move it), with
-        their min/max as its interval (devices that agree within it are pooled). Rates from
-        rounds and from the join are never mixed in one cluster (the rounds' encryption runs
-        on precomputed randomness)."""
+        encryption rate at join and all delivered ``least`` timed rounds since round 2 gets
+        budgets from what the rounds showed -- each device's median rate over its last
+        ``window`` rounds (:func:`senseshield.engine.work.recent_median`: one busy round does
+        not move it), with their min/max as its interval (devices that agree within it are
+        pooled: a round's rate depends on how full its precomputed-randomness pool was and on
+        the machine's load, so identical devices' rates scatter 2-3x from round to round, and
+        ``least`` rounds make their intervals overlap). Rates from rounds and from the join are
+        never mixed in one cluster (the rounds' encryption runs on precomputed randomness)."""
         if self.plan is None or self.config.options.budget_mode != "measured" or r < 3:
             return
         from dataclasses import replace
@@ -870,7 +872,7 @@ class Coordinator(Service):
         for k in self.plan.clusters:
             members = [a for a in self.plan.members(k) if a in reports]
             seen = {a: self.round_encryption_rates(a)[-window:] for a in members}
-            if not members or any(reports[a].encryption is None or not seen[a] for a in members):
+            if not members or any(reports[a].encryption is None or len(seen[a]) < least for a in members):
                 continue
             for a in members:
                 rep = reports[a]
