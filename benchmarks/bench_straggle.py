@@ -12,7 +12,7 @@ together with the defaults (`--profile auto`), idle and next to two busy-looping
 
 Needs root and a writable cpu cgroup controller.
 
-    python benchmarks/bench_straggle.py [--agents 4] [--rounds 10] [--quota 0.05] [--out benchmarks/results/straggle.json]
+    python benchmarks/bench_straggle.py [--agents 4] [--rounds 10] [--quota 0.05] [--epochs 1] [--skip-identical] [--out benchmarks/results/straggle.json]
 """
 
 from __future__ import annotations
@@ -54,9 +54,9 @@ def quota_group(share: float) -> tuple[Path, callable]:
     return group
 
 
-def run(agents: int, rounds: int, slow: str, group: Path, limit: float | None, out: Path) -> dict:
+def run(agents: int, rounds: int, slow: str, group: Path, limit: float | None, out: Path, epochs: int = 1) -> dict:
     job = Job(strategy="sensecrypt", model="mlp", dataset="digits", partition="iid", clients=agents, rounds=rounds,
-              key_bits=1024, seed=0, options=StrategyOptions(straggle_limit=limit))
+              key_bits=1024, seed=0, local_epochs=epochs, options=StrategyOptions(straggle_limit=limit))
 
     def wrap(name: str, argv: list[str]) -> list[str]:
         if name != slow:
@@ -106,11 +106,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--quota", type=float, default=0.05, help="CPU share of the slow agent (0.05 = 5 %% of a CPU)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/straggle.json"))
+    parser.add_argument("--epochs", type=int, default=1, help="local epochs per round (more: training dominates the round)")
     parser.add_argument("--skip-fleet", action="store_true", help="only the identical-agents joins")
+    parser.add_argument("--skip-identical", action="store_true", help="only the fleet runs")
     args = parser.parse_args()
     result: dict = {"machine": f"{cpu_name()}, {os.cpu_count()} vCPUs, {platform.system()}",
                     "date": time.strftime("%Y-%m-%d"), "agents": args.agents, "rounds": args.rounds,
-                    "quota": args.quota, "runs": [], "identical": []}
+                    "quota": args.quota, "epochs": args.epochs, "runs": [], "identical": []}
     slow = agent_ids(args.agents)[-1]
     result["slow_agent"] = slow
     if not args.skip_fleet:
@@ -118,7 +120,7 @@ def main() -> None:
         try:
             for limit in (None, 2.0):
                 with tempfile.TemporaryDirectory() as tmp:
-                    r = run(args.agents, args.rounds, slow, group, limit, Path(tmp))
+                    r = run(args.agents, args.rounds, slow, group, limit, Path(tmp), args.epochs)
                 result["runs"].append(r)
                 steps = {a: [r["work"][k][a]["steps"] for k in sorted(r["work"], key=int) if r["work"][k] and a in r["work"][k]]
                          for a in agent_ids(args.agents)}
@@ -135,7 +137,7 @@ def main() -> None:
                 subprocess.run(["kill", "-9", pid], check=False)
             time.sleep(0.5)
             group.rmdir()
-    for hogs in (0, 2):
+    for hogs in () if args.skip_identical else (0, 2):
         x = identical(3, hogs)
         result["identical"].append(x)
         print(f"3 identical agents, {hogs} busy neighbours: budgets {x['budgets']} max/min {x['max_over_min']:.3f}",
