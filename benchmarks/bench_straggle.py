@@ -12,7 +12,7 @@ together with the defaults (`--profile auto`), idle and next to two busy-looping
 
 Needs root and a writable cpu cgroup controller.
 
-    python benchmarks/bench_straggle.py [--agents 4] [--rounds 10] [--quota 0.05] [--epochs 1] [--skip-identical] [--out benchmarks/results/straggle.json]
+    python benchmarks/bench_straggle.py [--agents 4] [--rounds 10] [--quota 0.05] [--epochs N] [--skip-identical] [--out benchmarks/results/straggle.json]
 """
 
 from __future__ import annotations
@@ -54,9 +54,10 @@ def quota_group(share: float) -> tuple[Path, callable]:
     return group
 
 
-def run(agents: int, rounds: int, slow: str, group: Path, limit: float | None, out: Path, epochs: int = 1) -> dict:
+def run(agents: int, rounds: int, slow: str, group: Path, limit: float | None, out: Path, epochs: int | None = None) -> dict:
+    more = {} if epochs is None else {"local_epochs": epochs}
     job = Job(strategy="sensecrypt", model="mlp", dataset="digits", partition="iid", clients=agents, rounds=rounds,
-              key_bits=1024, seed=0, local_epochs=epochs, options=StrategyOptions(straggle_limit=limit))
+              key_bits=1024, seed=0, options=StrategyOptions(straggle_limit=limit), **more)
 
     def wrap(name: str, argv: list[str]) -> list[str]:
         if name != slow:
@@ -106,7 +107,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--quota", type=float, default=0.05, help="CPU share of the slow agent (0.05 = 5 %% of a CPU)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/straggle.json"))
-    parser.add_argument("--epochs", type=int, default=1, help="local epochs per round (more: training dominates the round)")
+    parser.add_argument("--epochs", type=int, default=None, help="local epochs per round (default: the job's, 2; more: training dominates the round)")
     parser.add_argument("--skip-fleet", action="store_true", help="only the identical-agents joins")
     parser.add_argument("--skip-identical", action="store_true", help="only the fleet runs")
     args = parser.parse_args()
