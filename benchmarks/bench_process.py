@@ -8,6 +8,8 @@ profile, ``--profile rpi4``) alone, as its own OS process, and measures:
 - ready: seconds to its retained status "online" on the broker (for the agent that is after
   its device profile is measured and it is connected);
 - idle RSS: the process's resident memory (VmRSS in /proc) 2 s after ready;
+- training RSS (agent): VmRSS of agent c000 of the fleet below 1 s into its round-2 training,
+  and its peak so far (VmHWM: rounds 1 and 2, evaluation included);
 - SIGTERM idle: seconds from SIGTERM to the process's exit, with its exit code.
 
 Then a 3-agent fleet (`senseshield.runtime.fleet.Fleet`, plaintext, enough local epochs
@@ -19,7 +21,7 @@ repeated ``--repeats`` times (median reported). Prints a table and writes
 ``--tree NAME=DIR`` (repeatable) runs the services from that source tree (PYTHONPATH=DIR),
 alternating the trees in every repeat, so a before/after comparison sees the same load.
 
-    python benchmarks/bench_process.py [--repeats 3] [--epochs 300] [--tree before=/tmp/old --tree after=.]
+    python benchmarks/bench_process.py [--repeats 3] [--epochs 300] [--agents-only] [--tree before=/tmp/old --tree after=.]
 """
 
 from __future__ import annotations
@@ -49,9 +51,10 @@ def cpu_model() -> str:
     return platform.processor()
 
 
-def rss_mb(pid: int) -> float:
+def rss_mb(pid: int, field: str = "VmRSS") -> float:
+    """Resident memory of a process in MB (``VmHWM``: its peak so far)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) / 1024
     return float("nan")
 
@@ -181,6 +184,7 @@ def mid_round(broker: MosquittoProcess, tmp: Path, n: int | str, epochs: int) ->
         plan_at = next(t for _, s, r, t in seen if s == "round-plan" and r == 2)
         time.sleep(1.0)  # well inside local training (several seconds)
         agent = fleet.processes["c000"]
+        training_rss, training_peak = rss_mb(agent.pid), rss_mb(agent.pid, "VmHWM")
         t = time.monotonic()
         agent.send_signal(signal.SIGTERM)
         code = agent.wait(120)
@@ -190,7 +194,7 @@ def mid_round(broker: MosquittoProcess, tmp: Path, n: int | str, epochs: int) ->
     watcher.stop()
     round1 = [at for _, s, r, at in seen if s == "update" and r == 1]
     plan1 = [at for _, s, r, at in seen if s == "round-plan" and r == 1]
-    return {"sigterm_round_s": took, "exit_code": code, "update_sent_before_sigterm": bool(updates and updates[0][1] < t),
+    return {"sigterm_round_s": took, "training_rss_mb": training_rss, "training_peak_rss_mb": training_peak, "exit_code": code, "update_sent_before_sigterm": bool(updates and updates[0][1] < t),
             "sigterm_after_plan_s": t - plan_at,
             "round1_plan_to_update_s": (round1[0] - plan1[0]) if round1 and plan1 else None}
 
@@ -201,12 +205,16 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=300, help="Local epochs of the mid-round job.")
     parser.add_argument("--tree", action="append", default=[],
                         help="NAME=DIR: run the services from this source tree (repeatable; default: this one).")
+    parser.add_argument("--agents-only", action="store_true", help="Measure the agent alone (skip the servers).")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "process.json")
     args = parser.parse_args()
     trees = dict(t.split("=", 1) for t in args.tree) or {"this": None}
     tmp = Path(tempfile.mkdtemp(prefix="bench-process-"))
     broker = MosquittoProcess(tmp / "broker").start()
     roles = ("keyserver", "coordinator", "agent", "agent_rpi4", "agent_mid_round")
+    if args.agents_only:
+        roles = roles[2:]
+    services = roles[:-1]
     runs: dict[str, dict[str, list[dict]]] = {name: {role: [] for role in roles} for name in trees}
     loads = []
     try:
@@ -215,7 +223,7 @@ def main() -> None:
                 if tree is not None:
                     os.environ["PYTHONPATH"] = str(Path(tree).resolve())
                 loads.append(os.getloadavg()[0])
-                for role in roles[:4]:
+                for role in services:
                     runs[name][role].append(one_service(role, broker, tmp, f"{name}-{n}"))
                     print(name, role, runs[name][role][-1], flush=True)
                 runs[name]["agent_mid_round"].append(mid_round(broker, tmp, f"{name}-{n}", args.epochs))
@@ -230,22 +238,25 @@ def main() -> None:
             return statistics.median(values) if values else None
 
         summary = {role: {key: median(role, key) for key in ("first_line_s", "ready_s", "idle_rss_mb", "sigterm_idle_s")}
-                   for role in roles[:4]}
-        for role in roles[:4]:
+                   for role in services}
+        for role in services:
             summary[role]["hangs"] = sum(r["sigterm_idle_s"] is None for r in by_role[role])
-        summary["agent"]["sigterm_round_s"] = median("agent_mid_round", "sigterm_round_s")
+        for key in ("sigterm_round_s", "training_rss_mb", "training_peak_rss_mb"):
+            summary["agent"][key] = median("agent_mid_round", key)
         summaries[name] = summary
         codes = {role: sorted({r["exit_code"] for r in rs}) for role, rs in by_role.items()}
         print(f"\n{name} (median of {args.repeats})")
         print(f"{'service':<12} {'first line s':>12} {'ready s':>8} {'idle RSS MB':>12} {'SIGTERM idle s':>15} "
               f"{'SIGTERM in round s':>19}  exit codes")
-        for role in roles[:4]:
+        for role in services:
             s = summary[role]
             in_round = f"{s['sigterm_round_s']:.2f}" if s.get("sigterm_round_s") is not None else "-"
             extra = codes[role] + (codes["agent_mid_round"] if role == "agent" else [])
             idle = f"{s['sigterm_idle_s']:.2f}" + (f" ({s['hangs']} hung)" if s["hangs"] else "")
             print(f"{role:<12} {s['first_line_s']:>12.2f} {s['ready_s']:>8.2f} {s['idle_rss_mb']:>12.0f} "
                   f"{idle:>15} {in_round:>19}  {sorted(set(extra), key=str)}")
+        a = summary["agent"]
+        print(f"agent training the MLP: RSS {a['training_rss_mb']:.0f} MB, peak {a['training_peak_rss_mb']:.0f} MB")
     result = {
         "machine": f"{cpu_model()}, {os.cpu_count()} vCPUs", "trees": trees,
         "load_1min_at_each_repeat": loads, "repeats": args.repeats, "mid_round_epochs": args.epochs,

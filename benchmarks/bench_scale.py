@@ -17,8 +17,16 @@ server's verify and decrypt seconds per cluster, the clusters, the coordinator's
 server's peak RSS, the MB published through the broker, and whether every update sent was
 counted in an accepted aggregate.
 
-    python benchmarks/bench_scale.py [--agents 10,100,300,1000] [--strategies plaintext,maskcrypt,sensecrypt]
-        [--rounds 3] [--key-bits 2048] [--out benchmarks/results/scale.json] [--quick]
+For each N the strategies run alternated ``--repeats`` times; a strategy's ratio to plaintext
+is taken within each repeat and the median reported, beside the CPU seconds of the
+coordinator and the key server. ``masked`` and ``plaintext`` form one cluster each (the same
+baseline); SenseCrypt clusters the three planted categories (three clusters), so its ratio
+also carries three aggregates per round. The masked scheme's agents each mask with their own
+pads (its updates cannot be replayed across agents), so the load generator masks N updates
+per round.
+
+    python benchmarks/bench_scale.py [--agents 10,100,1000] [--strategies plaintext,masked,sensecrypt]
+        [--rounds 4] [--repeats 2] [--model mlp] [--key-bits 2048] [--out benchmarks/results/scale.json] [--quick]
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ from senseshield.data import load_dataset  # noqa: E402
 from senseshield.data.shards import shards  # noqa: E402
 from senseshield.bench.he import _cpu_model  # noqa: E402
 from senseshield.he import SCHEMES  # noqa: E402
+from senseshield.he.base import round_context  # noqa: E402
 from senseshield.job import Job, announced_run, build_job_model, train_config  # noqa: E402
 from senseshield.device_noise import DeviceNoise  # noqa: E402
 from senseshield.rounds import choice_report, client_bootstrap, client_seed, local_update, protect_local  # noqa: E402
@@ -244,13 +253,18 @@ class LoadGenerator:
         t = self.template(agent)
         digest = hashlib.sha256(np.packbits(shared).tobytes()).hexdigest() if shared is not None else ""
         key = (t, plan.cluster, plan.encryption_budget, plan.block_size, digest)
+        own = self.public is not None and self.public.needs_contributors  # masked: every agent's own pads
+        if own:
+            key = (*key, agent, r)
         if key not in self.cache:  # encrypt this template's update once; every agent replays it
             context = ClientContext(f"template-{t}", 1, plan.cluster, plan.encryption_budget, shared, plan.block_size,
                                     participants=plan.participants, noise_multiplier=plan.noise_multiplier)
-            update, choice = protect_local(self.strategy, context, self.local[t], self.public,
+            public = (self.public.for_contributor(self.ids[agent].exchange, round_context(self.name, self.run_id, r, plan.cluster))
+                      if own else self.public)
+            update, choice = protect_local(self.strategy, context, self.local[t], public,
                                            n_samples=self.samples(t), rng=DeviceNoise().generator("protect", round=1, index=t))
             self.cache[key] = (update, update_to_message(update, self.public, report=choice_report(choice)))
-        update, message = self.cache[key]
+        update, message = self.cache.pop(key) if own else self.cache[key]
         fp = b""
         if verifiable and update.ciphertext is not None:
             seed = self.seeds[(agent, r)]
@@ -283,7 +297,7 @@ class LoadGenerator:
         for agent in sorted(self.sent_updates.get(r, ())):
             if self.cluster_of.get((agent, r)) == cluster:
                 self.send(agent, f"agents/{agent}/metrics",
-                          Metrics(cluster=cluster, accuracy=accuracy, n_test=len(data.y_test)), r)
+                          Metrics(cluster=cluster, metric=accuracy, n_test=len(data.y_test)), r)
 
 
 class Sampler:
@@ -295,6 +309,7 @@ class Sampler:
         from paho.mqtt.enums import CallbackAPIVersion
 
         self.fleet, self.peak = fleet, {"coordinator": 0, "keyserver": 0}
+        self.cpu = {"coordinator": 0.0, "keyserver": 0.0}  # user + system seconds, last reading
         self.bytes = 0
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._poll, daemon=True)
@@ -315,8 +330,10 @@ class Sampler:
             return
         try:
             text = Path(f"/proc/{proc.pid}/status").read_text()
+            fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             return
+        self.cpu[name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
         for line in text.splitlines():
             if line.startswith(("VmRSS:", "VmHWM:")):
                 self.peak[name] = max(self.peak[name], int(line.split()[1]) * 1024)
@@ -339,7 +356,7 @@ def run_scale(agents: int, strategy: str, *, rounds: int = 3, key_bits: int = 20
               broker_url: str, timeout: float = 3600.0, model: str = "linear") -> dict:
     """One (N, strategy) point; returns its summary (see the module docstring)."""
     config = Job(strategy=strategy, rounds=rounds, dataset="digits", model=model, partition=f"categories:{TEMPLATES}",
-                 key_bits=key_bits, scheme="packed-paillier" if strategy != "plaintext" else None,
+                 key_bits=key_bits, scheme=None if strategy in ("plaintext", "masked") else "packed-paillier",
                  round_deadline=max(120.0, agents * 0.6), clients=agents)
     options = FleetOptions(agents=agents, out=out, broker=broker_url, fleet=f"scale-{strategy}-{agents}",
                            join_timeout=timeout, log_level=os.environ.get("SCALE_LOG_LEVEL", "warning"))
@@ -348,9 +365,11 @@ def run_scale(agents: int, strategy: str, *, rounds: int = 3, key_bits: int = 20
         fleet.start()
         sampler = Sampler(fleet)
         load = LoadGenerator(fleet)
+        loadgen_cpu = time.process_time()
         load.run(timeout)
+        loadgen_cpu = time.process_time() - loadgen_cpu
+        sampler.stop()  # before the services exit: their last CPU reading
         report = fleet.wait(60)
-        sampler.stop()
     rounds_ = report["rounds"][1:] or report["rounds"]
     per_cluster = {"aggregate_streamed": [], "aggregate": [], "verify": [], "decrypt": []}
     counted = True
@@ -373,6 +392,9 @@ def run_scale(agents: int, strategy: str, *, rounds: int = 3, key_bits: int = 20
         "round_s": statistics.median(r["seconds"] for r in rounds_),
         "clusters": report["num_clusters"],
         **{f"{p}_s": (float(np.mean(v)) if v else 0.0) for p, v in per_cluster.items()},
+        "coordinator_cpu_s": sampler.cpu["coordinator"],
+        "keyserver_cpu_s": sampler.cpu["keyserver"],
+        "loadgen_cpu_s": loadgen_cpu,
         "coordinator_peak_rss_mb": sampler.peak["coordinator"] / 1e6,
         "keyserver_peak_rss_mb": sampler.peak["keyserver"] / 1e6,
         "broker_mb": sampler.bytes / 1e6,
@@ -388,37 +410,38 @@ def run_scale(agents: int, strategy: str, *, rounds: int = 3, key_bits: int = 20
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--agents", default="10,100,300,1000")
-    parser.add_argument("--strategies", default="plaintext,maskcrypt,sensecrypt")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--agents", default="10,100,1000")
+    parser.add_argument("--strategies", default="plaintext,masked,sensecrypt")
+    parser.add_argument("--rounds", type=int, default=4, help="rounds per run (round time: median of rounds 2..)")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of every strategy, alternated (ratios are taken "
+                        "within a repeat, then the median)")
     parser.add_argument("--key-bits", type=int, default=2048)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/scale.json")
-    parser.add_argument("--model", default="linear", help="the job's model (linear: 650 parameters, 10 blocks; "
-                        "mlp: 50,826 parameters, 771 blocks)")
-    parser.add_argument("--quick", action="store_true", help="N = 6 and 20, 2 rounds, 1024-bit (a smoke run)")
+    parser.add_argument("--model", default="mlp", help="the job's model (mlp: 50,826 parameters; linear: 650)")
+    parser.add_argument("--quick", action="store_true", help="N = 6 and 20, 2 rounds, 1 repeat, 1024-bit (a smoke run)")
     args = parser.parse_args()
     counts = [6, 20] if args.quick else [int(x) for x in args.agents.split(",")]
-    rounds, key_bits = (2, 1024) if args.quick else (args.rounds, args.key_bits)
-    rows = []
+    rounds, key_bits, repeats = (2, 1024, 1) if args.quick else (args.rounds, args.key_bits, args.repeats)
+    runs = []
     with tempfile.TemporaryDirectory() as tmp:
         broker = MosquittoProcess(Path(tmp) / "broker").start()
         try:
             for n in counts:
-                for strategy in args.strategies.split(","):
-                    row = run_scale(n, strategy, rounds=rounds, key_bits=key_bits, out=Path(tmp) / f"{strategy}-{n}",
-                                    broker_url=broker.url, model=args.model)
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
+                for rep in range(repeats):
+                    for strategy in args.strategies.split(","):
+                        row = run_scale(n, strategy, rounds=rounds, key_bits=key_bits,
+                                        out=Path(tmp) / f"{strategy}-{n}-{rep}", broker_url=broker.url, model=args.model)
+                        row["repeat"] = rep
+                        runs.append(row)
+                        print(json.dumps(row), flush=True)
         finally:
             broker.stop()
-    for row in rows:
-        base = next((r["round_s"] for r in rows if r["agents"] == row["agents"] and r["strategy"] == "plaintext"), None)
-        row["round_ratio_to_plaintext"] = row["round_s"] / base if base else None
+    rows = summarise(runs)
     result = {"benchmark": "scale", "date": time.strftime("%Y-%m-%d"),
               "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(),
                           "python": platform.python_version()},
               "model": f"{args.model}, digits, categories:3", "key_bits": key_bits, "rounds": rounds,
-              "rows": rows}
+              "repeats": repeats, "rows": rows, "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     from rich.console import Console
@@ -427,14 +450,42 @@ def main() -> None:
     print(markdown_table(rows))  # the README's rows, to paste
 
 
-HEADER = ["N", "strategy", "round s", "x plaintext", "clusters", "aggregate streamed / close s", "verify s",
-          "decrypt s", "coordinator RSS MB", "key server RSS MB", "broker MB", "every update counted"]
+def summarise(runs: list[dict]) -> list[dict]:
+    """One row per (N, strategy): medians over the repeats; the ratio to plaintext is taken
+    within each repeat (the runs beside each other), then its median; CPU seconds summed
+    over the coordinator and the key server (the load generator's, the agents' side, apart)."""
+    out = []
+    keys = sorted({(r["agents"], r["strategy"]) for r in runs}, key=lambda k: (k[0], [r["strategy"] for r in runs].index(k[1])))
+    for n, strategy in keys:
+        mine = [r for r in runs if (r["agents"], r["strategy"]) == (n, strategy)]
+        ratios = []
+        for r in mine:
+            base = next((b["round_s"] for b in runs if b["agents"] == n and b["strategy"] == "plaintext"
+                         and b["repeat"] == r["repeat"]), None)
+            if base:
+                ratios.append(r["round_s"] / base)
+        row = {k: (statistics.median(x[k] for x in mine) if isinstance(v, float) else v) for k, v in mine[0].items()
+               if k not in ("repeat", "loadgen_errors")}
+        row["round_s_runs"] = [x["round_s"] for x in mine]
+        row["round_ratio_to_plaintext"] = statistics.median(ratios) if ratios else None
+        row["round_ratios"] = ratios
+        row["services_cpu_s"] = statistics.median(x["coordinator_cpu_s"] + x["keyserver_cpu_s"] for x in mine)
+        row["every_update_counted"] = all(x["every_update_counted"] for x in mine)
+        row["loadgen_errors"] = [e for x in mine for e in x["loadgen_errors"]][:5]
+        out.append(row)
+    return out
+
+
+HEADER = ["N", "strategy", "round s (runs)", "x plaintext (median)", "services CPU s", "clusters",
+          "aggregate streamed / close s", "verify s", "decrypt s", "coordinator RSS MB", "key server RSS MB",
+          "broker MB", "every update counted"]
 
 
 def cells(r: dict) -> list[str]:
     """One row of the table, formatted (the rich and the markdown table share it)."""
     ratio = f"{r['round_ratio_to_plaintext']:.2f}" if r.get("round_ratio_to_plaintext") else "–"
-    return [str(r["agents"]), r["strategy"], f"{r['round_s']:.2f}", ratio, str(r["clusters"]),
+    runs = " / ".join(f"{x:.2f}" for x in r.get("round_s_runs", [r["round_s"]]))
+    return [str(r["agents"]), r["strategy"], runs, ratio, f"{r.get('services_cpu_s', 0.0):.1f}", str(r["clusters"]),
             f"{r['aggregate_streamed_s']:.3f} / {r['aggregate_s']:.3f}", f"{r['verify_s']:.3f}", f"{r['decrypt_s']:.3f}",
             f"{r['coordinator_peak_rss_mb']:.0f}", f"{r['keyserver_peak_rss_mb']:.0f}", f"{r['broker_mb']:.1f}",
             "yes" if r["every_update_counted"] else "NO"]
@@ -444,8 +495,9 @@ def rich_table(result: dict):  # noqa: ANN201 - rich.table.Table, imported lazil
     from rich.table import Table
 
     machine = result["machine"]
-    table = Table(title=f"Scale: {result['model']}, {result['key_bits']}-bit key, {result['rounds']} rounds "
-                        "(round s: median of rounds 2..; aggregate, verify, decrypt: s per cluster and round)",
+    table = Table(title=f"Scale: {result['model']}, {result['key_bits']}-bit key, {result['rounds']} rounds x "
+                        f"{result.get('repeats', 1)} alternated repeats (round s: median of rounds 2..; aggregate, "
+                        "verify, decrypt: s per cluster and round)",
                   caption=f"{machine['cpu']}, {machine['cores']} cores, {result['date']}")
     for i, header in enumerate(HEADER):
         table.add_column(header, justify="left" if i == 1 else "right")

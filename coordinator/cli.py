@@ -28,7 +28,7 @@ def _root(version: Annotated[bool, version_option("coordinator")] = False) -> No
 def serve(
     broker: Broker = defaults.BROKER,
     fleet: Fleet = defaults.FLEET,
-    job: Annotated[Optional[list[Path]], typer.Option("--job", help="Queue this job file (YAML/TOML) at start (a restart with the same --state-dir does not queue it again); repeatable. More come from `senseshield job submit`.")] = None,
+    job: Annotated[Optional[list[Path]], typer.Option("--job", help="Queue this job file at start: a signed job (`senseshield job sign`; a key server serves only operator-signed jobs) or, for a key server in development mode or with --allow-unsigned-jobs, YAML/TOML. A restart with the same --state-dir does not queue it again; repeatable. More come from `senseshield job submit`.")] = None,
     once: Annotated[bool, typer.Option("--once", help="Exit when the queued jobs are done (default: stay up and take jobs).")] = False,
     strategy: Annotated[Optional[str], typer.Option(help="Queue a job built from these flags (instead of --job): strategy name.")] = None,
     rounds: Annotated[Optional[int], typer.Option(help=f"With --strategy: federated rounds (default {defaults.ROUNDS}).")] = None,
@@ -51,6 +51,7 @@ def serve(
     max_message_mb: Annotated[float, typer.Option(help="Refuse messages larger than this (MB).")] = 256.0,
     metrics_port: Annotated[Optional[int], typer.Option(help="Serve Prometheus metrics on this port (default: off, or $SENSESHIELD_METRICS_PORT).")] = None,
     metrics_host: Annotated[str, typer.Option(help="Address the Prometheus endpoint binds to (0.0.0.0: every interface; the metrics name every device).")] = "127.0.0.1",
+    kill_before_close: Annotated[Optional[int], typer.Option(help="Fault drill: SIGKILL the coordinator once round R has every verdict, before it closes the round (not again after a restart).", hidden=True)] = None,
     mqtt: Mqtt = defaults.MQTT,
     ca_file: CaFile = None,
     username: Username = None,
@@ -73,15 +74,17 @@ def serve(
     from coordinator.service import Coordinator
     from senseshield.runtime.service import leave
     from senseshield.job import load_job, with_shape
+    from senseshield.runtime.jobsig import is_signed_job, read_job_bytes
 
     flags = {"rounds": rounds, "dataset": dataset, "model": model, "partition": partition, "seed": seed,
              "local_epochs": local_epochs, "batch_size": batch_size, "lr": lr, "key_bits": key_bits,
              "train_threads": train_threads}
     given = [k for k, v in flags.items() if v is not None] + (["scheme"] if scheme else []) + (["set"] if set_ else [])
-    jobs = []
+    jobs: list = []  # a Job, or (file, bytes) of a signed job, opened once the trust is loaded
     try:
         for path in job or []:
-            jobs.append(with_shape(load_job(path)))
+            data = read_job_bytes(path)
+            jobs.append((path, data) if is_signed_job(data) else with_shape(load_job(path)))
         if strategy is not None:
             if job:
                 raise ConfigError("--job and --strategy are alternatives; put the job's settings in the job file.")
@@ -107,14 +110,15 @@ def serve(
             broker, fleet=fleet, once=once, identity=me, trust=trusted, join_timeout=join_timeout, round_deadline=round_deadline,
             state_dir=state_dir, out_dir=out, protocol=check_mqtt(mqtt),
             max_frame_bytes=int(max_message_mb * 1e6), metrics_port=metrics_port,
-            metrics_host=metrics_host,
+            metrics_host=metrics_host, kill_before_close=kill_before_close,
         )
         # restarted with the same --job: the checkpointed job resumes, and a long-running
         # coordinator (a service restarted by its supervisor) does not run a finished one again
         booked = [r.spec for r in server.book.records.values() if not once or r.state in OPEN]
-        for spec in jobs:
+        queue = [server.open_signed(e[1], repr(str(e[0]))) if isinstance(e, tuple) else (e, b"", "") for e in jobs]
+        for spec, frame, operator in queue:
             if spec not in booked:
-                server.submit(spec)
+                server.submit(spec, signed=frame, operator=operator)
         server.link.secure(**security)
         server.install_signal_handlers()
         server.serve()

@@ -10,6 +10,7 @@ keeps the queue) and published as the retained ``jobs/board`` message (what ``jo
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 import uuid
@@ -44,10 +45,18 @@ class JobRecord:
     out: str | None = None  # where its report.json is (on the coordinator's host)
     reason: str = ""
     events: list[str] = field(default_factory=list)
+    # the operator's signed jobs/submit frame, base64 ("": an unsigned job); forwarded to the
+    # key server in fleet/config (senseshield.runtime.jobsig), not shown on the board
+    submission: str = ""
 
     @property
     def spec(self) -> Job:
         return Job(**self.job)
+
+    @property
+    def signed(self) -> bytes:
+        """The operator's signed job frame (b"": unsigned)."""
+        return base64.b64decode(self.submission)
 
 
 class JobBook:
@@ -61,13 +70,15 @@ class JobBook:
                 record = JobRecord(**entry)
                 self.records[record.id] = record
 
-    def add(self, job: Job, job_id: str | None = None) -> JobRecord:
-        """Queue ``job`` (a fresh id unless given) and return its record."""
+    def add(self, job: Job, job_id: str | None = None, *, signed: bytes = b"", operator: str = "") -> JobRecord:
+        """Queue ``job`` (a fresh id unless given), with the frame ``operator`` signed it in
+        (``signed``, b"": unsigned), and return its record."""
         job_id = job_id or f"j-{uuid.uuid4().hex[:8]}"
-        record = JobRecord(job_id, job.model_dump(mode="json"), job.label, rounds=job.rounds)
+        record = JobRecord(job_id, job.model_dump(mode="json"), job.label, rounds=job.rounds,
+                           submission=base64.b64encode(signed).decode())
         self.records[job_id] = record
         self.event(record, f"queued: {job.label} ({job.strategy}, model {job.model}, {job.rounds} rounds, "
-                           f"at least {job.min_devices} devices)")
+                           f"at least {job.min_devices} devices; " + (f"signed by {operator}" if signed else "unsigned") + ")")
         return record
 
     def get(self, job_id: str) -> JobRecord | None:
@@ -97,7 +108,8 @@ class JobBook:
         ordered = sorted(self.records.values(), key=lambda r: r.submitted_at)
         keep = [r for r in ordered if r.state in OPEN]
         rest = [r for r in ordered if r.state not in OPEN][-max(MAX_BOARD - len(keep), 0):]
-        return [asdict(r) for r in sorted(keep + rest, key=lambda r: r.submitted_at)]
+        return [{k: v for k, v in asdict(r).items() if k != "submission"}
+                for r in sorted(keep + rest, key=lambda r: r.submitted_at)]
 
     def save(self) -> None:
         if self.path is None:

@@ -35,6 +35,7 @@ from senseshield.he import SCHEMES, PublicKey
 from senseshield.runtime.protocol.envelope import DEFAULT_MAX_FRAME_BYTES
 from senseshield.runtime.protocol.messages import (
     Decline,
+    RoundFailure,
     JobBoard,
     JobCancel,
     JobReply,
@@ -64,8 +65,10 @@ from senseshield.runtime.protocol.messages import (
 from senseshield.accounting import Accountant, Epsilons, epsilons
 from senseshield.runtime.files import npy_bytes, write_atomic
 from senseshield.runtime.identity import Identity, Trust, check_frame
+from senseshield.runtime.jobsig import check_signed_job
 from senseshield.runtime.protocol.envelope import decode_frame
 from senseshield.runtime.service import Inbound, Service, Stopped, check_sender, writable_dir
+from coordinator.contributions import Contributions, aggregate_of
 from coordinator.jobs import OPEN, JobBook, JobRecord
 from senseshield.job import (
     Job, check_job, effective_scheme, initial_model, job_from_dict, job_shape, noise_multipliers, train_config,
@@ -75,8 +78,10 @@ from senseshield.results import (
     RoundRecord,
     RoundTally,
     RunResult,
+    metric_line,
     privacy_fields,
     weighted_accuracy,
+    weighted_metrics,
 )
 from senseshield.strategies import BootstrapReport, FleetPlan
 from senseshield.strategies.base import EncryptionRate, RoundCosts, measured_intervals
@@ -235,6 +240,7 @@ class ClusterRound:
     running: StreamingAggregate | None = None
     straggled: list[str] = field(default_factory=list)
     offline: set[str] = field(default_factory=set)  # members whose last will fired: not waited for
+    failed: dict[str, str] = field(default_factory=dict)  # members that said their round failed (why): not waited for
     request: bytes | None = None  # the aggregate frame, kept to re-send (reconnect, key server back)
     requested_at: float = 0.0
     sent_at: float = 0.0  # latest (re-)send of the request
@@ -242,6 +248,10 @@ class ClusterRound:
     reason: str = ""
     timings: dict[str, float] = field(default_factory=dict)
     timestamps: dict[str, float] = field(default_factory=dict)  # coordinator clock
+    # the updates, kept until the verdict (to aggregate again without a bad one), and the
+    # devices whose update the key server found at fault (agent -> why)
+    book: Contributions = field(default_factory=Contributions)
+    refused: dict[str, str] = field(default_factory=dict)
 
 
 class Coordinator(Service):
@@ -265,6 +275,7 @@ class Coordinator(Service):
         metrics_host: str = "127.0.0.1",
         identity: Identity | None = None,
         trust: Trust | None = None,
+        kill_before_close: int | None = None,
     ) -> None:
         """A long-running coordinator: jobs come from ``submit`` (``--job``) or ``jobs/submit``.
 
@@ -287,6 +298,7 @@ class Coordinator(Service):
         self.join_grace = join_grace
         self.deadline_override = round_deadline
         self.progress = progress
+        self.kill_before_close = kill_before_close  # fault drill: SIGKILL itself before closing this round
         self.book = JobBook(self.state_dir / f"jobs-{fleet}.json" if self.state_dir is not None else None)
         self.job: JobRecord | None = None
         self.cancelled: set[str] = set()
@@ -300,6 +312,7 @@ class Coordinator(Service):
             PublicKeyAnnouncement: self._on_key,
             Hello: self._on_hello,
             Decline: self._on_decline,
+            RoundFailure: self._on_failure,
             Status: self._on_status,
             BootstrapVector: self._on_bootstrap,
             Proposal: self._on_proposal,
@@ -314,21 +327,30 @@ class Coordinator(Service):
             self.on(cls, handler)
         self.watch("keyserver", self._on_keyserver_status)
         self.run_id = ""
+        self.key_refused = ""
         self.plan: FleetPlan | None = None
         self.agents: dict[str, AgentInfo] = {}
         self.clusters: dict[int, ClusterRound] = {}
 
     # ---- jobs ---------------------------------------------------------------------------
-    def submit(self, job: Job, job_id: str | None = None) -> JobRecord:
+    def submit(self, job: Job, job_id: str | None = None, *, signed: bytes = b"", operator: str = "") -> JobRecord:
         """Queue ``job`` after checking it as the fleet will run it (strategy, scheme, shape,
-        the model builds here); ConfigError naming what is wrong."""
+        the model builds here); ConfigError naming what is wrong. ``signed``: the frame
+        ``operator`` signed it in, forwarded to the key server (b"": an unsigned job, which a
+        key server refuses outside development mode or --allow-unsigned-jobs)."""
         if job_id is not None and (job_id in self.book.records or not job_id.replace("-", "").isalnum()):
             raise ConfigError(f"Job id {job_id!r} is not allowed; it is taken or not of letters, digits and '-'.")
         check_job(job)
-        record = self.book.add(job, job_id)
+        record = self.book.add(job, job_id, signed=signed, operator=operator)
         self.log.info("job %s queued: %s", record.id, job.label)
         self._publish_board()
         return record
+
+    def open_signed(self, data: bytes, where: str) -> tuple[Job, bytes, str]:
+        """(job, frame, operator) of a signed job file (``senseshield job sign``), checked as
+        the key server will check it; ConfigError naming ``where`` and what is wrong."""
+        operator, job = check_signed_job(data, self.trust, fleet=self.fleet, where=where)
+        return job, data, operator
 
     def _reply(self, reply: JobReply) -> None:
         self.replies[reply.request_id] = reply
@@ -348,7 +370,7 @@ class Coordinator(Service):
             self._reply(self.replies[msg.request_id])
             return
         try:
-            record = self.submit(job_from_dict(msg.job, where="job"))
+            record = self.submit(job_from_dict(msg.job, where="job"), signed=item.frame.raw, operator=item.sender)
             reply = JobReply(request_id=msg.request_id, accepted=True, job_id=record.id)
         except ConfigError as exc:
             self.log.warning("job refused: %s", exc)
@@ -379,6 +401,8 @@ class Coordinator(Service):
             raise KeyboardInterrupt
         if self.job is not None and self.job.id in self.cancelled:
             raise JobCancelled(self.job.id)
+        if self.job is not None and self.key_refused:  # the key server will not serve this job
+            raise ConfigError(self.key_refused)
 
     def _publish_board(self) -> None:
         if self.link.connected:
@@ -409,6 +433,7 @@ class Coordinator(Service):
 
         config = record.spec
         self.job, self.config = record, config
+        self.metric_name = train_config(config).metric_name  # accuracy, mse, ... (the job's task)
         self.strategy = build_strategy(config.strategy, config.options)
         self.scheme = effective_scheme(config, self.strategy)
         self.round_deadline = self.deadline_override or config.round_deadline
@@ -421,6 +446,7 @@ class Coordinator(Service):
         self.job_out = (self.out_dir if self.once else self.out_dir / "jobs" / record.id) if self.out_dir is not None else None
         self.public: PublicKey | None = None
         self.key_id: str | None = None
+        self.key_refused = ""  # the key server's one sentence if it refuses this job
         self.agents = {}
         self.refused: dict[str, str] = {}
         self.declined: dict[str, str] = {}
@@ -445,6 +471,7 @@ class Coordinator(Service):
         self.uplink_delays: dict[str, list[float]] = {}  # received - sent_at of small agent frames
         self.active: set[str] = set()  # agents sampled-able last round (joins and leaves)
         self.admitted: dict[str, int] = {}  # agent -> round it was admitted after the bootstrap
+        self.in_flight: dict | None = None  # the round under way: its number, start (and restart) time
         self._resume()
 
     # ---- registry -----------------------------------------------------------------------
@@ -454,6 +481,10 @@ class Coordinator(Service):
             raise ProtocolError(f"keys/public from {item.sender!r}; only the key server may announce keys.")
         if self.job is None or (msg.run_id and msg.run_id != self.run_id):
             return  # a key for another job (e.g. the previous job's, retained)
+        if msg.refused:  # e.g. not signed by a pinned operator: the job fails with this sentence
+            self.log.error("the key server refuses job %s: %s", self.run_id, msg.refused)
+            self.key_refused = msg.refused
+            return
         want = self.scheme or ""
         if msg.scheme != want:
             raise ProtocolError(f"The key server announces scheme {msg.scheme!r}; this run needs {want!r}.")
@@ -577,6 +608,20 @@ class Coordinator(Service):
         else:
             self.log.info("agent %s is not selected: %s", agent_id, msg.reason)
 
+    def _on_failure(self, item: Inbound) -> None:
+        """An agent's round failed (its training raised): the round closes without it now,
+        as for an agent gone offline, not at the deadline."""
+        agent_id = check_sender(item)
+        msg: RoundFailure = item.message  # type: ignore[assignment]
+        if self.job is None or msg.run_id != self.run_id:
+            raise ProtocolError(f"Round failure of job {msg.run_id} from {agent_id!r}; the current job is {self.run_id}.")
+        cr = self._cluster_round_of(agent_id, item.round, "round failure")
+        if agent_id in cr.updates:
+            raise ProtocolError(f"Round failure of {agent_id!r} for round {item.round}, whose update arrived; ignored.")
+        cr.failed[agent_id] = msg.reason
+        self.log.warning("round %d: agent %s failed its round: %s", item.round, agent_id, msg.reason)
+        self._advance()
+
     def _report_of(self, agent_id: str) -> BootstrapReport:
         info = self.agents[agent_id]
         return BootstrapReport(agent_id, info.hello.n_samples, info.hello.bandwidth, info.hello.cpu_speed, info.vector,
@@ -698,6 +743,7 @@ class Coordinator(Service):
         self._refresh_measured(r)
         self.steps_of = self._local_steps(r, sorted(sampled & online))
         self.round_started = time.time()
+        self._note_restart(r)
         offline = sorted(sampled - online)
         if offline:  # known gone (last will): not sampled until they are back
             self.offline_notes.append(f"round {r}: {', '.join(offline)} offline, not sampled")
@@ -785,6 +831,21 @@ class Coordinator(Service):
         if cut:
             self.log.info("round %d: partial work %s", r, {a: f"{s}/{full[a]} steps" for a, s in sorted(cut.items())})
         return cut
+
+    def _note_restart(self, r: int) -> None:
+        """Round ``r`` is the round a restarted coordinator had in flight: it keeps the time the
+        round first started (its seconds include the restart) and its notes say so. Then the
+        round is checkpointed as in flight."""
+        restarted = self.in_flight.get("restarted_at") if self.in_flight and self.in_flight["round"] == r else None
+        if restarted is not None:
+            self.round_started = self.in_flight["started_at"]
+            self.offline_notes.append(
+                f"round {r}: the coordinator restarted during this round "
+                f"({time.strftime('%H:%M:%S', time.localtime(restarted))}, {restarted - self.round_started:.1f} s "
+                "after it started) and resumed it from the previous round's checkpoint")
+        self.in_flight = {"round": r, "started_at": self.round_started,
+                          **({"restarted_at": restarted} if restarted is not None else {})}
+        self._checkpoint()
 
     def _recalibrate(self, r: int) -> None:
         """Calibrated budgets, before round ``r``: refine every device's costs from what its
@@ -916,28 +977,42 @@ class Coordinator(Service):
         if not 1 <= item.round <= self.round:
             raise ProtocolError(f"Update of {agent_id!r} is for round {item.round}; the current round is {self.round}.")
         hello = self._check_facts(agent_id, "Update", cluster=msg.cluster, size=msg.size)
-        if msg.n_samples != hello.n_samples:
-            raise ProtocolError(f"Update of {agent_id!r} claims {msg.n_samples} samples; it joined with {hello.n_samples}.")
+        if msg.n_samples != self.strategy.sample_weight(hello.n_samples):
+            raise ProtocolError(f"Update of {agent_id!r} weighs {msg.n_samples}; it joined with {hello.n_samples} samples, "
+                                f"which {self.strategy.name} weighs {self.strategy.sample_weight(hello.n_samples)}.")
         update = update_from_message(msg, self.public, client_id=agent_id, round=item.round, size=self.size)
         self._check_receipt(agent_id, item.round, msg)
         cr = self._cluster_round_of(agent_id, item.round, "update")
         if agent_id in cr.updates:
-            return  # a re-sent duplicate
+            if msg.receipt != cr.updates[agent_id].receipt and cr.phase in ("updates", "decrypting"):
+                # another update of the same device: kept aside, in case the key server finds
+                # the first one at fault (coordinator.contributions)
+                self.log.warning("round %d: a second, different update from %s kept aside", item.round, agent_id)
+                cr.book.spare(agent_id, update, self._note(update, item, msg))
+            return  # else a re-sent duplicate
         self._check_floor(agent_id, item.round, update.he_ratio, cr)
         if cr.phase != "updates" or agent_id not in cr.expected:
             self._late(agent_id, item.round, "update", item.received)
             return
         if cr.running is None:
-            cr.running = StreamingAggregate(self.public, size=self.size, round=item.round,
-                                            cluster=self.plan.cluster_of[agent_id],
-                                            min_encryptors=self.config.options.min_encryptors)
+            cr.running = self._new_aggregate(self.plan.cluster_of[agent_id], item.round)
         t = time.perf_counter()
         cr.running.add(update)  # a bad update is rejected here and changes nothing
         cr.timings["aggregate_streamed"] = cr.timings.get("aggregate_streamed", 0.0) + time.perf_counter() - t
-        cr.updates[agent_id] = UpdateNote(dict(update.timings), update.he_ratio, item.nbytes, msg.report,
-                                          mask_digest(update.mask, update.withheld), msg.receipt)
+        cr.updates[agent_id] = self._note(update, item, msg)
+        cr.book.keep(agent_id, update, cr.updates[agent_id])
         self.agent_rounds[agent_id][item.round]["update_received"] = item.received
         self._advance()
+
+    def _new_aggregate(self, k: int, r: int) -> StreamingAggregate:
+        """Cluster ``k``'s running aggregate of round ``r`` (the job's k-encryptors rule)."""
+        return StreamingAggregate(self.public, size=self.size, round=r, cluster=k,
+                                  min_encryptors=self.config.options.min_encryptors)
+
+    @staticmethod
+    def _note(update, item: Inbound, msg: UpdateMessage) -> UpdateNote:  # noqa: ANN001
+        return UpdateNote(dict(update.timings), update.he_ratio, item.nbytes, msg.report,
+                          mask_digest(update.mask, update.withheld), msg.receipt)
 
     def _check_receipt(self, agent_id: str, r: int, msg: UpdateMessage) -> None:
         """The update's receipt must be the agent's own signed statement about this update
@@ -1010,7 +1085,7 @@ class Coordinator(Service):
             if cr.phase == "proposals":
                 half = cr.deadline - self.round_deadline / 2
                 missing = [a for a in cr.members if a not in cr.proposals]
-                if set(missing) <= cr.offline or now >= half:
+                if set(missing) <= cr.offline | cr.failed.keys() or now >= half:
                     self._straggle(k, cr, missing, "proposal", half)
                     proposers = sorted(cr.proposals)
                     if proposers:
@@ -1025,7 +1100,7 @@ class Coordinator(Service):
                     cr.phase = "updates"
             if cr.phase == "updates":
                 missing = cr.expected - set(cr.updates)
-                if missing <= cr.offline or now >= cr.deadline:
+                if missing <= cr.offline | cr.failed.keys() or now >= cr.deadline:
                     self._straggle(k, cr, sorted(missing), "update", cr.deadline)
                     self._aggregate(k, cr)
             # an online key server silent for this long lost the request; an offline one is
@@ -1039,12 +1114,15 @@ class Coordinator(Service):
         for a in missing:
             cr.straggled.append(a)
             gone = a in cr.offline
+            failed = cr.failed.get(a) if not gone else None
             self.straggling.append({"round": self.round, "cluster": k, "agent": a,
-                                    "missing": "offline" if gone else what,
+                                    "missing": "offline" if gone else "failed" if failed else what,
                                     "deadline": deadline, "online": self._online(a),
                                     "arrived_late": False})
             if gone:
                 self.log.warning("round %d cluster %d: %s went offline (last will); closing without it", self.round, k, a)
+            elif failed:
+                self.log.warning("round %d cluster %d: %s failed its round; closing without it", self.round, k, a)
             else:
                 self.log.warning("round %d cluster %d: no %s from %s by the deadline; closing without it", self.round, k, what, a)
 
@@ -1061,9 +1139,13 @@ class Coordinator(Service):
             self.log.warning("round %d cluster %d: %s", self.round, k, cr.reason)
             return
         cr.running = None  # the memory goes with it
+        self._request(cr, aggregate, t)
+
+    def _request(self, cr: ClusterRound, aggregate, t: float) -> None:  # noqa: ANN001
+        """Send cluster round ``cr``'s aggregate (of the updates in ``cr.updates``) to the key server."""
         receipts = [cr.updates[a].receipt for a in sorted(cr.updates)]
         request = aggregate_to_message(aggregate, self.public, run_id=self.run_id, receipts=receipts)
-        cr.timings["aggregate"] = time.perf_counter() - t
+        cr.timings["aggregate"] = cr.timings.get("aggregate", 0.0) + time.perf_counter() - t
         cr.union_ratio = float(aggregate.union_mask.mean())  # type: ignore[attr-defined]
         cr.sealed = aggregate_sealed(aggregate, self.public)  # type: ignore[attr-defined]
         cr.request = self.frame(request, round=self.round)
@@ -1071,6 +1153,23 @@ class Coordinator(Service):
         cr.timestamps["requested_at"] = cr.requested_at
         cr.phase = "decrypting"
         self._send_request(cr)
+
+    def _try_without_one(self, k: int, cr: ClusterRound) -> bool:
+        """After a refusal at the fingerprint check: send the next attempt (one device's update
+        left out or replaced by its later one, coordinator.contributions); False when none is left."""
+        while (attempt := cr.book.next_attempt()) is not None:
+            t = time.perf_counter()
+            try:
+                running = aggregate_of(attempt, lambda: self._new_aggregate(k, self.round))
+                aggregate = running.result()
+            except ProtocolError as exc:  # a spare that does not fold: the next attempt
+                self.log.warning("round %d cluster %d: an attempt does not aggregate (%s)", self.round, k, exc)
+                continue
+            cr.updates = {a: note for a, (_, note) in attempt.items()}
+            self.log.info("round %d cluster %d: aggregating again over %s", self.round, k, sorted(attempt))
+            self._request(cr, aggregate, t)
+            return True
+        return False
 
     def _on_result(self, item: Inbound) -> None:
         if item.sender != "keyserver":
@@ -1081,6 +1180,13 @@ class Coordinator(Service):
         cr = self.clusters.get(msg.cluster)
         if cr is None or cr.phase != "decrypting":
             return
+        if msg.retry and not msg.accepted:
+            self.log.warning("round %d cluster %d: key server %s; looking for the update at fault",
+                             self.round, msg.cluster, msg.reason)
+            if self._try_without_one(msg.cluster, cr):
+                return
+        cr.refused.update(msg.excluded)
+        cr.book.clear()
         cr.accepted, cr.reason, cr.phase = msg.accepted, msg.reason, "done"
         cr.timings.update(msg.timings)
         cr.timings["decrypt_roundtrip"] = time.time() - cr.requested_at
@@ -1181,6 +1287,11 @@ class Coordinator(Service):
         )
 
     def _finish_round(self, r: int) -> None:
+        if self.kill_before_close == r and not (self.in_flight or {}).get("restarted_at"):
+            import signal
+
+            self.log.warning("fault drill: killing myself (SIGKILL) before closing round %d", r)
+            os.kill(os.getpid(), signal.SIGKILL)
         o = self.config.options
         tally = RoundTally()
         tally.notes.extend(self.offline_notes)
@@ -1204,12 +1315,20 @@ class Coordinator(Service):
                 tally.bytes_down += len(self.plan.members(k)) * getattr(self, "model_bytes", self.size * 4)  # type: ignore[union-attr]
             else:
                 tally.notes.append(f"round {r} cluster {k}: model unchanged ({cr.reason})")
+            for a, why in sorted(cr.refused.items()):
+                tally.notes.append(f"round {r} cluster {k}: refused the update of {a} ({why})")
             for why, who in (("offline", [a for a in cr.straggled if a in cr.offline]),
-                             ("deadline", [a for a in cr.straggled if a not in cr.offline])):
+                             ("failed", [a for a in cr.straggled if a not in cr.offline and a in cr.failed]),
+                             ("deadline", [a for a in cr.straggled if a not in cr.offline and a not in cr.failed])):
                 if who:
                     tally.notes.append(f"round {r} cluster {k}: closed without {', '.join(sorted(who))} ({why})")
         if self.strategy.user_dp_round(r) and self.sampled:
-            self.user_accountant.step(noise_multiplier=self.sigma_user or 0.0, sample_rate=o.sample_rate)
+            cohorts = [(len(cr.members), len(cr.updates)) for cr in self.clusters.values() if cr.accepted]
+            sigma = self.strategy.release_sigma(self.sigma_user or 0.0, cohorts)
+            if sigma < (self.sigma_user or 0.0):
+                tally.notes.append(f"round {r}: fewer agents contributed than the noise was sized for; the round is "
+                                   f"charged at noise multiplier {sigma:.3g}, not {self.sigma_user:.3g}")
+            self.user_accountant.step(noise_multiplier=sigma, sample_rate=o.sample_rate)
             for a in self.sampled:  # the server knows who was sampled: no amplification against it
                 self.participations[a] = self.participations.get(a, 0) + 1
         spent = self._user_epsilons() if self.strategy.dp_level else None
@@ -1227,12 +1346,18 @@ class Coordinator(Service):
             "started_at": self.round_started,
             "finished_at": time.time(),
             "clusters": {k: {"members": cr.members, "updates": sorted(cr.updates), "straggled": cr.straggled,
-                             "accepted": cr.accepted, "reason": cr.reason, "timings": cr.timings,
+                             "accepted": cr.accepted, "reason": cr.reason, "refused": cr.refused,
+                             "timings": cr.timings,
                              "timestamps": cr.timestamps}
                          for k, cr in self.clusters.items()},
         })
         self.completed = r
+        resumed = bool((self.in_flight or {}).get("restarted_at"))
+        self.in_flight = None
         self._checkpoint()
+        if resumed:  # what devices reported of this round before the restart was lost or refused
+            for a in self.plan.cluster_of:
+                self.send(f"agents/{a}/inbox", Notice(run_id=self.run_id, kind="resend-metrics"))
         self._round_line(r)
         if self.metrics_server is not None:
             bytes_up = {a: self.agent_rounds[a][r].get("bytes_up") for a in self.agent_rounds if r in self.agent_rounds[a]}
@@ -1247,12 +1372,13 @@ class Coordinator(Service):
         late = sum(len(c["straggled"]) for c in rec["clusters"].values())
         out = len(self.plan.cluster_of) - len(self.sampled) if self.plan is not None else 0
         latest = max((rr for _, rr in self.metrics), default=0)
-        pairs = [(m.accuracy, m.n_test) for (_, rr), m in self.metrics.items() if rr == latest]
-        accuracy = f"accuracy {weighted_accuracy(pairs):.3f} (round {latest})" if pairs else "accuracy pending"
+        pairs = [(m.metric, m.n_test) for (_, rr), m in self.metrics.items() if rr == latest]
+        name = self.metric_name
+        accuracy = f"{name} {weighted_accuracy(pairs):.4g} (round {latest})" if pairs else f"{name} pending"
         changes = "".join(f", {w} {', '.join(who)}" for w, who in (("joined", rec["joined"]), ("left", rec["left"])) if who)
         self._event(f"round {r}/{self.config.rounds}: {delivered} in, {late} late, {out} out{changes}; "
                     f"{accuracy}; {rec['seconds']:.1f} s")
-        if pairs:
+        if pairs and name == "accuracy":  # job list's accuracy column
             self.book.set(self.job, accuracy=weighted_accuracy(pairs))
         self.book.set(self.job, round=r, devices=len(self.active))
 
@@ -1272,14 +1398,14 @@ class Coordinator(Service):
                 rounds = [rr for rr in by_agent.get(a, {}) if rr <= r]
                 if rounds:
                     latest = by_agent[a][max(rounds)]
-                    pairs.append((latest.accuracy, latest.n_test))
+                    pairs.append(({**latest.metrics, self.metric_name: latest.metric}, latest.n_test))
             eps, eps_server = rec["user_epsilon"], rec.get("user_epsilon_server", rec["user_epsilon"])
             if self.strategy.dp_level is not None:
                 agent_eps = [m.epsilon for (aid, rr), m in self.metrics.items() if rr == r and m.epsilon is not None]
                 eps = max([eps or 0.0, *agent_eps])
                 eps_server = max([eps_server or 0.0, *agent_eps])
             record = rec["tally"].record(
-                r, self.strategy, accuracy=weighted_accuracy(pairs), seconds=rec["seconds"],
+                r, self.strategy, metric_name=self.metric_name, metrics=weighted_metrics(pairs), seconds=rec["seconds"],
                 participants=rec["participants"], sample_rate=self.config.options.sample_rate,
                 sampled=rec.get("sampled"),
                 epsilon=eps, epsilon_server=eps_server, delta=self.config.options.delta,
@@ -1306,7 +1432,8 @@ class Coordinator(Service):
             clients.append(ClientRecord(
                 id=a, cluster=self.plan.cluster_of[a], category=None,
                 encryption_budget=self.plan.budget_of[a], he_ratio=float(np.mean(ratios)) if ratios else 0.0,
-                accuracy=latest[a].accuracy if a in latest else 0.0,
+                accuracy=(latest[a].metric if a in latest else 0.0) if self.metric_name == "accuracy" else None,
+                metric=latest[a].metric if a in latest else None, metrics=latest[a].metrics if a in latest else {},
                 n_train=hello.n_samples if hello else 0, n_test=latest[a].n_test if a in latest else 0,
                 bandwidth=hello.bandwidth if hello else 0.0, cpu_speed=hello.cpu_speed if hello else 0.0,
             ))
@@ -1330,7 +1457,8 @@ class Coordinator(Service):
             model=self.config.model, partition=self.config.partition, seed=self.config.seed,
             num_params=self.size, num_clusters=len(self.plan.clusters), cluster_ari=None,
             clustering_epsilon=o.cluster_epsilon if self.strategy.clusters_clients else None,
-            final_accuracy=rounds[-1].accuracy if rounds else 0.0,
+            final_accuracy=(rounds[-1].accuracy if rounds else 0.0) if self.metric_name == "accuracy" else None,
+            metric_name=self.metric_name, final_metric=rounds[-1].metric if rounds else None,
             seconds_total=time.time() - self.started, rounds=rounds, clients=clients,
             config=self.config.model_dump(mode="json"),
             machine={"python": platform.python_version(), "processor": platform.processor() or platform.machine(),
@@ -1394,7 +1522,7 @@ class Coordinator(Service):
                 "timestamps": {k: round(v, 6) for k, v in sorted(stamps.items(), key=lambda kv: kv[1])},
                 "busy_s": busy,
                 "budget": info.get("budget"),
-                "accuracy": m.accuracy if m else None,
+                "metric": m.metric if m else None,
             }
         return out
 
@@ -1448,6 +1576,7 @@ class Coordinator(Service):
             "admitted": self.admitted,
             "active": sorted(self.active),
             "bootstrap_seconds": self.bootstrap_seconds,
+            "in_flight": self.in_flight,
         }
         write_atomic(path, json.dumps(state))
 
@@ -1483,13 +1612,16 @@ class Coordinator(Service):
         self.admitted = state.get("admitted", {})
         self.active = set(state.get("active", []))
         self.bootstrap_seconds = state["bootstrap_seconds"]
+        flight = state.get("in_flight")
+        if flight and flight.get("round") == self.completed + 1:  # the round in flight when it stopped
+            self.in_flight = {**flight, "restarted_at": time.time()}
         self.log.info("resuming run %s after round %d", self.run_id, self.completed)
 
     # ---- main ---------------------------------------------------------------------------
     SUBSCRIPTIONS = [
         "keys/public", "keyserver/results", "clusters/+/model", "fleet/config", "jobs/submit", "jobs/cancel",
         "agents/+/hello", "agents/+/decline", "agents/+/status", "agents/+/bootstrap", "agents/+/proposal",
-        "agents/+/update", "agents/+/metrics",
+        "agents/+/update", "agents/+/metrics", "agents/+/failure",
     ]
 
     def serve(self) -> None:
@@ -1550,6 +1682,7 @@ class Coordinator(Service):
         config_msg = FleetConfig(
             run_id=self.run_id, config=self.config.model_dump(mode="json"), input_shape=self.input_shape,
             num_classes=self.num_classes, round_deadline=self.round_deadline, initial=self.initial,
+            submission=record.signed,
         )
         self._config_frame = self.frame(config_msg)
         state, reason = "done", ""
@@ -1600,7 +1733,7 @@ class Coordinator(Service):
         if state != "running":
             where = f"; report {self.job_out / 'report.json'}" if self.job_out is not None and report is not None else ""
             self._event(f"job {record.id} {state}" + (f": {reason}" if reason else "")
-                        + (f"; final accuracy {final:.3f}" if final is not None and report.rounds else "") + where)
+                        + (f"; {metric_line(report.model_dump())}" if report is not None and report.rounds else "") + where)
             self._clear_checkpoint()
         self.cancelled.discard(record.id)
         self.job = None

@@ -404,36 +404,64 @@ def cpu_share(threads: int = 1, *, limit: float | None = None) -> float:
 def measure_gflops(n: int = 512, probes: int = 5, min_seconds: float = 0.05) -> Spread:
     """float32 GFLOP/s of ``n x n`` torch matmuls (2 n^3 flops each) with torch's default
     thread count: after one warm-up product, ``probes`` probes, each repeating products for
-    at least ``min_seconds`` (and at least one); a probe's figure is its flops over its wall
-    time. Returns the :class:`~senseshield.engine.measurements.Spread` of the probes (the
-    profile's ``gflops`` is the median).
+    at least ``min_seconds`` (and at least one). Returns the :class:`~senseshield.engine.measurements.Spread` of the probes (the
+    profile's ``gflops`` is the median). Runs in this process (it imports torch);
+    :func:`measure_gflops_apart` runs it in a child process.
 
     A probe's figure is its flops per CPU-second of this process times the CPUs torch's
     threads may use (:func:`cpu_share`): another process busy on the same cores takes wall
     time, not this process's CPU time, so it does not lower the figure; a cgroup CPU quota does.
     """
-    import torch
+    from edge_agent.matmul import gflops_probes
 
     if n < 1 or probes < 1 or not min_seconds >= 0:
         raise ConfigError(f"Matmul n={n}, probes={probes}, min_seconds={min_seconds} is not allowed; "
                           "n and probes must be >= 1, min_seconds >= 0.")
-    generator = torch.Generator().manual_seed(0)
-    a = torch.randn(n, n, generator=generator, dtype=torch.float32)
-    b = torch.randn(n, n, generator=generator, dtype=torch.float32)
-    torch.mm(a, b)
+    return summarise(gflops_probes(n, probes, min_seconds, cpu_limit()))
 
-    share = cpu_share(torch.get_num_threads())
 
-    def probe() -> float:
-        done, start, cpu = 0, time.perf_counter(), time.process_time()
-        while True:
-            torch.mm(a, b)
-            done += 1
-            if time.perf_counter() - start >= min_seconds:
-                spent = time.process_time() - cpu
-                return 2.0 * n**3 * done / max(spent, 1e-9) / 1e9 * share
+_GFLOPS_CHILD = """
+import json, sys, time
+start = time.perf_counter()
+import torch
+imported = time.perf_counter() - start
+from edge_agent.matmul import gflops_probes
+print(json.dumps({"probes": gflops_probes(*json.loads(sys.argv[1])), "import_s": imported,
+                  "torch": torch.__version__}))
+"""
 
-    return summarise([probe() for _ in range(probes)])
+
+def measure_gflops_apart(n: int = 512, probes: int = 5, min_seconds: float = 0.05,
+                         timeout: float = 600.0) -> tuple[Spread, float]:
+    """:func:`measure_gflops` in a child Python process, and the seconds the child took to
+    import torch. The agent measures its device before it is online and loads torch only
+    when a job needs it, so an idle agent does not hold torch's ~300 MB; and a torch that
+    dies on this CPU (SIGILL on a Cortex-A72/A57 with a torch built for newer cores) stops
+    the child, not the agent, which says so in one sentence (:class:`ConfigError`)."""
+    import json
+    import signal
+    import subprocess
+
+    if n < 1 or probes < 1 or not min_seconds >= 0:
+        raise ConfigError(f"Matmul n={n}, probes={probes}, min_seconds={min_seconds} is not allowed; "
+                          "n and probes must be >= 1, min_seconds >= 0.")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    try:
+        done = subprocess.run([sys.executable, "-c", _GFLOPS_CHILD, json.dumps([n, probes, min_seconds, cpu_limit()])],
+                              capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise ConfigError(f"The matmul benchmark (torch) did not finish within {timeout:g} s; "
+                          "declare a profile instead (--profile NAME).") from None
+    if done.returncode != 0:
+        if done.returncode < 0:
+            name = signal.Signals(-done.returncode).name
+            raise ConfigError(
+                f"torch died with {name} in a matrix multiply on this CPU ({platform.machine()}); on a "
+                "Raspberry Pi 4 or Jetson Nano (Cortex-A72/A57) install torch 2.9.1 (docs/pi.md).")
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise ConfigError(f"The matmul benchmark (torch) failed: {last}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return summarise(result["probes"]), float(result["import_s"])
 
 
 @dataclass(frozen=True)
@@ -726,11 +754,9 @@ def measure_profile(
     }
     timings["system"] = time.perf_counter() - start
 
-    import torch  # noqa: F401  (imported before the clock starts: the import is no benchmark)
-
     start = time.perf_counter()
-    gflops = measure_gflops(*((256, 5, 0.02) if quick else (512, 5, 0.05)))
-    timings["matmul"] = time.perf_counter() - start
+    gflops, timings["torch_import"] = measure_gflops_apart(*((256, 5, 0.02) if quick else (512, 5, 0.05)))
+    timings["matmul"] = time.perf_counter() - start - timings["torch_import"]  # the child's start and probes
     summaries["gflops"] = ProbeSummary.of(gflops)
 
     he = measure_encryption(scheme, key_bits, public_key=public_key, budget_s=0.15 if quick else 0.3)

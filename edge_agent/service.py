@@ -34,6 +34,7 @@ from senseshield.he import SCHEMES, PublicKey
 from senseshield.he.base import ephemeral_exchange, model_digest, round_context
 from senseshield.runtime.protocol.messages import (
     Decline,
+    RoundFailure,
     Assignment,
     BootstrapVector,
     Challenge,
@@ -73,18 +74,10 @@ from senseshield.job import Job, announced_run, build_job_model, device_index, t
 from senseshield.strategies import ClientContext
 from senseshield.inference import export_onnx, latency, load_session
 
-if TYPE_CHECKING:  # torch loads in serve (_torch), after the agent's first line
+if TYPE_CHECKING:  # torch loads with the first job (_torch): an idle agent does not hold it
     import torch
 
 log = logging.getLogger("senseshield.agent")
-
-
-def _accuracy(session, x: np.ndarray, y: np.ndarray) -> float:  # noqa: ANN001
-    """Test accuracy with onnxruntime (what the device runs for inference)."""
-    if len(y) == 0:
-        return 0.0
-    classes, _ = session.predict(x)
-    return float(np.mean(classes == y))
 
 
 class AgentExit(Exception):
@@ -175,6 +168,7 @@ class RunState:
     hello: Hello | None = None
     sent_metrics: dict[int, Metrics] = field(default_factory=dict)
     inference: dict[str, float] = field(default_factory=dict)  # onnxruntime latency of the model
+    trained: dict[str, float] = field(default_factory=dict)  # the last round's training_* metrics
 
 
 class EdgeAgent(Service):
@@ -193,6 +187,7 @@ class EdgeAgent(Service):
         threads: int | None = None,
         protocol: str = "5",
         kill_at_round: int | None = None,
+        fail_at_round: int | None = None,
         model_dir: Path | None = None,
         latency_repeats: int = 20,
         once: bool = False,
@@ -238,6 +233,7 @@ class EdgeAgent(Service):
         self.declined: set[str] = set()  # jobs this device said no to
         self.latency_repeats = latency_repeats
         self.kill_at_round = kill_at_round  # fault drills: SIGKILL itself when this round's plan arrives
+        self.fail_at_round = fail_at_round  # ... or its training raises in this round
         self.bandwidth, self.cpu_speed = bandwidth, cpu_speed
         self.profile = profile or {}
         self.data_spec = data
@@ -311,6 +307,9 @@ class EdgeAgent(Service):
         if item.sender != "keyserver":
             raise ProtocolError(f"keys/public from {item.sender!r}; only the key server may announce keys.")
         msg: PublicKeyAnnouncement = item.message  # type: ignore[assignment]
+        if msg.refused:  # the key server will not serve that job (the coordinator cancels it)
+            self.log.warning("the key server refuses job %s: %s", msg.run_id, msg.refused)
+            return
         if self.key is not None and msg.key_id == self.key.key_id:
             self.key = msg  # the same key (perhaps for the next job): keep the key object and its pool
             return
@@ -445,28 +444,14 @@ class EdgeAgent(Service):
 
     # ---- joining ------------------------------------------------------------------------
     def _torch(self):  # noqa: ANN202
-        """torch, on this agent's threads (imported after the agent's first line, before it
-        connects)."""
+        """torch, on this agent's threads (imported when the agent takes its first job: an idle
+        agent does not hold it)."""
         import torch
 
         if not self._torch_threads_set:
             torch.set_num_threads(self.threads)
             self._torch_threads_set = True
         return torch
-
-    def _preload(self) -> None:
-        """What taking a job needs, loaded after the agent's first line and before it is online,
-        so that joining a job does not wait for imports: torch (on this agent's threads) and
-        local training (with ``torch._dynamo``, which torch's optimizers load at their first
-        step: about 800 modules, 1 s), and scikit-learn's dataset loader for built-in data (no
-        --data). Opacus (DP jobs), TenSEAL (CKKS) and onnxruntime (the first evaluation) load
-        when used."""
-        self._torch()
-        import torch._dynamo  # noqa: F401
-        import senseshield.training  # noqa: F401
-
-        if not self.data_spec.sources:
-            import sklearn.datasets  # noqa: F401
 
     def _prepare(self, msg: FleetConfig) -> PreparedRun:
         """Check a new run's config against this device (config fields, strategy, the local
@@ -498,8 +483,7 @@ class EdgeAgent(Service):
         if name not in sources:
             have = ", ".join(sorted(sources)) or "none"
             raise ConfigError(f"The job uses data source {name!r}; this device has {have} (edge-agent join --data {name}=PATH).")
-        data = load_local_data(sources[name], input_shape=msg.input_shape, num_classes=msg.num_classes,
-                               test_fraction=config.test_fraction, seed=config.seed)
+        data = load_local_data(sources[name], config, input_shape=msg.input_shape, num_classes=msg.num_classes)
         self.log.info("data %s (%s): %s", name, sources[name], describe_data(data).line())
         return data
 
@@ -574,7 +558,7 @@ class EdgeAgent(Service):
         calls). The first encryption also builds the key's tables, as
         round 1 would. The coordinator refines these from every round it sees."""
         from edge_agent.profile import measure_encryption
-        from senseshield.training import TrainConfig, torch_threads, train_local
+        from senseshield.training import torch_threads, train_local
 
         import copy
 
@@ -588,7 +572,7 @@ class EdgeAgent(Service):
             with torch_threads(config.train_threads):
                 t = time.perf_counter()
                 train_local(model, run.data.x_train, run.data.y_train,
-                            TrainConfig(epochs=1, batch_size=config.batch_size, lr=config.lr), seed=0)
+                            train_config(config, epochs=1), seed=0)
                 epoch_s.append(time.perf_counter() - t)
         train_s = float(np.median(epoch_s)) * (config.local_epochs + 1)  # + ~one epoch for the sensitivity
         measure_encryption(public_key=self.public, budget_s=0.05)  # builds the key's tables
@@ -642,6 +626,20 @@ class EdgeAgent(Service):
         known = run.models.get(cluster)
         return known[1] if known is not None and known[0] == model_round else None
 
+    def _round_or_failure(self, r: int, plan: RoundPlan) -> None:
+        """Round ``r``; if a step of it raises (training included), the coordinator is told at
+        once (:class:`RoundFailure`) so that it closes the round without this device instead
+        of waiting for its deadline; the error is logged as before and the agent stays in the
+        job. A stop (SIGTERM) or a crash of the process is seen by its last will instead."""
+        try:
+            self._do_round(r, plan)
+        except Exception as exc:
+            if self.run is not None:
+                reason = f"round {r} failed on this device: {type(exc).__name__}: {exc}"[:2000]
+                self.guard("round failure", lambda: self.send(
+                    f"agents/{self.agent_id}/failure", RoundFailure(run_id=self.run.run_id, reason=reason), round=r))
+            raise
+
     def _do_round(self, r: int, plan: RoundPlan) -> None:
         run = self.run
         assert run is not None and run.data is not None and run.model is not None
@@ -676,12 +674,15 @@ class EdgeAgent(Service):
         tm["ready_at"] = max(self.plan_arrived_at.get(r, t_plan), model_at or 0.0)
         start = self._global(plan.cluster, plan.model_round)
         config, strategy = run.config, self.strategy
+        if self.fail_at_round == r:
+            raise RuntimeError(f"fault drill: training raised in round {r}")
         local = local_update(
             strategy, run.model, merge_personal(start, run.client),
             run.data, train=train_config(config), seed=client_seed(config.seed, r, run.index), round=r,
             state=run.client, noise_multiplier=plan.record_noise, noise=self.noise, index=run.index,
             steps=plan.local_steps,
         )
+        run.trained = {f"training_{k}": v for k, v in local.metrics.items()}
         shared = plan.mask()
         if plan.negotiate:
             t = time.time()
@@ -761,7 +762,7 @@ class EdgeAgent(Service):
         session = load_session(onnx_path, threads=self._torch().get_num_threads())
         t_apply = time.perf_counter() - t
         t = time.perf_counter()
-        accuracy = _accuracy(session, run.data.x_test, run.data.y_test)
+        values = {**self._evaluate(run, session, merged, r), **run.trained}
         tm.update({"apply": t_apply, "evaluate": time.perf_counter() - t})
         if not run.inference:  # the architecture is the run's: measure its latency once
             speed = latency(session, run.input_shape, repeats=self.latency_repeats, warmup=2)
@@ -775,12 +776,27 @@ class EdgeAgent(Service):
             epsilon = Accountant(run.client.dp_history).epsilon(run.config.options.delta)
         run.evaluated = r
         metrics = Metrics(
-            cluster=run.cluster, accuracy=accuracy, n_test=len(run.data.y_test),
+            cluster=run.cluster, metric=values.get(train_config(run.config).metric_name, 0.0), metrics=values,
+            n_test=len(run.data.y_test),
             timings={k: float(v) for k, v in tm.items()}, epsilon=epsilon,
             dp_history=[tuple(h) for h in run.client.dp_history], inference=run.inference,
         )
         run.sent_metrics[r] = metrics
         self.send(f"agents/{self.agent_id}/metrics", metrics, round=r)
+
+    def _evaluate(self, run: RunState, session, weights: np.ndarray, r: int) -> dict[str, float]:  # noqa: ANN001
+        """The job's metrics of ``weights`` on the device's test split: the built-in evaluation
+        on onnxruntime's outputs (what the device runs for inference), or the job's own
+        evaluation function on the torch model."""
+        from senseshield.training import evaluate_model, output_metrics, set_vector, torch_threads
+
+        assert run.data is not None and run.model is not None
+        train = train_config(run.config)
+        if run.config.evaluate is None:
+            return output_metrics(session.logits(run.data.x_test), run.data.y_test, train)
+        set_vector(run.model, weights)
+        with torch_threads(run.config.train_threads):
+            return evaluate_model(run.model, run.data.x_test, run.data.y_test, train, round=r)
 
     # ---- main ---------------------------------------------------------------------------
     def _key_for(self, run_id: str) -> bool:
@@ -813,7 +829,10 @@ class EdgeAgent(Service):
             # a stop ends whatever the agent is doing (starting, joining, training a round,
             # evaluating): the coordinator sees it leave, as it sees a device that loses power
             self.abandon_work = True
-            self._preload()
+            # nothing heavy is loaded before a job needs it: torch, local training and the
+            # dataset loaders load when the first job is checked (_prepare, ~2.5 s on an x86
+            # core, before the job's first round), Opacus with a DP job, TenSEAL with CKKS,
+            # onnxruntime with the first evaluation; an idle agent holds none of them
             self.start([
                 "fleet/config", "keys/public", "fleet/control", f"agents/{self.agent_id}/inbox", "keyserver/challenges",
             ])
@@ -837,7 +856,7 @@ class EdgeAgent(Service):
                     self._plan_wait(waits).check()
                 while self.plans and self.exit is None and not self.stopping.is_set():
                     r, plan = self.plans.pop(0)
-                    self.guard(f"round {r}", lambda: self._do_round(r, plan))
+                    self.guard(f"round {r}", lambda: self._round_or_failure(r, plan))
                 self.guard("evaluation", self._evaluate_new_model)
             if self.exit is not None:
                 (log.info if self.exit.code == 0 else log.error)("%s: %s", self.agent_id, self.exit)

@@ -31,6 +31,8 @@ def serve(
     key_dir: Annotated[Path, typer.Option(help="Directory of the key pair (created 0700; secret file 0600).")] = Path("keys"),
     min_contributors: MinContributors = defaults.MIN_CONTRIBUTORS,
     min_encryptors: Annotated[int, typer.Option(help="Never decrypt a position fewer than this many agents of the cluster encrypted (per-client-mask schemes; its mean then comes from the plaintext senders). A job may ask for more, never less; 1 = the papers' rule.")] = defaults.MIN_ENCRYPTORS,
+    allow_unverifiable: Annotated[bool, typer.Option("--allow-unverifiable", help="Decrypt aggregates of schemes whose sums cannot be checked against the contributors' fingerprints (CKKS): the coordinator is then trusted to sum honestly. Off: such aggregates are refused.")] = False,
+    allow_unsigned_jobs: Annotated[bool, typer.Option("--allow-unsigned-jobs", help="Serve jobs no operator signed (a job built from `coordinator serve --strategy` flags or an unsigned --job file): the coordinator alone may then start jobs, e.g. re-runs with other seeds to probe the devices. Off: a job must be signed by an operator the trust file pins (docs/security.md).")] = False,
     min_fraction: Annotated[float, typer.Option(help="Also refuse an aggregate of fewer than this fraction of its cluster's members in the round (0..1; SenseCrypt Thm. 1: collusion with at most |G|-2 clients).")] = 0.0,
     threads: Threads = None,
     workers: Annotated[Optional[int], typer.Option(help="Aggregates decrypted at once, each on --threads threads (default: the usable cores, at least 2).")] = None,
@@ -59,7 +61,8 @@ def serve(
         secure_dir(key_dir, "--key-dir")  # the key directory's problems are named as such
         me, trusted = identity_and_trust("keyserver", identity, key_dir / "identity.key", trust, fleet)
         server = KeyServer(broker, fleet=fleet, key_dir=key_dir, min_contributors=min_contributors, min_fraction=min_fraction,
-                           min_encryptors=min_encryptors,
+                           min_encryptors=min_encryptors, allow_unverifiable=allow_unverifiable,
+                           allow_unsigned_jobs=allow_unsigned_jobs,
                            protocol=check_mqtt(mqtt),
                            threads=threads, workers=workers, key_structure=key_structure, kill_after_apply=kill_after_apply, identity=me, trust=trusted)
         server.link.secure(**security)

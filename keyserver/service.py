@@ -44,7 +44,9 @@ from senseshield.he import SCHEMES, PublicKey, SecretKey
 from senseshield.he.base import round_context
 from senseshield.he.fingerprint import SEED_BYTES
 from senseshield.he.packed import STRUCTURES
+from senseshield.development import development_mode
 from senseshield.runtime.identity import b64, check_frame, unb64
+from senseshield.runtime.jobsig import job_refusal
 from senseshield.runtime.protocol.envelope import decode_frame
 from senseshield.runtime.protocol.messages import (
     AggregateRequest,
@@ -103,6 +105,26 @@ def _structure(secret: SecretKey) -> str:
     return f" ({structure} key)" if structure else ""
 
 
+FINGERPRINT_MISMATCH = "the aggregate is not the product of the signed contributions"
+"""How a refusal at the fingerprint check begins (the one refusal after which the coordinator
+may try again without a contributor: nothing was decrypted or spent)."""
+
+
+def at_fault(failed: list[dict[str, str]], passed: dict[str, str], r: int) -> dict[str, str]:
+    """The contributors at fault, once an attempt whose fingerprints are ``passed`` (agent ->
+    fingerprint) verified after attempts ``failed`` did not: every update of a failed attempt
+    that the passing one left out or replaced (agent -> why)."""
+    out: dict[str, str] = {}
+    for prints in failed:
+        for a, fp in prints.items():
+            if passed.get(a) == fp or a in out:
+                continue
+            fate = "left out" if a not in passed else "replaced by its later update"
+            out[a] = (f"its round {r} update does not match the fingerprint it signed: the aggregate with it "
+                      f"failed the key server's check, the same aggregate with it {fate} passed")
+    return out
+
+
 class KeyServer(Service):
     """``keyserver serve``: see the module docstring."""
 
@@ -115,6 +137,8 @@ class KeyServer(Service):
         min_contributors: int = 2,
         min_fraction: float = 0.0,
         min_encryptors: int = 2,
+        allow_unverifiable: bool = False,
+        allow_unsigned_jobs: bool = False,
         protocol: str = "5",
         threads: int | None = None,
         workers: int | None = None,
@@ -142,6 +166,12 @@ class KeyServer(Service):
         self.min_contributors = min_contributors
         self.min_fraction = min_fraction
         self.min_encryptors = min_encryptors
+        # CKKS sums cannot be checked against fingerprints: decrypted only if the operator
+        # says the coordinator is trusted to sum honestly (docs/security.md#ckks)
+        self.allow_unverifiable = allow_unverifiable
+        # a run must be a job an operator the trust file pins signed (senseshield.runtime.jobsig),
+        # unless told otherwise; without a trust file there is no pinned operator to check against
+        self.require_signed_jobs = not (allow_unsigned_jobs or development_mode() or self.trust.tofu)
         self.threads = threads if threads is not None else defaults.shared_threads()
         self.key_structure = key_structure
         # aggregates decrypt on these workers while the service's thread goes on verifying
@@ -168,6 +198,10 @@ class KeyServer(Service):
         # of the one aggregate that contribution was decrypted in
         self.ledger: dict[str, str] = self._load_ledger()
         self._ledger_keys: dict[tuple[int, int], dict[str, str]] = {}
+        # attempts refused at the fingerprint check (nothing decrypted, nothing spent): per
+        # (round, cluster) the request digests and each attempt's {contributor: fingerprint}
+        self.attempts: dict[tuple[int, int], set[str]] = {}
+        self.failed: dict[tuple[int, int], list[dict[str, str]]] = {}
         self.on(FleetConfig, self._on_config)
         self.on(RoundOpen, self._on_round_open)
         self.on(AggregateRequest, self._on_request)
@@ -181,10 +215,13 @@ class KeyServer(Service):
         if msg.run_id == self.run_id:
             return
         config, _, scheme = announced_run(msg.config)  # checked before anything changes
+        if self._refuse_unsigned(msg):
+            return
         self.run_id, self.config, self.initial = msg.run_id, config, msg.initial.copy()
         self.models, self.results = {}, {}
         self.plans, self.seeds, self.spent, self.challenges, self.boxes = {}, {}, {}, {}, {}
         self.pending, self.reserved, self._ledger_keys = {}, {}, {}  # a late result of the previous run is dropped
+        self.attempts, self.failed = {}, {}
         if scheme is None:
             self.secret = self.public = None
             announcement = PublicKeyAnnouncement(scheme="", key_id=NO_KEY_ID, key=b"", run_id=msg.run_id)
@@ -196,6 +233,21 @@ class KeyServer(Service):
         self._restore()
         self.send("keys/public", announcement, retain=True)
         self.log.info("run %s: %s, scheme %s, key %s", self.run_id, config.strategy, scheme or "none", announcement.key_id)
+        if self.public is not None and not self.public.verifiable and not self.allow_unverifiable:
+            self.log.warning("run %s: %s aggregates cannot be verified; they will be refused (--allow-unverifiable "
+                             "trusts the coordinator to sum honestly)", self.run_id, scheme)
+
+    def _refuse_unsigned(self, msg: FleetConfig) -> bool:
+        """True (logged, and announced for the run so the coordinator fails the job at once)
+        if the run is not the job an operator signed (:func:`job_refusal`)."""
+        reason = job_refusal(msg.run_id, msg.config, msg.submission, self.trust, fleet=self.fleet,
+                             required=self.require_signed_jobs)
+        if reason is None:
+            return False
+        self.log.error("%s", reason)
+        self.send("keys/public", PublicKeyAnnouncement(scheme="", key_id=NO_KEY_ID, key=b"", run_id=msg.run_id,
+                                                       refused=reason), retain=True)
+        return True
 
     def _on_request(self, item: Inbound) -> None:
         msg: AggregateRequest = item.message  # type: ignore[assignment]
@@ -204,7 +256,9 @@ class KeyServer(Service):
         if self.config is None or msg.run_id != self.run_id:
             raise ProtocolError(f"Aggregate for run {msg.run_id!r}; the current run is {self.run_id!r}.")
         r, k = item.round, msg.cluster
-        if (r, k) in self.results:  # a re-sent request (reconnect, restart): the same verdict
+        attempt = hashlib.sha256(msg.receipts + b"|" + msg.ciphertext).hexdigest()
+        if (r, k) in self.results and not self._another_attempt(r, k, attempt):
+            # a re-sent request (reconnect, restart): the same verdict
             self.log.info("round %d cluster %d: re-sent request; answering with the recorded verdict", r, k)
             self._replay(r, k)
             return
@@ -222,18 +276,26 @@ class KeyServer(Service):
         # (logged, no verdict) before anything is verified or decrypted
         aggregate = aggregate_from_message(msg, self.public, round=r, size=self.initial.size)
         t = time.perf_counter()
+        prints: dict[str, str] = {}
         try:
-            refusal, weights = self._verify(r, k, msg, aggregate)
+            refusal, weights = self._verify(r, k, msg, aggregate, prints)
         except ProtocolError as exc:  # a malformed receipt or ciphertext: a verdict, not silence
             refusal, weights = str(exc), {}
         distinct = sorted(weights)
         t_verify = time.perf_counter() - t
         if refusal is not None:
             reason = f"refused: {refusal}"
+            retry = refusal.startswith(FINGERPRINT_MISMATCH)
+            if retry:  # nothing decrypted or spent: the coordinator may look for the one at fault
+                self.attempts.setdefault((r, k), set()).add(attempt)
+                self.failed.setdefault((r, k), []).append(prints)
             self.log.warning("round %d cluster %d %s", r, k, reason)
             self._answer(r, k, AggregateResult(run_id=self.run_id, cluster=k, accepted=False, reason=reason,
-                                               timings={"verify": t_verify}))
+                                               timings={"verify": t_verify}, retry=retry))
             return
+        excluded = at_fault(self.failed.get((r, k), []), prints, r)
+        for a, why in excluded.items():
+            self.log.warning("round %d cluster %d: %s's update refused: %s", r, k, a, why)
         # the contributions are taken now (a second aggregate that reuses one is refused even
         # while this one decrypts) and spent when the verdict is recorded
         self.reserved.setdefault(r, {}).update({a: k for a in distinct})
@@ -249,9 +311,27 @@ class KeyServer(Service):
         future = self._pool.submit(decrypt)
         self.pending[(r, k)] = future
         future.add_done_callback(lambda f: self.call_soon(
-            f"decryption of round {r} cluster {k}", lambda: self._decrypted(run_id, r, k, f, distinct, t_verify)))
+            f"decryption of round {r} cluster {k}", lambda: self._decrypted(run_id, r, k, f, distinct, t_verify, excluded)))
 
-    def _decrypted(self, run_id: str, r: int, k: int, future: Future, distinct: list[str], t_verify: float) -> None:
+    def _another_attempt(self, r: int, k: int, attempt: str) -> bool:
+        """Whether a request for round ``r`` of cluster ``k``, which has a verdict, is a new
+        attempt to evaluate: the verdict refused at the fingerprint check (nothing decrypted
+        or spent) and this request is not one already refused; at most a cluster's members
+        plus two attempts per round."""
+        prior = self.results[(r, k)]
+        tried = self.attempts.get((r, k), set())
+        if not prior.retry or attempt in tried:
+            return False
+        limit = len(self.plans.get(r, {}).get(k, [])) + 2
+        if len(tried) >= limit:
+            self.log.warning("round %d cluster %d: %d attempts refused at the fingerprint check; no more "
+                             "this round", r, k, len(tried))
+            return False
+        del self.results[(r, k)]
+        return True
+
+    def _decrypted(self, run_id: str, r: int, k: int, future: Future, distinct: list[str], t_verify: float,
+                   excluded: dict[str, str] | None = None) -> None:
         """The service's thread, once round ``r``'s aggregate of cluster ``k`` is decrypted:
         apply the mean to the cluster's model, spend the contributions, record and answer."""
         if run_id != self.run_id or self.pending.pop((r, k), None) is not future:
@@ -266,7 +346,8 @@ class KeyServer(Service):
             self._spend(r, k, distinct)
             self.log.warning("round %d cluster %d refused at decryption: %s", r, k, exc)
             self._answer(r, k, AggregateResult(run_id=self.run_id, cluster=k, accepted=False,
-                                               reason=f"refused: {exc}", timings={"verify": t_verify}))
+                                               reason=f"refused: {exc}", timings={"verify": t_verify},
+                                               excluded=excluded or {}))
             return
         except Exception as exc:  # noqa: BLE001 - a verdict, and the service goes on
             self.log.exception("round %d cluster %d: decryption failed", r, k)
@@ -281,7 +362,8 @@ class KeyServer(Service):
         self.log.info("round %d cluster %d: %d verified contributors (%.3f s), decrypted in %.3f s", r, k,
                       len(distinct), t_verify, t_decrypt)
         self._answer(r, k, AggregateResult(run_id=self.run_id, cluster=k, accepted=True,
-                                           timings={"decrypt": t_decrypt, "verify": t_verify}))
+                                           timings={"decrypt": t_decrypt, "verify": t_verify},
+                                           excluded=excluded or {}))
 
     def _spend(self, r: int, k: int, distinct: list[str]) -> None:
         """Round ``r``'s contributions of cluster ``k`` have been through a decryption: spent
@@ -353,13 +435,14 @@ class KeyServer(Service):
         self.log.info("round %d opened: clusters %s; challenge sealed to %d agents", r,
                       {k: len(v) for k, v in plan.items()}, len(sealed))
 
-    def _verify(self, r: int, k: int, msg: AggregateRequest, aggregate) -> tuple[str | None, dict[str, int]]:  # noqa: ANN001
+    def _verify(self, r: int, k: int, msg: AggregateRequest, aggregate,  # noqa: ANN001
+                prints: dict[str, str]) -> tuple[str | None, dict[str, int]]:
         """``(None, {contributor: weight})`` if round ``r``'s aggregate of cluster ``k`` may be
         decrypted, else ``(reason, {})``: the plan, every receipt's signature, round, run,
         cluster and membership, no contribution used twice in the round, the minimum of
         contributors, the weights, (shared-mask schemes) every receipt signs the aggregate's
         mask, (verifiable schemes) the fingerprint equation, and (the masked scheme) a box
-        key for every contributor."""
+        key for every contributor. ``prints`` receives each contributor's signed fingerprint (hex)."""
         ciphertext = aggregate.ciphertext
         plan = self.plans.get(r)
         if plan is None:
@@ -398,14 +481,22 @@ class KeyServer(Service):
         weight = sum(rc.n_samples for rc in receipts.values())
         if weight != msg.total_weight:
             return f"the aggregate weighs {msg.total_weight} samples; the receipts sign {weight}", {}
+        if ciphertext is not None and self.public is not None and not self.public.verifiable \
+                and not self.allow_unverifiable:
+            return (f"{self.public.scheme} aggregates cannot be checked against the contributors' fingerprints, so "
+                    "this key server does not decrypt them (start it with --allow-unverifiable to trust the "
+                    "coordinator to sum honestly, or run the job on a Paillier or masked scheme)"), {}
         if ciphertext is not None and self.public is not None and self.public.verifiable:
             missing = [a for a, rc in receipts.items() if rc.key_id != self.public.key_id]
             if missing:
                 return f"the receipts of {missing} are not under the current key", {}
-            parts = [(rc.fingerprint, rc.n_samples) for rc in receipts.values() if rc.fingerprint]
+            # (a scheme whose encryptors fold their weight in: each contribution enters once)
+            parts = [(rc.fingerprint, 1 if self.public.prefolds_weight else rc.n_samples)
+                     for rc in receipts.values() if rc.fingerprint]
+            prints.update({a: rc.fingerprint.hex() for a, rc in receipts.items()})
             if not self.secret.verify_aggregate(ciphertext, self.seeds[r], parts, msg.plain_fold):
-                return ("the aggregate is not the product of the signed contributions under round "
-                        f"{r}'s challenge (forged, altered or from another round)"), {}
+                return (f"{FINGERPRINT_MISMATCH} under round {r}'s challenge (forged, altered or from "
+                        "another round, or one contributor's update does not match the fingerprint it signed)"), {}
         if ciphertext is not None and self.public is not None and not self.public.ragged_masks:
             union = hashlib.sha256(pack_mask(aggregate.union_mask).tobytes()).hexdigest()
             other = sorted(a for a, rc in receipts.items() if rc.mask_digest != union)

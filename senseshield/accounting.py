@@ -39,6 +39,13 @@ other) the sensitivity is 2C, the guarantee that of sigma / 2: in the example 4.
 remove one record of a client's data; its batch sampling happens on the device, out of the
 server's sight, so the amplification holds against the server too and both figures agree.
 
+**Distributed noise** (``masked-dp``): no party sees an individual update, only the key
+server the cluster's sum, which carries the central noise N(0, (C sigma)^2) split over the
+contributors. The noise then depends on who contributes, not on anyone's data, so both
+figures use zero-out adjacency (the client's update zeroed, its noise share kept); against
+the observer it is the same sampled Gaussian (Kairouz et al. 2021 show the accounting carries
+over). The "server" figure holds against the key server and the coordinator each alone.
+
 **Accountants.** ``epsilon`` / ``server`` are Opacus' RDP (what :func:`calibrate_sigma`
 calibrates, so a ``--target-epsilon`` run meets its target against an observer); the
 ``*_pld`` figures are Opacus' PRV accountant (Gopi, Lee, Wutschitz, NeurIPS 2021: numerical
@@ -145,6 +152,10 @@ def calibrate_sigma(*, target_epsilon: float, delta: float, sample_rate: float, 
 ADJACENCY = {
     "user": "add/remove one client; against the server, one sampled client's update zeroed out",
     "record": "add/remove one record of a client's data",
+    # masked-dp: only the cluster sum is ever seen, its noise split over the contributors
+    "distributed": ("one client's clipped update zeroed out, its noise share stays; 'server' is the key server "
+                    "(it alone unmasks the sum) and the coordinator, each alone; agents colluding with the "
+                    "key server remove their own shares"),
 }
 
 

@@ -33,6 +33,7 @@ __all__ = [
     "describe_exception",
     "is_import_path",
     "resolve_import_path",
+    "resolve_named",
 ]
 
 #: How an import path is spelled, for error messages.
@@ -160,3 +161,24 @@ def call_with_job(
             f"{what.capitalize()} {spec!r} raised {describe_exception(exc)} when called with "
             f"arguments {sorted({**args, **passed})}."
         ) from exc
+
+
+def resolve_named(name: Any, registry: Any, *, what: str) -> Callable[..., Any]:
+    """What a job names by a registered name (built in or an installed package's entry
+    point, see :class:`senseshield.registry.Registry`) or an import path; ConfigError
+    naming the allowed names otherwise. ``what`` (``"model"``, ``"training function"``) is
+    used in messages."""
+    if not isinstance(name, str) or not name.strip():
+        raise ConfigError(
+            f"{what.capitalize()} {name!r} is not allowed; give a registered name "
+            f"({', '.join(registry.names())}) or an import path {IMPORT_PATH_FORMS}."
+        )
+    found = registry.find(name)
+    if found is not None:
+        return found
+    if is_import_path(name):
+        return resolve_import_path(name, what=what)
+    raise ConfigError(
+        f"Unknown {what} {name!r}; choose one of: {', '.join(registry.names())}, or give an "
+        f"import path {IMPORT_PATH_FORMS}."
+    )

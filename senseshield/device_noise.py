@@ -8,8 +8,9 @@ purpose               draws                                           strategies
 ====================  ==============================================  ====================
 ``protect``           the noise on the values sent in plaintext       dp-fedavg, selective-dp,
                       (clip + Gaussian, or the hybrid's relative       selectiveshield's noise
-                      noise)                                          zone, sensecrypt
-                                                                      ``plain_noise``
+                      noise; masked-dp's shares of the sum's noise)   zone, sensecrypt
+                                                                      ``plain_noise``,
+                                                                      masked-dp
 ``dpsgd``             DP-SGD's Poisson sampling and gradient noise    dpsgd, alt-si-dp, alt-pi
                       (Opacus, through two torch generators)
 ``bootstrap-sketch``  Alg. 2's DP sketch for clustering               ``cluster_epsilon``

@@ -174,7 +174,7 @@ class Sidecar:
                 isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in shape)):
             raise bad("input_shape", "a non-empty list of positive integers such as [3, 64], "
                       "[20] or [1, 8, 8]")
-        num_classes = integer("num_classes", 2)
+        num_classes = integer("num_classes", 1)  # regression: 1 output
         labels = data["class_labels"]
         if not (isinstance(labels, list) and len(labels) == num_classes
                 and all(isinstance(s, str) for s in labels)):

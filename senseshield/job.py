@@ -17,7 +17,7 @@ from typing import Any
 from typing import TYPE_CHECKING
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from senseshield import defaults
 from senseshield.errors import ConfigError, ProtocolError
@@ -94,6 +94,30 @@ class Job(BaseModel):
     train_threads: int = Field(defaults.TRAIN_THREADS, ge=1, le=256)
     scheme: str | None = None  # HE scheme override; None = the strategy's default
     options: StrategyOptions = StrategyOptions()
+    # what is learnt and how (senseshield.tasks, senseshield.training; docs/training.md)
+    task: str = "classification"  # classification | regression | multilabel
+    loss: str | None = None  # None: the task's; a name or an import path
+    metric: str | None = None  # None: the task's (accuracy, mse, label_accuracy)
+    optimizer: str = "sgd"  # sgd | adam | adamw | rmsprop | adagrad, or an import path
+    optimizer_args: dict[str, Any] = {}  # the optimizer's keywords besides lr (e.g. momentum)
+    train: str | None = None  # None: the built-in loop; a registered name or an import path
+    evaluate: str | None = None  # None: the task's metrics; a registered name or an import path
+
+    @model_validator(mode="after")
+    def _training(self) -> "Job":
+        from senseshield.tasks import check_training
+
+        check_training(task=self.task, loss=self.loss, metric=self.metric, optimizer=self.optimizer,
+                       custom_evaluate=self.evaluate is not None, num_classes=self.num_classes)
+        return self
+
+    @field_validator("task")
+    @classmethod
+    def _known_task(cls, value: str) -> str:
+        from senseshield.tasks import TASKS
+
+        TASKS.get(value)  # raises ConfigError naming the tasks
+        return value
 
     @field_validator("strategy")
     @classmethod
@@ -116,7 +140,7 @@ class Job(BaseModel):
     @field_validator("num_classes")
     @classmethod
     def _classes(cls, value: int | None) -> int | None:
-        return None if value is None else check_num_classes(value)
+        return None if value is None else check_num_classes(value, minimum=1)  # per task: _training
 
     @field_validator("model_args")
     @classmethod
@@ -193,8 +217,28 @@ def check_job(job: Job) -> None:
     process."""
     from senseshield.strategies import build_strategy
 
-    effective_scheme(job, build_strategy(job.strategy, job.options))
-    initial_model(job, *job_shape(job))
+    strategy = build_strategy(job.strategy, job.options)
+    effective_scheme(job, strategy)
+    model, _ = initial_model(job, *job_shape(job))
+    check_job_training(job, strategy, model)
+
+
+def check_job_training(job: Job, strategy: Strategy, model: torch.nn.Module) -> None:
+    """The job's training resolves: its loss, optimizer and train/evaluate functions (import
+    paths and entry points load, the functions take (model, loader, config)); a strategy
+    that fits class-conditional synthetic data needs a classification task; DP-SGD needs an
+    optimizer Opacus can wrap. :class:`ConfigError` of one sentence otherwise."""
+    from senseshield.tasks import make_loss, make_optimizer
+    from senseshield.training import training_function
+
+    if strategy.needs_synthetic and job.task != "classification":
+        raise ConfigError(
+            f"Strategy {strategy.name!r} trains on class-conditional synthetic data, so it needs "
+            f"task 'classification', not {job.task!r}.")
+    make_loss(job.task, job.loss)
+    make_optimizer(job.optimizer, model.parameters(), lr=job.lr, args=job.optimizer_args)
+    training_function(job.train)
+    training_function(job.evaluate, evaluate=True)
 
 
 def device_index(agent_id: str) -> int:
@@ -252,10 +296,17 @@ def validation_reason(exc: ValidationError, model: type[BaseModel]) -> str:
     return f"{key}={first.get('input')!r} is not allowed: {msg}."
 
 
-def train_config(config: Job) -> TrainConfig:
+def train_config(config: Job, *, epochs: int | None = None) -> TrainConfig:
+    """The local training a job asks for (``epochs``: instead of ``local_epochs``, e.g. the
+    bootstrap's)."""
     from senseshield.training import TrainConfig
 
-    return TrainConfig(config.local_epochs, config.batch_size, config.lr, threads=config.train_threads)
+    return TrainConfig(
+        config.local_epochs if epochs is None else epochs, config.batch_size, config.lr,
+        threads=config.train_threads, task=config.task, loss=config.loss, metric=config.metric,
+        optimizer=config.optimizer, optimizer_args=tuple(sorted(config.optimizer_args.items())),
+        train=config.train, evaluate=config.evaluate,
+    )
 
 
 def effective_scheme(config: Job, strategy: Strategy) -> str | None:

@@ -24,20 +24,13 @@ works with any module, in ``state_dict`` order.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from importlib import metadata
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from senseshield.callables import (
-    IMPORT_PATH_FORMS,
-    call_with_job,
-    describe_exception,
-    is_import_path,
-    resolve_import_path,
-)
+from senseshield.callables import call_with_job, describe_exception, resolve_named
 from senseshield.errors import ConfigError
 from senseshield.registry import Registry
 from senseshield.shapes import check_input_shape, check_num_classes
@@ -55,57 +48,21 @@ __all__ = [
 #: arguments, and returns a module.
 ModelBuilder = Callable[..., nn.Module]
 
-#: Built-in model builders by name.
-MODELS: Registry[ModelBuilder] = Registry("model")
-
 #: The entry-point group through which installed packages register models.
 ENTRY_POINT_GROUP = "senseshield.models"
 
-
-def _entry_points() -> dict[str, metadata.EntryPoint]:
-    """Entry points of :data:`ENTRY_POINT_GROUP` by name (the first one wins on a clash)."""
-    found: dict[str, metadata.EntryPoint] = {}
-    for ep in sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.value):
-        found.setdefault(ep.name, ep)
-    return found
+#: Built-in model builders by name (and, lazily, those of installed packages).
+MODELS: Registry[ModelBuilder] = Registry("model", group=ENTRY_POINT_GROUP)
 
 
 def model_names() -> list[str]:
     """Every model name a job can use: the built-ins and those of installed packages."""
-    return sorted(set(MODELS.names()) | set(_entry_points()))
+    return MODELS.names()
 
 
 def resolve_model(name: str) -> ModelBuilder:
     """The callable a job's ``model`` names: built-in, entry point or import path."""
-    if not isinstance(name, str) or not name.strip():
-        raise ConfigError(
-            f"Model {name!r} is not allowed; give a registered name ({', '.join(model_names())}) "
-            f"or an import path {IMPORT_PATH_FORMS}."
-        )
-    builder = MODELS.find(name)
-    if builder is not None:
-        return builder
-    if is_import_path(name):
-        return resolve_import_path(name, what="model")
-    ep = _entry_points().get(name)
-    if ep is None:
-        raise ConfigError(
-            f"Unknown model {name!r}; choose one of: {', '.join(model_names())}, or give an "
-            f"import path {IMPORT_PATH_FORMS}."
-        )
-    origin = f"entry point '{ep.name} = {ep.value}' (group {ENTRY_POINT_GROUP!r})"
-    try:
-        builder = ep.load()
-    except Exception as exc:
-        raise ConfigError(
-            f"Model {name!r} from {origin} cannot be loaded: {describe_exception(exc)}."
-        ) from exc
-    if not callable(builder):
-        raise ConfigError(
-            f"Model {name!r} from {origin} is an object of type {type(builder).__name__}, "
-            f"not a callable."
-        )
-    return builder
+    return resolve_named(name, MODELS, what="model")
 
 
 def build_model(
@@ -121,7 +78,7 @@ def build_model(
     """
     builder = resolve_model(name)
     shape = check_input_shape(input_shape)
-    classes = check_num_classes(num_classes)
+    classes = check_num_classes(num_classes, minimum=1)  # the job checks its task's minimum
     if model_args is not None and not isinstance(model_args, Mapping):
         raise ConfigError(
             f"model_args={model_args!r} is not allowed; it must be a mapping of keyword "

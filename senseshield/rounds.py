@@ -103,6 +103,7 @@ class LocalUpdate:
     delta: np.ndarray
     sensitivity: np.ndarray
     timings: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)  # what the training function returned
 
 
 def client_seed(seed: int, round_: int, index: int) -> int:
@@ -139,14 +140,16 @@ def _bootstrap_vector(
     strategy: Strategy, model: torch.nn.Module, initial: np.ndarray, data: LocalData, *,
     train: TrainConfig, seed: int, rng: NoiseSource,
 ) -> np.ndarray:
+    from senseshield.tasks import make_loss
     from senseshield.training import private_sketch_sum, score_inputs, set_vector, train_local
 
     options = strategy.options
+    loss = make_loss(train.task, train.loss)
     set_vector(model, initial)
     train_local(model, data.x_train, data.y_train, train, seed=seed)
     if options.cluster_epsilon is not None and strategy.clusters_clients:
         sigma = sigma_for_epsilon(epsilon=options.cluster_epsilon, delta=options.cluster_delta)
-        bounded = private_sketch_sum(model, data.x_train, data.y_train, norm=options.cluster_clip)
+        bounded = private_sketch_sum(model, data.x_train, data.y_train, norm=options.cluster_clip, loss=loss)
         vector = noisy_mean(
             bounded,
             count=data.n_train,
@@ -155,7 +158,7 @@ def _bootstrap_vector(
             rng=rng,
         )
     else:
-        vector = SCORES.get("taylor")(score_inputs(model, data.x_train, data.y_train, needs=frozenset()))
+        vector = SCORES.get("taylor")(score_inputs(model, data.x_train, data.y_train, needs=frozenset(), loss=loss))
     return normalise_rows(vector[None, :])[0]
 
 
@@ -202,7 +205,8 @@ def _local_update(
     train: TrainConfig, seed: int, round: int, state: ClientState | None, noise_multiplier: float | None,
     noise: DeviceNoise, index: int, steps: int | None = None,
 ) -> LocalUpdate:
-    from senseshield.training import get_vector, score_inputs, set_vector, train_dpsgd, train_local
+    from senseshield.tasks import make_loss
+    from senseshield.training import fit, get_vector, score_inputs, set_vector, train_dpsgd
 
     score: Score = SCORES.get(strategy.score_name)
     plan = strategy.round_plan(round)
@@ -222,16 +226,17 @@ def _local_update(
             raise ValueError(f"{strategy.name} runs DP-SGD and needs the client's state for its accountant.")
         sigma = strategy.options.sigma if noise_multiplier is None else noise_multiplier
         sampling, gaussian = noise.torch_generators("dpsgd", round=round, index=index)
-        _, state.dp_history = train_dpsgd(
+        last, state.dp_history = train_dpsgd(
             model, x, y, train, noise_multiplier=sigma, max_grad_norm=strategy.options.clip,
-            history=state.dp_history, sampling_generator=sampling, noise_generator=gaussian,
+            history=state.dp_history, sampling_generator=sampling, noise_generator=gaussian, round=round,
         )
+        metrics = {"loss": last}
     else:
         full = full_steps(len(x), batch_size=train.batch_size, epochs=train.epochs)
         if steps is not None and steps < full:
             scale = step_scale(steps, full) if strategy.options.partial_fednova else 1.0
             train = replace(train, max_steps=int(steps))
-        train_local(model, x, y, train, seed=seed)
+        metrics = fit(model, x, y, train, seed=seed, round=round)
     weights = get_vector(model).astype(np.float64)
     if not np.all(np.isfinite(weights)):
         if strategy.dp_level == "user":
@@ -253,10 +258,11 @@ def _local_update(
         delta = delta * scale  # FedNova: the mean step times the planned steps
     t_train = time.perf_counter() - t
     t = time.perf_counter()
-    inputs = score_inputs(model, data.x_train, data.y_train, needs=score.needs, delta=delta)
+    inputs = score_inputs(model, data.x_train, data.y_train, needs=score.needs, delta=delta,
+                          loss=make_loss(train.task, train.loss))
     sensitivity = score(inputs)
     return LocalUpdate(
-        weights, delta, sensitivity, {"train": t_train, "sensitivity": time.perf_counter() - t}
+        weights, delta, sensitivity, {"train": t_train, "sensitivity": time.perf_counter() - t}, metrics,
     )
 
 
@@ -304,7 +310,8 @@ def protect_local(
     The strategy's :meth:`~Strategy.privatise` adds its client-side DP noise (only on
     values that travel in plaintext), drawn from ``rng``: the device's secret ``protect``
     stream (``DeviceNoise.generator``); None draws from fresh OS entropy.
-    ``choice.withheld`` marks positions never sent.
+    ``choice.withheld`` marks positions never sent. The update's weight is the strategy's
+    :meth:`~Strategy.sample_weight` of ``n_samples`` (FedAvg: n_samples itself).
     ``min_encrypted``: the device's own floor (``--min-he-ratio``); with a scheme that lets
     each client choose its blocks, a mask below it is topped up with the most sensitive
     blocks (:func:`~senseshield.engine.masks.top_up_mask`) and ``choice.info["topped_up"]``
@@ -332,7 +339,7 @@ def protect_local(
         client_id=context.client_id,
         round=context.round,
         cluster=context.cluster,
-        n_samples=n_samples,
+        n_samples=strategy.sample_weight(n_samples),
         withheld=choice.withheld,
     )
     update.timings.update(local.timings)
@@ -366,14 +373,14 @@ def client_bootstrap(
 ) -> np.ndarray | None:
     """Client ``index``'s bootstrap vector (the same on a device and in the simulator when
     both replay one noise seed); Alg. 2's sketch noise is ``noise``'s ``bootstrap-sketch`` draw."""
-    from senseshield.training import TrainConfig
+    from senseshield.job import train_config
 
     return bootstrap_vector(
         strategy,
         model,
         initial,
         data,
-        train=TrainConfig(config.bootstrap_epochs, config.batch_size, config.lr, threads=config.train_threads),
+        train=train_config(config, epochs=config.bootstrap_epochs),
         seed=client_seed(config.seed, 0, index),
         rng=noise.generator("bootstrap-sketch", round=0, index=index),
     )

@@ -29,11 +29,12 @@ def check_input_shape(input_shape: Any) -> tuple[int, ...]:
     return shape
 
 
-def check_num_classes(num_classes: Any) -> int:
-    """``num_classes`` as an int >= 2, or a ConfigError."""
+def check_num_classes(num_classes: Any, *, minimum: int = 2) -> int:
+    """``num_classes`` as an int >= ``minimum``, or a ConfigError (classification needs 2
+    classes; a regression's or multi-label model's outputs may be 1)."""
     if isinstance(num_classes, bool) or not isinstance(num_classes, (int, np.integer)) \
-            or num_classes < 2:
+            or num_classes < minimum:
         raise ConfigError(
-            f"num_classes={num_classes!r} is not allowed; it must be an integer >= 2."
+            f"num_classes={num_classes!r} is not allowed; it must be an integer >= {minimum}."
         )
     return int(num_classes)

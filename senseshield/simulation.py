@@ -31,7 +31,7 @@ from senseshield.results import (
     RunResult,
     SimulationResult,
     privacy_fields,
-    weighted_accuracy,
+    weighted_metrics,
 )
 from senseshield.engine.work import full_steps
 from senseshield.rounds import (
@@ -52,7 +52,7 @@ from senseshield.device_noise import SECRET, DeviceNoise
 from senseshield.he.base import round_context
 from senseshield.runtime.identity import Identity
 from senseshield.strategies import BootstrapReport, ClientContext, FleetPlan, Strategy, build_strategy
-from senseshield.training import evaluate, layout_of, set_vector
+from senseshield.training import evaluate_model, layout_of, set_vector
 
 Progress = Callable[[str, int, int], None]
 
@@ -94,9 +94,12 @@ def bootstrap_reports(
     return reports
 
 
+Observer = Callable[[int, int, "list[ProtectedUpdate]", np.ndarray, "dict[str, np.ndarray]"], None]
+
+
 def run_simulation(
     config: Job, progress: Progress | None = None, *, trace: bool = False, devices: Sequence[LocalData] | None = None,
-    noise_seed: int | None = None,
+    noise_seed: int | None = None, observe: Observer | None = None,
 ) -> RunResult:
     """Run ``config.rounds`` rounds of ``config.strategy`` and return the results.
 
@@ -107,7 +110,11 @@ def run_simulation(
     :class:`senseshield.determinism.Trace`: budgets, every mask, every round's models).
     ``noise_seed``: replay every client's privacy noise from this seed (reproducible runs,
     and the same noise as a fleet given the same seed; :mod:`senseshield.device_noise`); None
-    (default) draws it from OS entropy, as devices do, so noisy strategies differ run to run."""
+    (default) draws it from OS entropy, as devices do, so noisy strategies differ run to run.
+    ``observe(round, cluster, updates, mean, truth)``: called after every cluster's aggregate
+    with what the coordinator sees (the protected updates and the published mean update) and
+    what only the experimenter knows (``truth``: each client's update before protection), for
+    attack experiments written apart from this package)."""
     started = time.perf_counter()
     noise = DeviceNoise(noise_seed)
     np.random.seed(config.seed % 2**32)
@@ -118,6 +125,9 @@ def run_simulation(
         input_shape, num_classes = job_shape(config)
         clients = [_Client(**vars(s)) for s in device_shards(config, devices)]
     else:
+        if config.task != "classification":
+            raise ConfigError(f"task={config.task!r} needs each device's data (devices=, --data); the built-in "
+                              f"dataset {config.dataset!r} is for classification.")
         dataset = load_dataset(config.dataset, seed=config.seed)
         input_shape, num_classes = dataset.input_shape, dataset.num_classes
         if config.input_shape is not None and tuple(config.input_shape) != tuple(input_shape):
@@ -151,13 +161,16 @@ def run_simulation(
     train = train_config(config)
 
     rounds: list[RoundRecord] = []
-    accuracies: dict[str, float] = {}
+    evaluations: dict[str, dict[str, float]] = {}  # each client's latest metrics
+    trained: dict[str, dict[str, float]] = {}  # each client's latest training metrics
+    metric_name = train.metric_name
     recorder = Trace(dict(plan.cluster_of), dict(plan.budget_of)) if trace else None
     for r in range(1, config.rounds + 1):
         t_round = time.perf_counter()
         tally = RoundTally()
         round_masks: dict[str, str] = {}
         round_models: dict[int, np.ndarray] = {}
+        cohorts: list[tuple[int, int]] = []  # (planned, contributors) of each cluster's aggregate
         sampled = (
             {c.id for c in clients}
             if o.sample_rate >= 1.0
@@ -190,6 +203,8 @@ def run_simulation(
                 )
                 for c in members
             }
+            for cid, update in local.items():
+                trained[cid] = {f"training_{name}": v for name, v in update.metrics.items()}
             shared = plan.fixed_masks.get(k)
             if strategy.negotiates:
                 t = time.perf_counter()
@@ -224,29 +239,35 @@ def run_simulation(
                     aggregate.ciphertext, [(boxes[c].box_key, weights[c]) for c in aggregate.contributors],
                     round_context("simulation", "", r, k))
             mean = decrypt_aggregate(aggregate, secret_key)
+            cohorts.append((len(members), len(aggregate.contributors)))
             tally.phases["decrypt"] += time.perf_counter() - t
             tally.union_ratios.append(float(aggregate.union_mask.mean()))
             tally.add_sealed(r, k, aggregate_sealed(aggregate, public_key), config.options.min_encryptors)
+            if observe is not None:
+                observe(r, k, updates, mean, {c.id: local[c.id].delta for c in members})
             globals_[k] = apply_mean(globals_[k], mean, server_lr=config.options.server_lr)
             round_models[k] = globals_[k]
             tally.bytes_down += len(members) * layout.size * 4
         if recorder is not None:
             recorder.record_round(r, round_masks, round_models)
         if strategy.user_dp_round(r) and sampled:
-            user_accountant.step(noise_multiplier=sigma_user or 0.0, sample_rate=o.sample_rate)
+            user_accountant.step(noise_multiplier=strategy.release_sigma(sigma_user or 0.0, cohorts),
+                                 sample_rate=o.sample_rate)
             for cid in sampled:
                 participations[cid] = participations.get(cid, 0) + 1
         spent = _epsilons(strategy, user_accountant, participations, clients, o.delta)
         t = time.perf_counter()
         for client in clients:
             set_vector(model, merge_personal(globals_[plan.cluster_of[client.id]], client.state))
-            accuracies[client.id] = evaluate(model, client.data.x_test, client.data.y_test)
+            evaluations[client.id] = {**evaluate_model(model, client.data.x_test, client.data.y_test, train, round=r),
+                                      **trained.get(client.id, {})}
         tally.phases["evaluate"] += time.perf_counter() - t
         rounds.append(
             tally.record(
                 r,
                 strategy,
-                accuracy=weighted_accuracy([(accuracies[c.id], len(c.data.y_test)) for c in clients]),
+                metric_name=metric_name,
+                metrics=weighted_metrics([(evaluations[c.id], len(c.data.y_test)) for c in clients]),
                 seconds=time.perf_counter() - t_round,
                 participants=len(sampled),
                 sample_rate=o.sample_rate,
@@ -278,6 +299,8 @@ def run_simulation(
         cluster_ari=ari,
         clustering_epsilon=config.options.cluster_epsilon if strategy.clusters_clients else None,
         final_accuracy=rounds[-1].accuracy,
+        metric_name=metric_name,
+        final_metric=rounds[-1].metric,
         seconds_total=time.perf_counter() - started,
         rounds=rounds,
         clients=[
@@ -287,7 +310,9 @@ def run_simulation(
                 category=c.category,
                 encryption_budget=plan.budget_of[c.id],
                 he_ratio=float(np.mean(c.he_ratios)) if c.he_ratios else 0.0,
-                accuracy=accuracies[c.id],
+                accuracy=evaluations[c.id].get(metric_name, 0.0) if metric_name == "accuracy" else None,
+                metric=evaluations[c.id].get(metric_name),
+                metrics=evaluations[c.id],
                 n_train=c.data.n_train,
                 n_test=len(c.data.y_test),
                 bandwidth=c.bandwidth,

@@ -157,7 +157,7 @@ def test_record_level_figures_are_the_same_against_both_and_the_worst_client_cou
     assert got.server == got.observer == Accountant(b).epsilon(DELTA) and got.server_rounds is None
     assert got.server_pld == got.observer_pld == Accountant(b).epsilon(DELTA, accountant="pld")
     assert epsilons(DELTA) == epsilons(DELTA, user=Accountant(), records=[[]]) == epsilons(DELTA, records=[])
-    assert epsilons(DELTA).observer == 0.0 and set(ADJACENCY) == {"user", "record"}
+    assert epsilons(DELTA).observer == 0.0 and set(ADJACENCY) == {"user", "record", "distributed"}
 
 
 @pytest.mark.parametrize(("sigma", "q", "rounds"), [(3.32, 0.3, 5), (1.0, 0.05, 100), (6.0, 0.9, 20), (1.1, 0.01, 500)])

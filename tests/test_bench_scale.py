@@ -15,7 +15,7 @@ import pytest
 from bench_scale import markdown_table, run_scale  # noqa: E402
 
 
-@pytest.mark.parametrize("strategy", ["sensecrypt", pytest.param("plaintext", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("strategy", ["sensecrypt", "masked", pytest.param("plaintext", marks=pytest.mark.slow)])
 def test_six_generated_agents_are_all_counted_in_verified_aggregates(mosquitto, tmp_path, strategy):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # 1024-bit test key
@@ -25,6 +25,9 @@ def test_six_generated_agents_are_all_counted_in_verified_aggregates(mosquitto, 
     assert row["clusters"] >= 1
     if strategy == "sensecrypt":  # the key server really verified and decrypted
         assert 0 < row["he_ratio"] < 1 and row["decrypt_s"] > 0 and row["verify_s"] > 0
+    if strategy == "masked":  # every agent masked with its own pads, and the key server unmasked them
+        assert row["he_ratio"] == 1.0 and row["decrypt_s"] > 0
+    assert row["coordinator_cpu_s"] > 0 and row["keyserver_cpu_s"] > 0
     assert row["coordinator_peak_rss_mb"] > 0 and row["keyserver_peak_rss_mb"] > 0 and row["broker_mb"] > 0
     line = markdown_table([row | {"round_ratio_to_plaintext": 1.0}]).splitlines()[-1]
     assert line.startswith(f"| 6 | {strategy} | ") and line.endswith("| yes |")

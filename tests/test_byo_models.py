@@ -186,7 +186,7 @@ def test_refusals(user_module: Path) -> None:
     broken_file.write_text("def f(:\n")
     refuse(f"{broken_file}:f", "broken_file.py", "SyntaxError")
     refuse("mlp", "input_shape", shape=(0, 4))
-    refuse("mlp", "num_classes=1", classes=1)
+    refuse("mlp", "num_classes=0", classes=0)
     refuse("simplecnn", "'simplecnn'", "(C, H, W)", shape=(3, 64))
     refuse("", "''")
 

@@ -53,6 +53,7 @@ def test_simulate_writes_the_result_contract(tmp_path):
         (["--scheme", "rot13"], "Unknown HE scheme 'rot13'"),
         (["--plain-noise", "-2"], "plain_noise=-2.0 is not allowed; use a noise-to-signal ratio in [0, 10]"),
         (["--plain-noise", "nan"], "plain_noise=nan is not allowed"),
+        (["--strategy", "masked-dp", "--dp-quorum", "0"], "dp_quorum=0.0 is not allowed; give a fraction"),
     ],
 )
 def test_user_mistakes_exit_2_with_one_sentence(args, message):

@@ -71,8 +71,12 @@ class Capture:
         # per-value Paillier (~45 s): the fuzz test runs it by default, this one with make test-slow
         pytest.param("paillier-full", "linear", "iid", {"key_bits": 1024}, marks=pytest.mark.slow),
         ("sensecrypt", "mlp", "categories:2", {"key_bits": 1024}),
-        # every parameter masked through the key server (issue 22): exact, so bit for bit
-        ("masked", "mlp", "categories:2", {}),
+        # every parameter masked through the key server (issue 22): exact, so bit for bit (~45 s;
+        # masked-dp below runs the same pads, sums and unmasking by default; make test-slow)
+        pytest.param("masked", "mlp", "categories:2", {}, marks=pytest.mark.slow),
+        # distributed DP on the masked sums (issue 22 item 7): each agent's noise share is secret
+        # on devices, so both replay one test-only noise seed (development mode); equal weights
+        ("masked-dp", "mlp", "categories:2", {"options": StrategyOptions(sigma=0.5, clip=0.5), "noise_seed": 7}),
         # the issue-16 hybrid: its plaintext noise is secret on devices, so both replay one
         # test-only noise seed (development mode) to compare bit for bit (make test-slow)
         pytest.param("sensecrypt", "mlp", "categories:2",
@@ -99,6 +103,8 @@ def test_fleet_ends_with_the_simulators_model(mosquitto, tmp_path, strategy, mod
         assert np.array_equal(fleet_models[k], weights), f"cluster {k}: the key server's float64 model differs"
     assert [r["accuracy"] for r in report["rounds"]] == pytest.approx([r.accuracy for r in sim.rounds], abs=1e-9)
     assert [c["cluster"] for c in report["clients"]] == [c.cluster for c in sim.clients]
+    # the same privacy figures (None without DP)
+    assert (report.get("epsilon"), report.get("epsilon_server")) == (sim.epsilon, sim.epsilon_server)
     assert report["exit_codes"] == {name: 0 for name in report["exit_codes"]}
     # the run's key is named in the report and in every agent's log (issue 25's small traps)
     if strategy != "plaintext":
@@ -196,6 +202,26 @@ def test_faults_are_rejected_and_a_killed_agent_does_not_delay_its_round(mosquit
     assert "intruder" not in report["refused"] and not notices
 
 
+def test_an_agent_whose_training_raises_is_not_waited_for(mosquitto, tmp_path):
+    """c002's training raises in round 2 (fault drill): it tells the coordinator
+    (``agents/<id>/failure``), which closes round 2 without it at once instead of waiting for
+    the deadline (600 s here: the run could not end within the wait's timeout otherwise);
+    the agent stays in the job and contributes again in round 3. A crashed agent (SIGKILL
+    mid-round) is seen by its last will: test_faults_are_rejected_and_a_killed_agent_does_not_delay_its_round."""
+    config = Job(strategy="plaintext", model="linear", clients=3, rounds=3)
+    options = FleetOptions(agents=3, out=tmp_path, broker=mosquitto.url, fleet="fails", round_deadline=600,
+                           min_contributors=1, extra_agent_args={"c002": ["--fail-at-round", "2"]})
+    with Fleet(config, options) as fleet:
+        fleet.start()
+        report = fleet.wait(timeout=240)
+    assert [(s["round"], s["missing"]) for s in report["straggling_events"] if s["agent"] == "c002"] == [(2, "failed")]
+    assert [r["participants"] for r in report["rounds"]] == [3, 2, 3]
+    assert "round 2 cluster 0: closed without c002 (failed)" in report["rounds"][1]["notes"]
+    log = (tmp_path / "logs" / "coordinator.log").read_text()
+    assert "agent c002 failed its round: round 2 failed on this device: RuntimeError: fault drill: training raised in round 2" in log
+    assert fleet.exit_codes["c002"] == 0
+
+
 def test_a_broker_restart_mid_run_is_survived(mosquitto, tmp_path):
     config = Job(strategy="plaintext", model="linear", clients=3, rounds=4)
     options = FleetOptions(agents=3, out=tmp_path, broker=mosquitto.url, fleet="restart", round_deadline=60,
@@ -215,30 +241,31 @@ def test_a_broker_restart_mid_run_is_survived(mosquitto, tmp_path):
 
 
 def test_a_restarted_coordinator_resumes_from_its_checkpoint(mosquitto, tmp_path):
+    """A coordinator killed (fault drill) once round 2 has its verdict, before it closes the
+    round, and started again with the same command line: it resumes round 2, and the report
+    gives that round its own accuracy (the devices' metrics asked for again), its whole time
+    since it first started, and a note of the restart (issue 23 item 4)."""
     config = Job(strategy="plaintext", model="linear", clients=3, rounds=4)
     options = FleetOptions(agents=3, out=tmp_path, broker=mosquitto.url, fleet="resume", round_deadline=60,
-                           min_contributors=1)
-    checkpoint = tmp_path / "state" / "coordinator-resume.json"
-
-    def closed() -> int:  # rounds the coordinator closed and checkpointed (written atomically)
-        return json.loads(checkpoint.read_text())["completed"] if checkpoint.exists() else 0
-
+                           min_contributors=1, extra_coordinator_args=["--kill-before-close", "2"])
     with Fleet(config, options) as fleet:
         fleet.start()
-        # the first round is done: closed and checkpointed by the coordinator (the key server's
-        # verdict alone leaves the round in flight, whose report figures are issue 23 item 4)
-        wait_for(lambda: closed() >= 1)
-        fleet.kill("coordinator")
+        wait_for(lambda: fleet.processes["coordinator"].poll() is not None, timeout=240)  # the drill fired
         time.sleep(1.0)  # agents and key server see its last will, say so, and keep waiting
         fleet.restart("coordinator")  # the same command line again
         report = fleet.wait(timeout=300)
     assert [r["round"] for r in report["rounds"]] == [1, 2, 3, 4]
-    assert "resuming run" in (tmp_path / "logs" / "coordinator.log").read_text()
+    log = (tmp_path / "logs" / "coordinator.log").read_text()
+    assert "fault drill: killing myself (SIGKILL) before closing round 2" in log and "resuming run" in log
     for name in ("keyserver", "c000", "c001", "c002"):
-        log = (tmp_path / "logs" / f"{name}.log").read_text()
-        offline = log.index("coordinator offline since ")
-        assert "; waiting for it to come back" in log[offline:], name
-        assert log.index("coordinator is back online", offline) > offline, name
+        agent_log = (tmp_path / "logs" / f"{name}.log").read_text()
+        offline = agent_log.index("coordinator offline since ")
+        assert "; waiting for it to come back" in agent_log[offline:], name
+        assert agent_log.index("coordinator is back online", offline) > offline, name
+    r2 = report["rounds"][1]
+    assert any("the coordinator restarted during this round" in n for n in r2["notes"]), r2["notes"]
+    assert not any("restarted" in n for r in report["rounds"] if r["round"] != 2 for n in r["notes"])
+    assert r2["seconds"] > 1.0  # started before the kill, closed after the restart a second later
     sim = run_simulation(config)
     assert [r["accuracy"] for r in report["rounds"]] == pytest.approx([r.accuracy for r in sim.rounds], abs=1e-9)
 

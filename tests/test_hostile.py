@@ -419,7 +419,7 @@ def test_the_fuzzers_descriptor_and_nan_frames_reach_the_checks_they_exercise():
     signer = Identity.generate("c000")
     material = [
         ("agents/c000/hello", Hello(run_id="r", agent_id="c000", n_samples=10, bandwidth=5.0, cpu_speed=2.0)),
-        ("agents/c000/metrics", Metrics(cluster=0, accuracy=0.5, n_test=10)),
+        ("agents/c000/metrics", Metrics(cluster=0, metric=0.5, n_test=10)),
         ("agents/c000/inbox", Assignment(cluster=0, encryption_budget=0.25)),
         ("agents/c000/inbox", RoundPlan(cluster=0, encryption_budget=0.2, deadline=1e9, block_size=1, size=9,
                                         shared_mask=np.zeros(0, np.uint8))),
@@ -494,7 +494,7 @@ def test_bad_updates_forged_configs_metrics_and_chunk_floods_stop_nothing(mosqui
                             "sha256": "0" * 64},
                     sections={"data": bytes(500_000)}))
         wait_for(lambda: any(f.sender == "c000" and f.round == 1 for _, _, f in wire.frames.get("metrics", [])))
-        forged = Metrics(cluster=0, accuracy=0.5, n_test=1)
+        forged = Metrics(cluster=0, metric=0.5, n_test=1)
         c000 = SIGNERS["c000"]
         wire.publish("agents/c000/metrics", to_frame(forged, fleet=fleet_name, sender="c000", round=1, signer=c000))  # reported
         wire.publish("agents/c000/metrics", to_frame(forged, fleet=fleet_name, sender="c000", round=99, signer=c000))  # future
@@ -682,3 +682,35 @@ def test_a_participating_device_never_appears_under_declined(mosquitto, tmp_path
     assert all("c000" in r["clusters"]["0"]["updates"] for r in report["server"])
     log = (tmp_path / "logs" / "coordinator.log").read_text()
     assert "Decline of job" in log and "from 'c000', which takes part in it; ignored" in log
+
+
+@pytest.mark.parametrize("strategy", ["masked", pytest.param("sensecrypt", marks=pytest.mark.slow)])
+def test_a_device_sending_a_bad_fingerprint_every_round_costs_only_itself(mosquitto, tmp_path, strategy):
+    """Issue 23 item 1 on a real fleet: c002 (its genuine key, senseshield_checks.bad_contribution)
+    sends before its real update of every round from 2 on its previous round's update re-signed
+    for the round (the fingerprint of another challenge). No round is lost: the key server
+    refuses the aggregate at the fingerprint check, the coordinator aggregates again without
+    c002's bad update (with its later genuine one in its place, or without c002), the key
+    server names c002, and the round's notes say so."""
+    from senseshield_checks.bad_contribution import BadDevice, named, rounds_lost
+
+    config = Job(strategy=strategy, model="linear", clients=3, rounds=3, key_bits=1024)
+    options = FleetOptions(agents=3, out=tmp_path, broker=mosquitto.url, fleet="badfp", round_deadline=60,
+                           min_contributors=1)
+    with Fleet(config, options) as fleet:
+        fleet.start()
+        bad = BadDevice(mosquitto.url, "badfp", "c002", fleet.out / "identities" / "c002.key")
+        try:
+            report = fleet.wait(timeout=300)
+        finally:
+            bad.stop()
+    assert bad.sent == [2, 3]
+    assert rounds_lost(report) == 0, [r["notes"] for r in report["rounds"]]
+    assert named(report, "c002"), [r["notes"] for r in report["rounds"]]
+    note = next(n for r in report["rounds"] for n in r["notes"] if "refused the update of c002" in n)
+    assert "does not match the fingerprint it signed" in note
+    server = {rec["round"]: rec for rec in report["server"]}
+    assert all(c["accepted"] for rec in server.values() for c in rec["clusters"].values())
+    assert fleet.exit_codes == {name: 0 for name in fleet.exit_codes}
+    keyserver_log = (tmp_path / "logs" / "keyserver.log").read_text()
+    assert "c002's update refused" in keyserver_log and "Traceback" not in keyserver_log

@@ -85,7 +85,19 @@ def test_a_device_that_joins_mid_job_takes_part_from_the_next_round(mosquitto, t
         with fleet.job_client() as client:
             job_id = client.submit(job)
             wait_for(lambda: client.record(job_id)["round"] >= 1, 180, "round 1")
+            # the others pause (their round waits for them) until the late device is admitted:
+            # it first loads its runtime (torch) when it sees the job, which on a busy machine
+            # may outlast the job's remaining rounds
+            others = [fleet.processes[a] for a in ("c000", "c001", "c002")]
+            for p in others:
+                os.kill(p.pid, signal.SIGSTOP)
             os.kill(late.pid, signal.SIGCONT)
+            try:
+                wait_for(lambda: any("c003 admitted to cluster" in line for line in client.record(job_id)["events"]),
+                         240, "c003 admitted")
+            finally:
+                for p in others:
+                    os.kill(p.pid, signal.SIGCONT)
             record = client.follow(job_id, lambda line: None, timeout=300)
     assert record["state"] == "done", record["events"][-5:]
     report = report_of(record)
@@ -186,7 +198,7 @@ def test_job_cli_submit_list_status_cancel_and_bad_files(mosquitto, tmp_path):
             assert len(client.board()) == 2
 
 
-def test_job_submit_with_an_operator_the_trust_file_does_not_pin_says_so_at_once(mosquitto, tmp_path):
+def test_job_submit_with_an_operator_the_trust_file_does_not_pin_says_so_at_once(mosquitto, tmp_path, monkeypatch):
     """Issue 23: an operator key the trust file does not pin waited 60 s, then blamed the
     coordinator ("No answer from the coordinator ..."). The coordinator must not act on, or
     answer, an unpinned signer; the client knows from its own trust file and says so at once
@@ -194,6 +206,7 @@ def test_job_submit_with_an_operator_the_trust_file_does_not_pin_says_so_at_once
     from typer.testing import CliRunner
 
     from senseshield.cli import app
+    from senseshield.development import DEVELOPMENT_ENV
     from senseshield.runtime.identity import Identity, Trust
 
     import yaml
@@ -209,6 +222,7 @@ def test_job_submit_with_an_operator_the_trust_file_does_not_pin_says_so_at_once
         "pins another key for 'operator'": {"operator": (pinned, "operator"), "coordinator": (coordinator, "coordinator")},
         "does not list 'operator'": {"coordinator": (coordinator, "coordinator")},
     }
+    monkeypatch.setenv(DEVELOPMENT_ENV, "1")  # hand-made (unsigned) trust files, as in development
     for needle, identities in cases.items():
         trust = Trust.for_identities(identities, fleet="pins").save(tmp_path / "trust.json")
         result = CliRunner().invoke(app, ["job", "submit", str(job), "--broker", mosquitto.url, "--fleet", "pins",

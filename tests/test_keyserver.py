@@ -5,6 +5,7 @@ identity, and honest agents with theirs; the key server is the real service."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import stat
@@ -22,11 +23,13 @@ from senseshield.he import SCHEMES
 from senseshield.he.base import round_context
 from senseshield.job import Job
 from senseshield.runtime.identity import Identity, Trust, unb64
+from senseshield.runtime.jobsig import sign_job
 from senseshield.runtime.protocol.messages import (
     AggregateResult,
     Challenge,
     ClusterModel,
     FleetConfig,
+    JobSubmit,
     PublicKeyAnnouncement,
     Receipt,
     RoundOpen,
@@ -49,13 +52,13 @@ class Harness:
     their identities (so it can be an honest agent or a deviating coordinator)."""
 
     def __init__(self, url: str, key_dir, *, min_contributors: int = 2, min_fraction: float = 0.0,  # noqa: ANN001
-                 workers: int | None = None) -> None:
-        self.ids = {n: Identity.generate(n) for n in ["keyserver", "coordinator", *AGENTS]}
+                 workers: int | None = None, allow_unverifiable: bool = False) -> None:
+        self.ids = {n: Identity.generate(n) for n in ["keyserver", "coordinator", "operator", *AGENTS]}
         roles = {n: ("agent" if n in AGENTS else n) for n in self.ids}
         self.trust = Trust.for_identities({n: (i, roles[n]) for n, i in self.ids.items()}, fleet=FLEET)
         self.server = KeyServer(url, fleet=FLEET, key_dir=key_dir, min_contributors=min_contributors,
                                 min_fraction=min_fraction, identity=self.ids["keyserver"], trust=self.trust,
-                                workers=workers)
+                                workers=workers, allow_unverifiable=allow_unverifiable)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         self.got: list[tuple[str, object, int]] = []
@@ -93,13 +96,18 @@ class Harness:
         raise AssertionError(f"no {cls.__name__} within {timeout} s")
 
     # -- the run --------------------------------------------------------------------------
-    def start_run(self, strategy: str = "sensecrypt", run: str = "run-1") -> object:
+    def start_run(self, strategy: str = "sensecrypt", run: str = "run-1", scheme: str | None = "packed-paillier",
+                  *, submission: bytes | None = None, config: Job | None = None) -> object:
+        """Publish the run's fleet/config as the coordinator, with the job the operator signed
+        (``submission``: other bytes; ``config``: another job than the signed one)."""
         self.run = run
-        config = Job(strategy=strategy, model="linear", clients=2, key_bits=1024,
-                     scheme=None if strategy in ("plaintext", "masked") else "packed-paillier")
-        self.send("fleet/config", FleetConfig(run_id=self.run, config=config.model_dump(mode="json"),
+        job = Job(strategy=strategy, model="linear", clients=2, key_bits=1024,
+                  scheme=None if strategy in ("plaintext", "masked") else scheme)
+        if submission is None:
+            submission = sign_job(job, self.ids["operator"], fleet=FLEET)
+        self.send("fleet/config", FleetConfig(run_id=self.run, config=(config or job).model_dump(mode="json"),
                                               input_shape=[1, 8, 8], num_classes=10, round_deadline=30,
-                                              initial=np.zeros(SIZE)))
+                                              initial=np.zeros(SIZE), submission=submission))
         announcement, _ = self.wait(PublicKeyAnnouncement)
         self.public = SCHEMES.get(announcement.scheme).public_key_from_bytes(announcement.key) if announcement.scheme else None
         return announcement
@@ -240,20 +248,25 @@ def test_masked_aggregates_unmask_only_as_the_signed_sum(harness):
     model, _ = harness.wait(ClusterModel)
     expected = sum(harness.deltas[(x, 1)] for x in "abc") / 3  # equal weights: the plain mean
     assert np.allclose(model.weights, expected, atol=1e-6)
-    # a forged subset: only d's update summed, but d's and e's receipts named
+    # a forged subset: only d's update summed, but d's and e's receipts named: refused at the
+    # fingerprint check, before any pad is removed (nothing unmasked, nothing spent)
     d, e = (harness.contribution(x, 1, 1) for x in "de")
     only_d = harness.request(1, 1, [d], contributors=["d", "e"], receipts=[d[1], e[1]])
     result = harness.verdict(1, only_d.model_copy(update={"total_weight": 20}))
-    assert not result.accepted and "not the sum of exactly the named contributions" in result.reason
-    # the refusal answered something about d's and e's sum: the verdict is final and their
-    # contributions are spent, so the range check cannot be asked again this round (no oracle)
+    assert not result.accepted and result.retry and "not the product of the signed contributions" in result.reason
+    assert 1 not in harness.server.spent or "d" not in harness.server.spent[1]
+    # an update whose fingerprint matches its words but whose words are not its pads + a value
+    # in range passes that check and is refused at unmasking: the refusal answered something
+    # about d's and e's sum, so their contributions are spent (no oracle)
+    result = harness.verdict(1, harness.request(1, 1, [d, out_of_range(harness, e, 1)]))
+    assert not result.accepted and not result.retry and "not the sum of exactly the named contributions" in result.reason
     result = harness.verdict(1, harness.request(1, 1, [d, e]))
     assert not result.accepted and "not the sum of exactly the named contributions" in result.reason
     assert harness.server.spent[1] == {"a": 0, "b": 0, "c": 0, "d": 1, "e": 1}
     harness.open_round(2, plan)
     # a receipt that signs another mask than the aggregate's
     d2, e2 = (harness.contribution(x, 2, 1) for x in "de")
-    other = harness.contribution("e", 2, 1)[1]
+    other = e2[1]  # e2's own receipt (its fingerprint matches), signing another mask
     receipt = from_frame(decode_frame(other)).model_copy(update={"mask_digest": "0" * 64})
     forged_receipt = to_frame(receipt, fleet=FLEET, sender="e", round=2, signer=harness.ids["e"])
     result = harness.verdict(2, harness.request(2, 1, [d2, (e2[0], forged_receipt)]))
@@ -264,6 +277,62 @@ def test_masked_aggregates_unmask_only_as_the_signed_sum(harness):
     d3, e3 = (harness.contribution(x, 3, 1, start="run-1/1/0") for x in "de")
     result = harness.verdict(3, harness.request(3, 1, [d3, e3]))
     assert result.accepted, result.reason
+    assert harness.thread.is_alive()
+
+
+def out_of_range(harness, part, r: int):  # noqa: ANN001, ANN201
+    """``part`` with 2^62 added to every masked word, fingerprint and receipt made to match
+    (signed with its agent's key): what a device with a genuine key can send."""
+    update, frame = part
+    receipt = from_frame(decode_frame(frame))
+    vector = update.ciphertext
+    words = np.asarray(vector.payload, dtype=np.uint64) + np.uint64(1 << 62)
+    bad = type(vector)(vector.scheme, vector.key_id, vector.positions, words, vector.nbytes)
+    cipher = harness.public.ciphertext_bytes(bad)
+    receipt = receipt.model_copy(update={"ciphertext_digest": hashlib.sha256(cipher).hexdigest(),
+                                         "fingerprint": harness.public.fingerprint(bad, harness.seeds[r])})
+    sender = decode_frame(frame).sender
+    return dataclasses.replace(update, ciphertext=bad), to_frame(receipt, fleet=FLEET, sender=sender, round=r,
+                                                                 signer=harness.ids[sender])
+
+
+@pytest.mark.parametrize("strategy", ["sensecrypt", "masked"])
+def test_a_bad_fingerprint_costs_only_its_sender(harness, strategy):
+    """Issue 23 item 1: c's update does not match the fingerprint it signed (a flipped byte).
+    The aggregate with it is refused at the fingerprint check with ``retry`` (nothing decrypted
+    or spent); the same aggregate without c, or with c's later genuine update in its place, is
+    accepted in the same round and the verdict names c; an attempt the key server already
+    refused gets the same verdict again."""
+    harness.start_run(strategy)
+    harness.open_round(1, {0: ["a", "b", "c"], 1: ["d", "e"]})
+    a, b, c = (harness.contribution(x, 1, 0) for x in "abc")
+    receipt = from_frame(decode_frame(c[1]))
+    flipped = bytes([receipt.fingerprint[0] ^ 1]) + receipt.fingerprint[1:]
+    bad_c = (c[0], to_frame(receipt.model_copy(update={"fingerprint": flipped}), fleet=FLEET, sender="c",
+                            round=1, signer=harness.ids["c"]))
+    everyone = harness.request(1, 0, [a, b, bad_c])
+    result = harness.verdict(1, everyone)
+    assert not result.accepted and result.retry and "not the product" in result.reason
+    assert not harness.server.spent.get(1)
+    result = harness.verdict(1, everyone)  # the same attempt again: the same verdict
+    assert not result.accepted and result.retry
+    result = harness.verdict(1, harness.request(1, 0, [b, bad_c]))  # still with c: refused
+    assert not result.accepted and result.retry
+    result = harness.verdict(1, harness.request(1, 0, [a, b]))
+    assert result.accepted, result.reason
+    assert list(result.excluded) == ["c"] and "does not match the fingerprint it signed" in result.excluded["c"]
+    model, _ = harness.wait(ClusterModel)
+    expected = (harness.deltas[("a", 1)] + harness.deltas[("b", 1)]) / 2
+    assert np.allclose(model.weights, expected, atol=1e-4)
+    assert harness.server.spent[1] == {"a": 0, "b": 0}
+    # cluster 1: e's first update is bad, its later genuine one replaces it
+    d, e = (harness.contribution(x, 1, 1) for x in "de")
+    receipt = from_frame(decode_frame(e[1]))
+    bad_e = (e[0], to_frame(receipt.model_copy(update={"fingerprint": bytes(len(receipt.fingerprint))}),
+                            fleet=FLEET, sender="e", round=1, signer=harness.ids["e"]))
+    assert not harness.verdict(1, harness.request(1, 1, [d, bad_e])).accepted
+    result = harness.verdict(1, harness.request(1, 1, [d, e]))
+    assert result.accepted and "replaced by its later update" in result.excluded["e"]
     assert harness.thread.is_alive()
 
 
@@ -454,3 +523,52 @@ def test_a_block_fewer_than_k_agents_encrypted_is_never_decrypted(harness, caplo
             mean = (harness.deltas[("a", r)][both] + harness.deltas[("b", r)][both]) / 2
             np.testing.assert_allclose(weights[both], mean, atol=1e-3)
             assert any("block 2 by ['a']" in rec.getMessage() for rec in caplog.records)
+
+
+@pytest.mark.parametrize("allow", [False, True])
+def test_ckks_aggregates_are_decrypted_only_where_the_coordinator_is_trusted(mosquitto, tmp_path, allow):
+    """Issue 22 item 4: a CKKS sum cannot be checked against fingerprints, so a key server
+    refuses it with one sentence unless started with --allow-unverifiable."""
+    h = Harness(mosquitto.url, tmp_path / "keys", allow_unverifiable=allow)
+    try:
+        h.start_run("fedml-he", scheme="ckks-sum")
+        h.open_round(1, {0: ["a", "b"]})
+        result = h.verdict(1, h.request(1, 0, [h.contribution(x, 1, 0) for x in "ab"]))
+        if allow:
+            assert result.accepted, result.reason
+        else:
+            assert not result.accepted and "--allow-unverifiable" in result.reason
+            assert "cannot be checked" in result.reason
+    finally:
+        h.stop()
+
+
+def test_only_a_job_an_operator_signed_is_served(harness, caplog):
+    """Issue 22 item 3: the coordinator alone cannot start a job. A fleet/config without the
+    operator's signed job, with a job the coordinator signed (under its own name, or under the
+    operator's name with its own key), or whose config is not the signed job (another seed)
+    is refused: the key server announces the refusal for that run in one sentence naming it
+    and why, logs it, takes nothing of the run and keeps serving; the genuine job is served."""
+    job = Job(strategy="sensecrypt", model="linear", clients=2, key_bits=1024, scheme="packed-paillier")
+    coordinator = harness.ids["coordinator"]
+    submit = JobSubmit(request_id="r1", job=job.model_dump(mode="json"))
+    cases = {
+        "run-unsigned": ({"submission": b""}, "it carries no job signed by an operator of fleet 'ks'"),
+        "run-by-coordinator": ({"submission": to_frame(submit, fleet=FLEET, sender="coordinator", round=0, signer=coordinator)},
+                               "it is signed by 'coordinator', which the trust file pins as 'coordinator', not as an operator"),
+        "run-posing": ({"submission": to_frame(submit, fleet=FLEET, sender="operator", round=0, signer=coordinator)},
+                       "Frame from 'operator' is signed with key"),
+        "run-other-fleet": ({"submission": sign_job(job, harness.ids["operator"], fleet="other")},
+                            "it is signed for fleet 'other', not 'ks'"),
+        "run-seed": ({"config": job.model_copy(update={"seed": job.seed + 1})},
+                     f"its configuration is not the job 'operator' signed (seed is {job.seed + 1}, signed {job.seed})"),
+    }
+    for run, (kwargs, why) in cases.items():
+        announcement = harness.start_run(run=run, **kwargs)
+        assert (announcement.run_id, announcement.scheme, announcement.key) == (run, "", b"")
+        assert announcement.refused.startswith(f"Job {run} is refused: ") and why in announcement.refused, announcement.refused
+        assert announcement.refused in caplog.text
+    assert harness.server.run_id is None and harness.thread.is_alive()  # nothing of a refused run was taken
+    announcement = harness.start_run(run="run-genuine")
+    assert not announcement.refused and announcement.scheme == "packed-paillier"
+    assert harness.server.run_id == "run-genuine"

@@ -597,3 +597,25 @@ def test_the_linear_time_group_and_repeat_checks_agree_with_numpy(values, sort):
     got = _groups(keys)
     assert np.array_equal(got[0], expected[0]) and np.array_equal(got[1], expected[1])
     assert _repeats(keys) == (np.unique(keys).size != keys.size)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.integers(1, 500), min_size=1, max_size=4), st.integers(0, 2**31))
+def test_a_weight_folded_in_by_the_encryptor_aggregates_like_an_exponent(small, weights, seed):
+    """Issue 22 item 5: ``encrypt(..., weight=w)`` then one multiplication equals encrypting
+    the value and raising the ciphertext to ``w``, slot for slot after decryption; a part
+    that says it is folded but weighs otherwise is refused."""
+    public = small.public_key
+    pos = np.arange(public.block_size)
+    rng = np.random.default_rng(seed)
+    values = [rng.uniform(-1, 1, pos.size) for _ in weights]
+    weights = [min(w, public.layout.max_total_weight // len(weights)) for w in weights]
+    folded = public.aggregate([CipherPart(public.encrypt(v, pos, weight=w), w, folded=True)
+                               for v, w in zip(values, weights)], pos)
+    exponent = public.aggregate([CipherPart(public.encrypt(v, pos), w) for v, w in zip(values, weights)], pos)
+    np.testing.assert_array_equal(small.decrypt_integers(folded), small.decrypt_integers(exponent))
+    np.testing.assert_array_equal(folded.payload.weights, exponent.payload.weights)
+    if max(weights) > 1:
+        w = max(weights)
+        with pytest.raises(ProtocolError, match="folded in"):
+            public.aggregate([CipherPart(public.encrypt(values[0], pos), w, folded=True)], pos)

@@ -15,7 +15,7 @@ from senseshield.cli.run import (
     Broker, CaFile, Fleet, IdentityFile, Mqtt, PasswordFile, TrustFile, Username, check_mqtt, identity_and_trust,
     mqtt_security,
 )
-from senseshield.errors import ConfigError
+from senseshield.errors import ConfigError, StorageError
 
 job_app = typer.Typer(help="Jobs on a running coordinator (`coordinator serve`): submit, list, status, logs, cancel.",
                       no_args_is_help=True)
@@ -73,6 +73,36 @@ def submit(
                 raise typer.Exit(_follow(client, job_id))
     except (ConfigError, ConnectionError) as exc:
         fail(str(exc))
+
+
+@job_app.command("sign")
+def sign(
+    job_file: Annotated[Path, typer.Argument(help="The job (YAML or TOML), as for `job submit`.", metavar="FILE")],
+    identity: Annotated[Path, typer.Option("--identity", help="The operator's identity key (it must exist; the trust file pins its public half).")],
+    out_file: Annotated[Path, typer.Option("--out", help="Write the signed job here (give it to `coordinator serve --job`).")],
+    fleet: Fleet = defaults.FLEET,
+    name: Annotated[str, typer.Option("--name", help="The operator's name in the trust file ('operator' or 'operator-...').")] = "operator",
+    trust: Annotated[Optional[Path], typer.Option("--trust", help="Check the signed job against this trust file now, as the coordinator and key server will.")] = None,
+) -> None:
+    """Sign a job as the fleet's operator: the file `coordinator serve --job` takes. A key
+    server serves only jobs an operator its trust file pins has signed (docs/security.md)."""
+    from senseshield.job import load_job, with_shape
+    from senseshield.runtime.files import write_atomic
+    from senseshield.runtime.identity import Identity, Trust
+    from senseshield.runtime.jobsig import check_signed_job, sign_job
+
+    try:
+        if not identity.is_file():
+            raise ConfigError(f"--identity {str(identity)!r} is not a file; give the operator's existing identity key "
+                              "(a new one would be pinned by no trust file).")
+        job = with_shape(load_job(job_file))  # its input shape and classes, as `job submit` sends it
+        frame = sign_job(job, Identity.load_or_create(name, identity), fleet=fleet)
+        if trust is not None:
+            check_signed_job(frame, Trust.load(trust, fleet=fleet), fleet=fleet, where=repr(str(out_file)))
+        write_atomic(out_file, frame)
+    except (ConfigError, StorageError) as exc:
+        fail(str(exc))
+    console.print(f"job {job.label} signed by {name} for fleet {fleet!r}: {out_file}")
 
 
 @job_app.command("list")

@@ -128,6 +128,7 @@ def simulate(
     target_epsilon: Annotated[Optional[float], typer.Option(help="Calibrate sigma (Opacus) so the run spends this epsilon.")] = None,
     delta: Annotated[float, typer.Option(help="DP delta.")] = 1e-5,
     sample_rate: Annotated[float, typer.Option(help="Poisson client sampling rate q in (0, 1].")] = 1.0,
+    dp_quorum: Annotated[float, typer.Option(help="masked-dp: agents size their noise shares for this fraction of a round's participants (the guarantee at sigma holds while at least that many contribute), in (0, 1].")] = 1.0,
     server_lr: Annotated[float, typer.Option(help="Server learning rate eta_g (1 = FedAvg).")] = 1.0,
     dp_ratio: Annotated[float, typer.Option(help="Selective-DP: fraction of coordinates noised (top-k of |g|*|dw|).")] = 0.1,
     budget_skew: Annotated[float, typer.Option(help="Selective-DP: most sensitive coordinate gets (1+skew) x noise.")] = 1.0,
@@ -165,6 +166,7 @@ def simulate(
             target_epsilon=target_epsilon,
             delta=delta,
             sample_rate=sample_rate,
+            dp_quorum=dp_quorum,
             server_lr=server_lr,
             dp_ratio=dp_ratio,
             budget_skew=budget_skew,
@@ -207,8 +209,7 @@ def simulate(
 
         try:
             shape, classes = job_shape(config)
-            devices = [load_local_data(f, input_shape=shape, num_classes=classes, test_fraction=config.test_fraction,
-                                       seed=config.seed) for f in files]
+            devices = [load_local_data(f, config, input_shape=shape, num_classes=classes) for f in files]
         except ConfigError as exc:
             _fail(str(exc))
     with progress_bar(quiet) as bar:
@@ -227,14 +228,17 @@ def simulate(
 
 
 def _print_summary(result) -> None:  # type: ignore[no-untyped-def]
+    from senseshield.results import metric_line, privacy_line
+
     scheme = escape(f" [{result.scheme}]") if result.scheme else ""
     table = Table(title=f"{result.strategy}{scheme} on {result.dataset}/{result.model}, {result.partition}")
-    for col in ("round", "accuracy", "HE ratio", "union ratio", "MB up", "MB down", "seconds"):
+    for col in ("round", result.metric_name, "HE ratio", "union ratio", "MB up", "MB down", "seconds"):
         table.add_column(col, justify="right")
     for r in result.rounds:
+        value = r.metric if r.metric is not None else r.accuracy
         table.add_row(
             str(r.round),
-            f"{r.accuracy:.3f}",
+            f"{value:.4g}" if value is not None else "-",
             f"{r.he_ratio_mean:.3f}",
             f"{r.union_ratio_mean:.3f}",
             f"{r.bytes_up / 1e6:.2f}",
@@ -251,11 +255,9 @@ def _print_summary(result) -> None:  # type: ignore[no-untyped-def]
         )
     ari = f", ARI vs planted categories {result.cluster_ari:.2f}" if result.cluster_ari is not None else ""
     out.print(
-        f"final accuracy {result.final_accuracy:.3f}; {result.num_clusters} cluster(s){ari}; "
+        f"{metric_line(result.model_dump())}; {result.num_clusters} cluster(s){ari}; "
         f"{result.num_params} parameters; {result.seconds_total:.1f} s"
     )
-    from senseshield.results import privacy_line
-
     privacy = privacy_line(result.model_dump())
     if privacy is not None:
         out.print(escape(privacy))

@@ -2,7 +2,11 @@
 
 :func:`load_local_data` reads ``source`` in one of the formats of :data:`FORMATS` and returns
 a :class:`senseshield.rounds.LocalData` with ``x`` float32 of shape ``(n, *input_shape)`` and
-``y`` int64 in ``0..num_classes-1``; nothing is sent anywhere. Formats (chosen from the
+``y`` as the job's task wants it (:mod:`senseshield.tasks`): classification int64 in
+``0..num_classes-1``; regression float32 ``(n, num_classes)`` targets; multi-label float32
+``(n, num_classes)`` of 0/1. Nothing is sent anywhere. Given the job
+(``load_local_data(path, job)``) it takes the job's shape, classes, task, test fraction and
+seed, so the Python API splits a device's data exactly as the fleet's agent does. Formats (chosen from the
 source unless ``format=`` names one):
 
 * ``npz``     a ``.npz`` file with arrays ``x`` and ``y``, optionally ``x_test``/``y_test``.
@@ -62,6 +66,7 @@ class Job:
     input_shape: tuple[int, ...]
     num_classes: int
     seed: int
+    task: str = "classification"
 
 
 @dataclass(frozen=True)
@@ -96,16 +101,38 @@ FORMATS: Registry[DataFormat] = Registry("data format")
 
 
 def load_local_data(
-    source: str | Path, *, input_shape: tuple[int, ...], num_classes: int,
-    test_fraction: float = 0.2, seed: int = 0, format: str | None = None, **options: Any,
+    source: str | Path, job: Any = None, *, input_shape: tuple[int, ...] | None = None,
+    num_classes: int | None = None, test_fraction: float | None = None, seed: int | None = None,
+    task: str | None = None, format: str | None = None, **options: Any,
 ) -> LocalData:
     """Read a device's data from ``source`` and check it against the job.
 
+    ``job``: a :class:`senseshield.Job` giving ``input_shape``, ``num_classes``, ``task``,
+    ``test_fraction`` and ``seed`` (what a fleet's agent uses); each keyword given here
+    overrides the job's. Without a job, ``input_shape`` and ``num_classes`` are needed and
+    the split uses ``seed`` 0, ``test_fraction`` 0.2, task classification.
     ``format`` forces a format of :data:`FORMATS` (else it is chosen from the source);
     ``options`` are that format's options. ``seed`` drives the train/test split (and is
     offered to Python loaders). Raises :class:`ConfigError` naming the file and the problem.
     """
-    job = Job(check_input_shape(input_shape), check_num_classes(num_classes), int(seed))
+    def pick(value: Any, key: str, default: Any) -> Any:
+        if value is not None:
+            return value
+        found = getattr(job, key, None) if job is not None else None
+        return default if found is None else found
+
+    input_shape, num_classes = pick(input_shape, "input_shape", None), pick(num_classes, "num_classes", None)
+    if input_shape is None or num_classes is None:
+        raise ConfigError(
+            f"Reading {str(source)!r} needs the job's input_shape and num_classes; give job= (a Job "
+            f"that has them) or input_shape= and num_classes=.")
+    test_fraction = pick(test_fraction, "test_fraction", 0.2)
+    task = pick(task, "task", "classification")
+    from senseshield.tasks import TASKS
+
+    job = Job(check_input_shape(input_shape),
+              check_num_classes(num_classes, minimum=TASKS.get(task).min_outputs),
+              int(pick(seed, "seed", 0)), task)
     text = str(source)
     fmt = FORMATS.get(format) if format is not None else _detect(text)
     if fmt.options is not None:
@@ -190,7 +217,31 @@ def _features(text: str, name: str, x: np.ndarray, shape: tuple[int, ...]) -> np
         return np.ascontiguousarray(scaled, dtype=np.float32).reshape(n, *shape)
 
 
-def _labels(text: str, name: str, y: np.ndarray, n: int) -> np.ndarray:
+def _targets(text: str, name: str, y: np.ndarray, n: int, job: Job) -> np.ndarray:
+    """Regression targets or multi-label 0/1 labels as float32 ``(n, num_classes)``."""
+    k = job.num_classes
+    if y.ndim == 1 and k == 1:
+        y = y[:, None]
+    if y.ndim != 2 or y.shape != (n, k):
+        raise ConfigError(
+            f"{name} of {text!r} has shape {tuple(y.shape)}; task {job.task!r} with num_classes={k} "
+            f"needs one row of {k} value(s) per sample, shape ({n}, {k})"
+            f"{' or (' + str(n) + ',)' if k == 1 else ''}.")
+    out = y.astype(np.float32)
+    bad = np.flatnonzero(~np.isfinite(out).all(axis=1))
+    if len(bad):
+        raise ConfigError(f"Data {text!r} has a non-finite target in {name} at row {int(bad[0])}; targets must be finite numbers.")
+    if job.task == "multilabel":
+        off = np.flatnonzero(~np.isin(out, (0.0, 1.0)).all(axis=1))
+        if len(off):
+            raise ConfigError(f"Data {text!r} has a label other than 0 or 1 in {name} at row {int(off[0])}; "
+                              f"multi-label targets are 0/1 per label.")
+    return out
+
+
+def _labels(text: str, name: str, y: np.ndarray, n: int, job: Job | None = None) -> np.ndarray:
+    if job is not None and job.task != "classification":
+        return _targets(text, name, y, n, job)
     if y.ndim == 2 and y.shape[1] == 1:
         y = y[:, 0]
     if y.ndim != 1 or len(y) != n:
@@ -221,11 +272,11 @@ def _finish(text: str, raw: Raw, job: Job, test_fraction: float) -> LocalData:
     if n == 0:
         raise ConfigError(f"Data {text!r} holds no samples.")
     x = _features(text, "x", parts["x"], job.input_shape)
-    y = _labels(text, "y", parts["y"], n)
+    y = _labels(text, "y", parts["y"], n, job)
     if raw.x_test is not None:
         n_test = len(parts["x_test"]) if parts["x_test"].ndim else 0
         x_test = _features(text, "x_test", parts["x_test"], job.input_shape)
-        y_test = _labels(text, "y_test", parts["y_test"], n_test)
+        y_test = _labels(text, "y_test", parts["y_test"], n_test, job)
         where = {"x": "x", "x_test": "x_test", "y": "y", "y_test": "y_test"}
     else:
         train, test = split_train_test(np.arange(n), test_fraction=test_fraction, seed=job.seed)
@@ -237,7 +288,7 @@ def _finish(text: str, raw: Raw, job: Job, test_fraction: float) -> LocalData:
             f"Data {text!r} has {len(y)} training and {len(y_test)} test samples; at least "
             f"{MIN_TRAIN} and {MIN_TEST} are needed."
         )
-    for key, labels in (("y", y), ("y_test", y_test)):
+    for key, labels in (("y", y), ("y_test", y_test)) if job.task == "classification" else ():
         outside = np.flatnonzero((labels < 0) | (labels >= job.num_classes))
         if len(outside):
             raise ConfigError(
@@ -345,20 +396,22 @@ def _load_csv(text: str, job: Job, options: dict[str, Any]) -> Raw:
             f"Data file {text!r} has no header row (its first row is all numbers); add one "
             f"naming the columns."
         )
+    labels = [label] if isinstance(label, str) else [str(c) for c in label]
+    label = next((c for c in labels if c not in header), labels[-1])
     if label not in header:
         raise ConfigError(
             f"Data file {text!r} has no label column {label!r}; its columns are "
             f"{', '.join(header)}; name the label column with label_column (option or "
             f"{Path(text).name + '.yaml'})."
         )
-    features = settings.get("feature_columns") or [h for h in header if h != label]
+    features = settings.get("feature_columns") or [h for h in header if h not in labels]
     missing = [c for c in features if c not in header]
     if missing:
         raise ConfigError(
             f"Data file {text!r} has no feature column {missing[0]!r}; its columns are "
             f"{', '.join(header)}."
         )
-    columns = [header.index(c) for c in features] + [header.index(label)]
+    columns = [header.index(c) for c in features] + [header.index(c) for c in labels]
     values = np.empty((len(rows), len(columns)), dtype=np.float64)
     for i, (line, row) in enumerate(rows):
         if len(row) != len(header):
@@ -374,7 +427,8 @@ def _load_csv(text: str, job: Job, options: dict[str, Any]) -> Raw:
                     f"Data file {text!r} line {line}, column {header[col]!r}: {row[col]!r} "
                     f"is not a number."
                 ) from None
-    return Raw(values[:, :-1], values[:, -1])
+    nf = len(features)
+    return Raw(values[:, :nf], values[:, nf] if len(labels) == 1 else values[:, nf:])
 
 
 def _is_number(cell: str) -> bool:
@@ -508,6 +562,8 @@ class DataSummary:
         """One log line, e.g. ``240 train + 60 test samples of shape (3, 64); 3 classes
         present; train per class 0:80 2:100 5:60``."""
         per_class = " ".join(f"{k}:{v}" for k, v in sorted(self.train_counts.items()))
+        if not self.train_counts and not self.test_counts:  # regression / multi-label targets
+            return f"{self.n_train} train + {self.n_test} test samples of shape {self.input_shape}"
         return (f"{self.n_train} train + {self.n_test} test samples of shape "
                 f"{self.input_shape}; {len(self.classes)} classes present; train per class "
                 f"{per_class}")
@@ -521,6 +577,8 @@ class DataSummary:
 
 
 def _counts(y: np.ndarray) -> dict[int, int]:
+    if np.asarray(y).dtype.kind == "f":  # regression or multi-label targets: no classes to count
+        return {}
     labels, counts = np.unique(np.asarray(y), return_counts=True)
     return {int(k): int(v) for k, v in zip(labels, counts)}
 

@@ -163,7 +163,8 @@ def protect_update(
     if positions.size:
         if public_key is None:
             raise ValueError("The mask selects positions to encrypt but no public key is set.")
-        ciphertext = public_key.encrypt(delta[positions], positions)
+        ciphertext = (public_key.encrypt(delta[positions], positions, weight=int(n_samples))
+                      if public_key.prefolds_weight else public_key.encrypt(delta[positions], positions))
     return ProtectedUpdate(
         client_id=client_id,
         round=round,
@@ -318,7 +319,8 @@ class StreamingAggregate:
         if update.ciphertext is not None:
             if self.accumulator is None:
                 raise ProtocolError("Encrypted updates arrived but the coordinator has no public key.")
-            self.accumulator.add(CipherPart(update.ciphertext, update.n_samples), key=update.client_id)
+            self.accumulator.add(CipherPart(update.ciphertext, update.n_samples,
+                                            folded=self.public_key.prefolds_weight), key=update.client_id)
         unmasked = update.plain_positions
         values = update.plaintext.astype(np.float64)
         if self.accumulator is not None and unmasked.size:

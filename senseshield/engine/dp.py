@@ -8,7 +8,11 @@ only the clip-and-noise steps a client applies to the values it is about to send
   coordinate, with ``std_j = clip · sigma · scale_j`` (eq. 21 with ``scale = sqrt(|K|)``;
   Selective-DP eq. 10 with a per-coordinate schedule ``scale_j >= 1``);
 * :func:`sensitivity_schedule` — the Selective-DP budget schedule: more noise where the
-  sensitivity is higher, never less than the accounted ``sigma``.
+  sensitivity is higher, never less than the accounted ``sigma``;
+* :func:`distributed_noise` — distributed DP on masked sums (``masked-dp``): each agent clips
+  its whole update and adds its share N(0, (clip·sigma)² / shares) of the sum's noise
+  (:func:`noised_for` sizes the shares, :func:`realised_sigma` is what a sum of fewer
+  contributors carried).
 
 Adding noise with ``scale_j >= 1`` is the accounted Gaussian mechanism (std ``clip·sigma``)
 followed by extra independent noise, i.e. post-processing, so the accounted epsilon is an
@@ -18,10 +22,14 @@ upper bound for every schedule.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from senseshield.errors import ConfigError
+
+if TYPE_CHECKING:
+    from senseshield.engine.csprng import NoiseSource
 
 
 def check_sigma(sigma: float) -> float:
@@ -127,3 +135,48 @@ def sensitivity_schedule(scores: np.ndarray, *, skew: float) -> np.ndarray:
     ranks = np.empty(scores.size, dtype=np.float64)
     ranks[np.argsort(scores, kind="stable")] = np.arange(scores.size)
     return 1.0 + skew * ranks / (scores.size - 1)
+
+
+# ---- distributed DP on masked sums (masked-dp, docs/security.md) -------------------------
+def noised_for(participants: int, quorum: float) -> int:
+    """The number of contributors each agent's noise share is sized for: ``ceil(quorum · m)``
+    of the round's ``m`` planned participants (at least 1). The sum of that many shares has
+    the accounted noise; every further contributor adds more."""
+    if not (np.isfinite(quorum) and 0.0 < quorum <= 1.0):
+        raise ConfigError(f"dp_quorum={quorum!r} is not allowed; give a fraction of the round's participants in (0, 1].")
+    if participants < 1:
+        raise ConfigError(f"participants={participants!r} is not allowed; a round has at least 1 participant.")
+    return max(1, int(np.ceil(quorum * participants - 1e-9)))
+
+
+def share_std(*, clip: float, sigma: float, shares: int) -> float:
+    """Per-coordinate std of one agent's share of the sum's noise: ``clip · sigma / sqrt(shares)``,
+    so ``shares`` independent shares add up to N(0, (clip · sigma)²), the central Gaussian
+    mechanism on the sum of updates clipped to ``clip``."""
+    check_clip(clip)
+    check_sigma(sigma)
+    if shares < 1:
+        raise ConfigError(f"shares={shares!r} is not allowed; the noise is split over at least 1 contributor.")
+    return clip * sigma / float(np.sqrt(shares))
+
+
+def distributed_noise(
+    delta: np.ndarray, *, clip: float, sigma: float, shares: int, rng: NoiseSource
+) -> tuple[np.ndarray, NoiseReport]:
+    """Clip the whole update to L2 norm ``clip`` and add this agent's noise share
+    N(0, (clip · sigma)² / shares) per coordinate (:func:`share_std`)."""
+    std = share_std(clip=clip, sigma=sigma, shares=shares)
+    clipped, norm = clip_l2(delta, clip)
+    out = clipped + rng.standard_normal(clipped.size) * std
+    return out, NoiseReport(int(clipped.size), norm, norm > clip, std)
+
+
+def realised_sigma(sigma: float, *, shares: int, contributed: int) -> float:
+    """The noise multiplier the key server's sum actually carried when ``contributed`` agents,
+    each adding a share sized for ``shares``, entered it: ``sigma · sqrt(contributed / shares)``,
+    never counted above ``sigma`` (extra contributors' noise is not claimed, so a calibrated
+    run meets its target exactly when at least ``shares`` contribute)."""
+    check_sigma(sigma)
+    if shares < 1 or contributed < 0:
+        raise ConfigError(f"shares={shares!r}, contributed={contributed!r} are not allowed; shares >= 1, contributed >= 0.")
+    return sigma * float(np.sqrt(min(1.0, contributed / shares)))

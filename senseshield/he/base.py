@@ -69,10 +69,12 @@ class PlainPart:
 
 @dataclass
 class CipherPart:
-    """Ciphertext contribution to an aggregate, to be multiplied by ``weight``."""
+    """Ciphertext contribution to an aggregate, to be multiplied by ``weight``; ``folded``:
+    its encryptor already did (``PublicKey.prefolds_weight``), so it enters once."""
 
     vector: EncryptedVector
     weight: int
+    folded: bool = False
 
 
 @dataclass(frozen=True)
@@ -159,6 +161,12 @@ class PublicKey(ABC):
     @abstractmethod
     def key_id(self) -> str:
         """Stable short hash of the public material; ciphertexts carry it."""
+
+    # the encryptor multiplies its values by its sample weight (``encrypt(..., weight=n)``), so
+    # the coordinator folds its ciphertext with one multiplication instead of an
+    # exponentiation (issue 22 item 5); the key server's fingerprint check then takes
+    # exponent 1 for it. Accumulators tell a folded part by block weights equal to its weight.
+    prefolds_weight: ClassVar[bool] = False
 
     @abstractmethod
     def encrypt(self, values: np.ndarray, positions: np.ndarray) -> EncryptedVector:
@@ -309,7 +317,7 @@ class Scheme(ABC):
     def secret_key_from_bytes(cls, data: bytes) -> SecretKey: ...
 
 
-SCHEMES: Registry[type[Scheme]] = Registry("HE scheme")
+SCHEMES: Registry[type[Scheme]] = Registry("HE scheme", group="senseshield.schemes")
 
 
 def ephemeral_exchange(peer_box: bytes) -> bytes:

@@ -43,6 +43,21 @@ What leaks: the positions (the mask), the count of values, the key id; to the ke
 each aggregate's sum, as with every scheme. Fixed-point step 2^-24 ≈ 6e-8 (finer than the
 packed Paillier encoding's 3e-5).
 
+Fingerprints (verifiable before unmasking)
+------------------------------------------
+Like the Paillier schemes (:mod:`senseshield.he.fingerprint`), the masked scheme is
+verifiable: per round the key server seals a secret seed to the round's agents; it defines
+one 64-bit challenge word per position, ``a[i]`` (ChaCha20 keystream of
+HKDF(seed, "senseshield-masked-challenge"), :func:`challenge_words`). Each agent signs, in its
+receipt, the fingerprint ``t_a = Σ_i a[i] · y_a[i] mod 2^64`` of its masked words; the key
+server accepts an aggregate ``S`` only if ``Σ_i a[i] · S[i] == Σ_a w_a t_a + Σ_i a[i] · P[i]``
+(mod 2^64, ``P`` the plaintext the coordinator folded in) -- *before* it removes any pad,
+so checking a subset of contributions (leave-one-out, to find the contributor whose
+fingerprint does not match its words) reveals nothing. A difference ``D`` the coordinator
+(who does not know ``a``) adds to the aggregate passes with probability ``2^-(64 - v)``, ``v``
+the 2-adic valuation of ``D``; a ``D`` that passes for large ``v`` moves positions by
+multiples of ``2^(v)`` and is caught by the range check at unmasking (then refused, spent).
+
 Masks: ``ragged_masks = False``: every contributor masks the same positions (the key server
 removes each contributor's pad over the aggregate's positions and checks that each
 receipt signs that mask).
@@ -120,6 +135,19 @@ def _zeros(nbytes: int) -> memoryview:
     return memoryview(_ZERO_CACHE[0])[:nbytes]
 
 
+def challenge_words(seed: bytes, positions: np.ndarray) -> np.ndarray:
+    """The round's challenge word (uint64) of every position, from the sealed seed."""
+    key = HKDF(algorithm=hashes.SHA256(), length=32, salt=None,
+               info=b"senseshield-masked-challenge").derive(bytes(seed))
+    return pads(key, positions)
+
+
+def _dot(a: np.ndarray, words: np.ndarray) -> int:
+    """``Σ a[i] · words[i] mod 2^64`` (uint64 arithmetic wraps)."""
+    with np.errstate(over="ignore"):
+        return int((np.asarray(a, dtype=np.uint64) * np.asarray(words, dtype=np.uint64)).sum(dtype=np.uint64))
+
+
 def encode(values: np.ndarray) -> np.ndarray:
     """Fixed-point ``round(x · 2^24)`` as uint64 (two's complement); |x| < 2^12 or ValueError."""
     values = np.asarray(values, dtype=np.float64)
@@ -194,6 +222,33 @@ class MaskedPublicKey(PublicKey):
 
     def accumulator(self, size: int) -> "MaskedAccumulator":
         return MaskedAccumulator(self, size)
+
+    # -- verification (see "Fingerprints" above) -------------------------------------
+    verifiable = True
+
+    def fingerprint(self, vector: EncryptedVector, seed: bytes) -> bytes:
+        self.check(vector)
+        return _dot(challenge_words(seed, vector.positions), vector.payload).to_bytes(8, "big")
+
+    def plain_fold(self, aggregate: EncryptedVector) -> bytes:
+        fold = aggregate.meta.get("plain")
+        return b"" if fold is None or not np.any(fold) else np.asarray(fold, dtype=">u8").tobytes()
+
+    def verify_aggregate(self, aggregate: EncryptedVector, seed: bytes,
+                         contributions: Sequence[tuple[bytes, int]], plain: bytes) -> bool:
+        self.check(aggregate)
+        a = challenge_words(seed, aggregate.positions)
+        expected = 0
+        for f, w in contributions:
+            if len(f) != 8:
+                raise ProtocolError(f"A masked fingerprint has 8 bytes, got {len(f)}.")
+            expected += int.from_bytes(f, "big") * int(w)
+        if plain:
+            if len(plain) != 8 * aggregate.positions.size:
+                raise ProtocolError(f"The plaintext fold has {len(plain)} bytes; {aggregate.positions.size} "
+                                    "positions need 8 each.")
+            expected += _dot(a, np.frombuffer(plain, dtype=">u8").astype(np.uint64))
+        return _dot(a, aggregate.payload) == expected % (1 << 64)
 
     def to_bytes(self) -> bytes:
         import json
@@ -293,13 +348,15 @@ class MaskedAccumulator(Accumulator):
         positions = np.asarray(positions, dtype=np.int64)
         if self.positions is None or not np.array_equal(self.positions, positions):
             raise ProtocolError("A masked aggregate's positions must be exactly those its contributors masked.")
-        total = self.total.copy()
+        fold = np.zeros(positions.size, dtype=np.uint64)
         for where, values, weight in self.plain:  # plaintext inside the masked positions, if any
             inside = np.isin(where, positions)
             if inside.any():
-                total[np.searchsorted(positions, where[inside])] += encode(values[inside]) * np.uint64(weight)
-        return EncryptedVector(SCHEME, self.public_key.key_id, positions, total,
-                               self.public_key._nbytes(positions))
+                fold[np.searchsorted(positions, where[inside])] += encode(values[inside]) * np.uint64(weight)
+        vector = EncryptedVector(SCHEME, self.public_key.key_id, positions, self.total + fold,
+                                 self.public_key._nbytes(positions))
+        vector.meta["plain"] = fold  # what the key server's fingerprint check needs (plain_fold)
+        return vector
 
 
 class MaskedSecretKey(SecretKey):

@@ -298,6 +298,17 @@ def _groups(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return keys[edges[:-1]], np.diff(edges)
 
 
+def _folded_weight(part: CipherPart, block_weights: np.ndarray, weight: int, index: int) -> int:
+    """The exponent a ciphertext part enters with: 1 if its encryptor folded its weight in
+    (``part.folded``; then every block weight must equal that weight), else ``weight``."""
+    if not part.folded:
+        return weight
+    if block_weights.size and not np.all(block_weights == weight):
+        raise ProtocolError(f"Ciphertext part {index} says its weight {weight} is folded in, but its blocks "
+                            f"weigh {int(block_weights.min())}..{int(block_weights.max())}.")
+    return 1
+
+
 def _block_layout(positions: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
     """``(blocks, lengths)`` of sorted unique positions that form whole blocks.
 
@@ -596,16 +607,23 @@ class PackedPaillierPublicKey(PublicKey):
         return self._pool
 
     # -- encryption -------------------------------------------------------------------
+    prefolds_weight: ClassVar[bool] = True
+
     def encrypt(
-        self, values: np.ndarray, positions: np.ndarray, *, pool: ObfuscatorPool[Any] | None = None
+        self, values: np.ndarray, positions: np.ndarray, *, pool: ObfuscatorPool[Any] | None = None,
+        weight: int = 1,
     ) -> EncryptedVector:
         """One ciphertext per block of ``positions`` (a union of whole blocks).
 
         Values outside ``[-clip, clip]`` are clipped, counted in ``payload.clipped`` and
         reported with one :class:`ClippingWarning`. Obfuscators come from ``pool`` (or the
         attached pool), else they are computed inline from the fixed-base table.
+        ``weight``: the sample weight folded in here (every slot holds ``weight * (q +
+        offset)`` and every block weight is ``weight``), so aggregating it costs one
+        multiplication per block instead of an exponentiation.
         """
         values, positions = check_values(values, positions)
+        weight = check_weight(weight, 0, limit=self._layout.max_total_weight, why="the key's max_total_weight")
         B = self.block_size
         blocks, lengths = _block_layout(positions, B)
         lay = self._layout
@@ -619,7 +637,7 @@ class PackedPaillierPublicKey(PublicKey):
             )
         slots = np.zeros((blocks.size, B), dtype=np.int64)
         rows = np.repeat(np.arange(blocks.size), lengths)
-        slots[rows, positions % B] = q + lay.offset
+        slots[rows, positions % B] = (q + lay.offset) * weight
         packed = _pack(slots, lay.slot_bits)
         if pool is None:
             pool = self._pool
@@ -641,7 +659,7 @@ class PackedPaillierPublicKey(PublicKey):
             payload=PackedPayload(
                 blocks=blocks,
                 ciphertexts=ciphertexts,
-                weights=np.ones(blocks.size, dtype=np.int64),
+                weights=np.full(blocks.size, weight, dtype=np.int64),
                 clipped=clipped,
             ),
             nbytes=len(ciphertexts) * self.ciphertext_nbytes,
@@ -743,6 +761,7 @@ class PackedPaillierPublicKey(PublicKey):
                         "aggregate's; all contributors must use the same model size."
                     )
                 bweights = np.asarray(payload.weights, dtype=np.int64)
+                weight = _folded_weight(part, bweights, weight, k)
                 if bweights.size and weight * int(bweights.max()) > limit:
                     j = int(np.argmax(bweights))  # Python ints: no int64 overflow
                     self._raise_headroom(
@@ -1103,6 +1122,7 @@ class PackedAccumulator(Accumulator):
                     raise ProtocolError(f"Ciphertext part {k} covers a partial block that differs from the "
                                         "aggregate's; all contributors must use the same model size.")
             bweights = np.asarray(payload.weights, dtype=np.int64)
+            weight = _folded_weight(part, bweights, weight, k)
             after = self.cipher_weight[vblocks] + weight * bweights
             if np.any(after > limit):
                 j = int(np.argmax(after > limit))

@@ -38,6 +38,7 @@ from senseshield.data.shards import device_shards, shards
 from senseshield.job import Job, check_job, with_shape
 from senseshield.runtime.files import write_atomic
 from senseshield.runtime.identity import Identity, Trust, check_frame
+from senseshield.runtime.jobsig import sign_job
 from senseshield.runtime.service import writable_dir
 
 Progress = Callable[[str, int, int], None]
@@ -79,15 +80,17 @@ def agent_ids(n: int) -> list[str]:
     return [f"c{i:03d}" for i in range(n)]
 
 
-def job_file(config: Job, options: "FleetOptions", path: Path) -> Path:
-    """Write the job ``coordinator serve --job`` runs: ``config`` for ``options.agents``
-    devices (its ``min_devices``), the fleet's round deadline, and the model's input shape
-    and classes (from the built-in dataset unless the job gives them)."""
+def job_file(config: Job, options: "FleetOptions", path: Path, operator: Identity) -> Path:
+    """Write the job ``coordinator serve --job`` runs, signed by ``operator`` (``path``, as
+    ``senseshield job sign`` writes it; a readable copy beside it, ``.yaml``): ``config`` for
+    ``options.agents`` devices (its ``min_devices``), the fleet's round deadline, and the
+    model's input shape and classes (from the built-in dataset unless the job gives them)."""
     deadline = options.round_deadline if options.round_deadline is not None else config.round_deadline
     job = with_shape(config.model_copy(update={
         "clients": options.agents, "min_devices": options.agents, "round_deadline": deadline,
     }))
-    return write_atomic(path, yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False))
+    write_atomic(path.with_suffix(".yaml"), yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False))
+    return write_atomic(path, sign_job(job, operator, fleet=options.fleet))
 
 
 class Fleet:
@@ -148,9 +151,13 @@ class Fleet:
                                   "--min-contributors", str(self.options.min_contributors),
                                   # the local fleet runs the job's own k (a job file may ask for the papers' 1)
                                   "--min-encryptors", str(self.config.options.min_encryptors),
+                                  # a local fleet's operator runs the coordinator too: CKKS jobs are
+                                  # decrypted (a key server started by hand refuses them)
+                                  "--allow-unverifiable",
                                   *self.options.extra_keyserver_args])
         once = [] if self.options.serve else [
-            "--job", str(job_file(self.config, self.options, self.out / "job.yaml")), "--once",
+            "--job", str(job_file(self.config, self.options, self.out / "job.signed", self.identities["operator"][0])),
+            "--once",
             "--join-timeout", str(self.options.join_timeout)]
         self._spawn("coordinator", [
             *_python("coordinator.cli"), "serve", *common, *once, "--out", str(self.out),
@@ -173,10 +180,19 @@ class Fleet:
             *_python("edge_agent.cli"), "join", *self.common, "--agent-id", agent, "--profile", str(self.profiles[i]),
             *source, "--threads", str(self.threads), *([] if self.options.serve else ["--once"]),
             *([] if self.options.noise_seed is None else ["--dev-noise-seed", str(self.options.noise_seed)]),
+            # the operator's one job on its own agents: a plaintext run (a trial's baseline) is
+            # taken despite the profiles' floors (a long-running fleet's agents still decline)
+            *(["--allow-plaintext"] if not self.options.serve and self._plaintext_job() else []),
             "--model-dir", str(self.out / "agents" / agent), "--identity", str(self.identity_file(agent)),
             *self.options.extra_agent_args.get(agent, []),
         ])
         return agent
+
+    def _plaintext_job(self) -> bool:
+        from senseshield.job import effective_scheme
+        from senseshield.strategies import build_strategy
+
+        return effective_scheme(self.config, build_strategy(self.config.strategy, self.config.options)) is None
 
     def identity_file(self, name: str) -> Path:
         return self.out / "identities" / f"{name}.key"
@@ -362,6 +378,12 @@ class Fleet:
         self.processes[name].kill()
 
 
+def data_label(files: list) -> str:
+    """How a run on per-device files is titled: ``a.csv, b.csv`` (or ``a.csv ... f.csv (6 files)``)."""
+    names = [Path(f).name for f in files]
+    return ", ".join(names) if len(names) <= 3 else f"{names[0]} ... {names[-1]} ({len(names)} files)"
+
+
 def fleet_up(config: Job, options: FleetOptions, progress: Progress | None = None,
              timeout: float | None = None) -> dict:
     """Start a local fleet, run ``config`` on it, stop it; returns the report."""
@@ -369,5 +391,7 @@ def fleet_up(config: Job, options: FleetOptions, progress: Progress | None = Non
         fleet.start()
         report = fleet.wait(timeout)
     report["exit_codes"] = fleet.stop()
+    if options.data and all(d is not None for d in options.data):  # the devices' own data, not the job's dataset
+        report["dataset"], report["partition"] = data_label(options.data), "devices"
     write_atomic(Path(options.out) / "report.json", json.dumps(report, indent=2))
     return report

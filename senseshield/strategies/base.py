@@ -107,6 +107,14 @@ class StrategyOptions(BaseModel):
     target_epsilon: float | None = Field(None, description="Calibrate sigma so the run spends this epsilon (Opacus).")
     delta: float = Field(1e-5, gt=0.0, lt=1.0, description="DP delta of the accountant.")
     sample_rate: float = Field(1.0, description="Poisson client sampling rate q per round, in (0, 1].")
+    dp_quorum: float = Field(
+        1.0,
+        description=(
+            "masked-dp (distributed DP): each agent's noise share is sized for ceil(dp_quorum x the round's "
+            "planned participants) contributors, so the sum carries the accounted sigma while at least that "
+            "many contribute (a round with fewer is charged at the sigma it carried); in (0, 1]."
+        ),
+    )
     plain_noise: float = Field(
         0.0,
         description=(
@@ -151,6 +159,14 @@ class StrategyOptions(BaseModel):
     def _plain_noise(cls, value: float) -> float:
         if not (np.isfinite(value) and 0.0 <= value <= 10.0):
             raise ConfigError(f"plain_noise={value!r} is not allowed; use a noise-to-signal ratio in [0, 10] (0 = off).")
+        return value
+
+    @field_validator("dp_quorum")
+    @classmethod
+    def _quorum(cls, value: float) -> float:
+        from senseshield.engine.dp import noised_for
+
+        noised_for(1, value)  # one sentence naming the value if it is outside (0, 1]
         return value
 
     @field_validator("sample_rate")
@@ -407,6 +423,7 @@ class Strategy(ABC):
     per_client_masks: ClassVar[bool] = False  # clients of a cluster encrypt different positions
     # "user": the client noises the update it sends (privatise); "record": DP-SGD; None: no DP
     dp_level: ClassVar[str | None] = None
+    dp_adjacency: ClassVar[str | None] = None  # the accounting.ADJACENCY entry, if not dp_level's
     needs_synthetic: ClassVar[bool] = False  # clients fit the DP synthetic-data provider
 
     def __init__(self, options: StrategyOptions | None = None) -> None:
@@ -503,6 +520,18 @@ class Strategy(ABC):
         """Whether clients noise their update in ``round`` (counted by the accountant)."""
         return self.dp_level == "user"
 
+    def sample_weight(self, n_samples: int) -> int:
+        """The weight of a client's update in its cluster's mean (default: its sample count
+        n_i, FedAvg). The coordinator checks an update's weight against this of the count
+        the device joined with."""
+        return int(n_samples)
+
+    def release_sigma(self, sigma: float, cohorts: Sequence[tuple[int, int]]) -> float:
+        """The noise multiplier the accountant charges for a user-level DP round whose
+        aggregates had ``cohorts``: (planned participants, contributors) per cluster
+        aggregate (default: ``sigma``, each update carries its own noise)."""
+        return sigma
+
     def privatise(
         self,
         context: ClientContext,
@@ -522,7 +551,7 @@ class Strategy(ABC):
         """The positions of this round's update that the client encrypts."""
 
 
-STRATEGIES: Registry[type[Strategy]] = Registry("strategy")
+STRATEGIES: Registry[type[Strategy]] = Registry("strategy", group="senseshield.strategies")
 
 
 def _budgets(reports: Sequence[BootstrapReport]) -> dict[str, float]:

@@ -12,9 +12,10 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from senseshield.engine.dp import gaussian_noise, sensitivity_schedule
+from senseshield.engine.dp import distributed_noise, gaussian_noise, noised_for, realised_sigma, sensitivity_schedule
 from senseshield.engine.masks import top_fraction_block_mask
 from senseshield.engine.zones import client_zones, consensus_zone, is_primary_round, local_mask
+from senseshield.strategies.baselines import MaskedFull
 from senseshield.strategies.base import (
     STRATEGIES,
     BootstrapReport,
@@ -109,6 +110,40 @@ class DPFedAvg(Strategy):
             delta, np.arange(delta.size), clip=self.options.clip, sigma=_sigma(context, self.options.sigma), rng=rng
         )
         return out, {"noised": report.count, "clipped": report.clipped}
+
+
+@STRATEGIES.register("masked-dp")
+class MaskedDP(MaskedFull):
+    """Distributed DP on masked sums: every parameter masked (as ``masked``), and before
+    masking each agent clips its whole update to C and adds its share of the sum's Gaussian
+    noise, N(0, (C sigma)^2 / m') per coordinate with m' = ceil(dp_quorum x the round's
+    planned participants) (:func:`~senseshield.engine.dp.distributed_noise`). The key server
+    unmasks only the cluster sum, which carries N(0, (C sigma)^2) while at least m' agents
+    contribute: the central Gaussian mechanism, accounted as dp-fedavg's release, with
+    sqrt(m) times less noise on the mean than dp-fedavg at the same epsilon. Updates weigh
+    1 each (not n_i), so one client moves the sum by at most C (user-level sensitivity);
+    the noise comes from the device's secret ``protect`` stream. docs/security.md.
+    """
+
+    name = "masked-dp"
+    summary = "every parameter masked, each agent adds its share of Gaussian noise: distributed user-level DP"
+    dp_level = "user"
+    dp_adjacency = "distributed"
+
+    def sample_weight(self, n_samples: int) -> int:
+        return 1  # equal weights: the sum's sensitivity is C whatever a device claims as its n_i
+
+    def release_sigma(self, sigma: float, cohorts: Sequence[tuple[int, int]]) -> float:
+        quorum = self.options.dp_quorum
+        return min((realised_sigma(sigma, shares=noised_for(planned, quorum), contributed=c)
+                    for planned, c in cohorts), default=sigma)
+
+    def privatise(self, context, delta, choice, *, sensitivity, rng):  # type: ignore[no-untyped-def]
+        shares = noised_for(context.participants, self.options.dp_quorum)
+        out, report = distributed_noise(delta, clip=self.options.clip, sigma=_sigma(context, self.options.sigma),
+                                        shares=shares, rng=rng)
+        return out, {"noised": report.count, "clipped": report.clipped, "noise_std_mean": report.noise_std_mean,
+                     "shares": shares}
 
 
 @STRATEGIES.register("selective-dp")

@@ -221,6 +221,12 @@ def _plot_budgets(report: dict, path: Any) -> bool:
     return True
 
 
+def _metric_of(record: dict, name: str) -> float | None:
+    """A round's or client's value of the run's metric (older reports: accuracy)."""
+    value = record.get("metric")
+    return record.get("accuracy") if value is None and name == "accuracy" else value
+
+
 def _plot_rounds(report: dict, acc_path: Any, bytes_path: Any) -> bool:
     import matplotlib.pyplot as plt
     import numpy as np
@@ -229,13 +235,15 @@ def _plot_rounds(report: dict, acc_path: Any, bytes_path: Any) -> bool:
     if not rounds:
         return False
     r = [x["round"] for x in rounds]
+    name = report.get("metric_name") or "accuracy"
     fig, ax = plt.subplots(figsize=(5.5, 3.2))
-    ax.plot(r, [x["accuracy"] for x in rounds], marker="o", color="#4c72b0")
+    ax.plot(r, [_metric_of(x, name) for x in rounds], marker="o", color="#4c72b0")
     ax.set_xlabel("round")
-    ax.set_ylabel("accuracy")
-    ax.set_ylim(0, 1.02)
+    ax.set_ylabel(name)
+    if name.endswith("accuracy"):
+        ax.set_ylim(0, 1.02)
     ax.set_xticks(r)
-    ax.set_title("accuracy per round (agents' own test splits)", fontsize=10)
+    ax.set_title(f"{name} per round (agents' own test splits)", fontsize=10)
     fig.tight_layout()
     fig.savefig(acc_path, dpi=110)
     plt.close(fig)
@@ -337,16 +345,17 @@ def render_report(run_dir: Any) -> Any:
     if _plot_rounds(report, plots / "accuracy.png", plots / "bytes.png"):
         images += [("Accuracy", "plots/accuracy.png"), ("Bytes", "plots/bytes.png")]
     strag = report["straggling"]
-    summary = _table(["strategy", "scheme", "rounds", "final accuracy", "median straggling ratio",
+    metric = report.get("metric_name") or "accuracy"
+    summary = _table(["strategy", "scheme", "rounds", f"final {metric}", "median straggling ratio",
                       "median idle s", "median round s", "budget mode", "clusters"], [[
         report.get("strategy"), report.get("scheme") or "-", len(report.get("rounds", [])),
-        _fmt(report.get("final_accuracy")), _fmt(strag.get("median_ratio"), 2), _fmt(strag.get("median_idle_s"), 2),
+        _fmt(report.get("final_metric") if report.get("final_metric") is not None else report.get("final_accuracy")), _fmt(strag.get("median_ratio"), 2), _fmt(strag.get("median_idle_s"), 2),
         _fmt(_median_of([r["seconds"] for r in report.get("rounds", [])]), 2),
         (report.get("budgets") or {}).get("mode", "paper"), report.get("num_clusters")]])
     per_round = _table(["round", "agents", "slowest agent", "slowest s", "fastest agent", "fastest s", "ratio",
-                        "work ratio", "idle s", "round s", "accuracy", "MB up", "MB down"], [
+                        "work ratio", "idle s", "round s", metric, "MB up", "MB down"], [
         [x["round"], x["agents"], x["slowest_agent"], _fmt(x["slowest_s"]), x["fastest_agent"], _fmt(x["fastest_s"]),
-         _fmt(x["ratio"], 2), _fmt(x.get("work_ratio"), 2), _fmt(x["idle_s"], 2), _fmt(rd.get("seconds"), 2), _fmt(rd.get("accuracy")),
+         _fmt(x["ratio"], 2), _fmt(x.get("work_ratio"), 2), _fmt(x["idle_s"], 2), _fmt(rd.get("seconds"), 2), _fmt(_metric_of(rd, metric)),
          _fmt(rd.get("bytes_up", 0) / 1e6, 2), _fmt(rd.get("bytes_down", 0) / 1e6, 2)]
         for x in strag.get("rounds", [])
         for rd in [next((v for v in report.get("rounds", []) if v["round"] == x["round"]), {})]])
@@ -357,10 +366,10 @@ def render_report(run_dir: Any) -> Any:
         busy = [v["busy_s"] for v in (agent.get("rounds") or {}).values() if v.get("busy_s") is not None]
         agent_rows.append([agent["id"], p.get("board", "-"), _fmt(p.get("cpu_share"), 3), _fmt(p.get("bandwidth"), 3),
                            _fmt(c.get("cpu_speed"), 2), c.get("cluster", "-"), _fmt(c.get("encryption_budget")),
-                           _fmt(c.get("he_ratio")), _fmt(_median_of(busy), 3), _fmt(c.get("accuracy")),
+                           _fmt(c.get("he_ratio")), _fmt(_median_of(busy), 3), _fmt(_metric_of(c, metric)),
                            _fmt(agent.get("clock_offset_s"), 4)])
     agents = _table(["agent", "device", "CPU share", "MB/s", "v_i", "cluster", "budget α", "HE ratio",
-                     "median busy s", "accuracy", "clock offset s"], agent_rows)
+                     "median busy s", metric, "clock offset s"], agent_rows)
     events = report.get("straggling_events") or []
     notes = [n for r in report.get("rounds", []) for n in r.get("notes", [])]
     privacy = privacy_line(report)

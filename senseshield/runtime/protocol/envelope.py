@@ -74,6 +74,14 @@ class Frame:
     def is_signed(self) -> bool:
         return self.signer_key is not None
 
+    @property
+    def raw(self) -> bytes:
+        """A signed frame's bytes as they were sent (what the signature covers, then the
+        signature): kept to forward it, e.g. the operator's signed job to the key server."""
+        if not self.is_signed:
+            raise ProtocolError(f"The {self.schema!r} frame from {self.sender!r} is unsigned; only a signed frame is kept.")
+        return self.signed + self.signature
+
 
 def _descriptor(name: str, value: np.ndarray | bytes) -> tuple[dict[str, Any], bytes]:
     if isinstance(value, (bytes, bytearray, memoryview)):

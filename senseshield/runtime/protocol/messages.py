@@ -127,14 +127,20 @@ _NUMPY = {"f32": np.dtype("f4"), "f64": np.dtype("f8"), "u8": np.dtype("u1"), "i
 
 @message
 class PublicKeyAnnouncement(Message):
-    """``keys/public`` (retained): the key server's public material. Never a secret."""
+    """``keys/public`` (retained): the key server's public material. Never a secret.
+
+    ``refused`` (version 2): the key server will not serve job ``run_id`` and says why in one
+    sentence (e.g. the job is not signed by an operator the trust file pins); the coordinator
+    fails the job with it, agents ignore the announcement."""
 
     schema_name: ClassVar[str] = "public-key"
+    version: ClassVar[int] = 2
     sections: ClassVar[dict[str, str]] = {"key": "bytes"}
     scheme: str
     key_id: str
     key: bytes
     run_id: str = ""  # the job (FleetConfig.run_id) this key serves; agents join with it
+    refused: str = Field("", max_length=2000)
 
 
 @message
@@ -178,16 +184,29 @@ class FleetConfig(Message):
     ``config`` is a :class:`senseshield.job.Job` as JSON (a fleet run is
     the simulation of the same config, run by processes); ``initial`` is the round-0 model,
     built by the coordinator exactly as the simulator builds it; ``run_id`` is new each run.
+    ``submission`` (version 2): the operator's signed ``jobs/submit`` frame of this job, as
+    the operator sent it (empty: an unsigned job); the key server serves the run only if an
+    operator the trust file pins signed it and ``config`` is that job
+    (:mod:`senseshield.runtime.jobsig`).
     """
 
     schema_name: ClassVar[str] = "fleet-config"
-    sections: ClassVar[dict[str, str]] = {"initial": "f64"}
+    version: ClassVar[int] = 2
+    sections: ClassVar[dict[str, str]] = {"initial": "f64", "submission": "bytes"}
     run_id: str
     config: dict[str, Any]
     input_shape: list[int]
-    num_classes: int = Field(ge=2)
+    num_classes: int = Field(ge=1)  # a regression's targets may be 1
     round_deadline: float = Field(gt=0)
     initial: np.ndarray
+    submission: bytes = b""
+
+    @model_validator(mode="after")
+    def _outputs(self) -> "FleetConfig":
+        task = self.config.get("task") or "classification"
+        if task == "classification" and self.num_classes < 2:
+            raise ValueError(f"num_classes {self.num_classes} is below 2, which a classification job needs")
+        return self
 
 
 @message
@@ -267,15 +286,17 @@ class MaskDecision(Message):
 
 @message
 class Metrics(Message):
-    """``agents/<id>/metrics``: after applying a round's model, the agent's test accuracy
-    and its phase timings (seconds) for that round; ``epsilon`` is its DP-SGD accountant's
+    """``agents/<id>/metrics``: after applying a round's model, the agent's value of the job's
+    metric on its test split (``metric``: accuracy, mse, ...; ``metrics``: every evaluation
+    metric and the round's ``training_*`` metrics) and its phase timings (seconds); ``epsilon`` is its DP-SGD accountant's
     RDP figure and ``dp_history`` that accountant's history (noise multiplier, sample rate,
     steps), from which the coordinator computes the run's final figures by PLD too."""
 
     schema_name: ClassVar[str] = "metrics"
-    version: ClassVar[int] = 2
+    version: ClassVar[int] = 3
     cluster: int = Field(ge=0)
-    accuracy: float = Field(ge=0, le=1)
+    metric: float = Field(allow_inf_nan=False)
+    metrics: dict[str, float] = {}
     n_test: int = Field(ge=0)
     timings: dict[str, float] = {}
     epsilon: float | None = None
@@ -306,6 +327,18 @@ class Decline(Message):
     run_id: str
     reason: str = Field(max_length=2000)
     selected: bool = True  # False: the job's selection leaves this device out (not an error)
+
+
+@message
+class RoundFailure(Message):
+    """``agents/<id>/failure``: the agent could not finish round ``round`` of job ``run_id``
+    (its training or another step of the round raised) and says why in one sentence. The
+    coordinator closes the round without it at once, as it does for an agent whose last will
+    fired, instead of waiting for the deadline; the agent stays in the job."""
+
+    schema_name: ClassVar[str] = "failure"
+    run_id: str
+    reason: str = Field(max_length=2000)
 
 
 @message
@@ -519,7 +552,14 @@ class Challenge(Message):
 
 @message
 class AggregateResult(Message):
-    """``keyserver/results/<r>``: accepted (model published) or refused, with the reason."""
+    """``keyserver/results/<r>``: accepted (model published) or refused, with the reason.
+
+    ``retry``: refused before anything was decrypted or spent, because the aggregate does not
+    match the signed fingerprints (verifiable schemes): the coordinator may send the round's
+    aggregate again without (or with another update of) one contributor, to find the one at
+    fault. ``excluded``: on a verdict after such a refusal, the contributors whose update the
+    key server found at fault (agent -> why): the updates in the refused attempt that the
+    accepted one left out or replaced."""
 
     schema_name: ClassVar[str] = "aggregate-result"
     run_id: str
@@ -527,6 +567,8 @@ class AggregateResult(Message):
     accepted: bool
     reason: str = ""
     timings: dict[str, float] = {}  # key server's decrypt and apply seconds
+    retry: bool = False
+    excluded: dict[str, str] = {}
 
 
 # ---- conversions between engine objects and messages ---------------------------------------

@@ -1,0 +1,119 @@
+"""Operator-signed jobs: the coordinator alone cannot start a job.
+
+A job is the operator's signed ``jobs/submit`` frame (a :class:`JobSubmit`, Ed25519-signed
+by the operator's identity, naming the fleet). ``senseshield job submit`` sends one;
+``senseshield job sign`` writes one to a file (``coordinator serve --job FILE.signed``,
+``fleet up``, Ansible's coordinator role). The coordinator keeps the frame's bytes with the
+job and forwards them in ``fleet/config`` (:class:`FleetConfig` ``submission``); the key
+server serves a run only if that frame is signed by a principal the trust file pins with
+role ``operator``, for this fleet, and the run's configuration is the signed job
+(:func:`job_refusal`). So a coordinator that invents a job (another seed, strategy or model
+to probe the devices) gets a refusal instead of decryptions; replaying a genuine signed job
+runs from the same starting model, which the key server's cross-job ledger refuses to
+decrypt again (docs/security.md).
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any
+
+from senseshield.development import DEV_FLAG, DEVELOPMENT_ENV
+from senseshield.errors import ConfigError, ProtocolError
+from senseshield.job import Job, job_from_dict
+from senseshield.runtime.identity import Identity, Trust, role_of_name
+from senseshield.runtime.protocol.envelope import MAGIC, decode_frame
+from senseshield.runtime.protocol.messages import JobSubmit, from_frame, to_frame
+
+ALLOW_UNSIGNED = "--allow-unsigned-jobs"
+
+
+def sign_job(job: Job, identity: Identity, *, fleet: str) -> bytes:
+    """The signed :class:`JobSubmit` frame of ``job`` for ``fleet`` (what ``job sign`` writes);
+    :class:`ConfigError` unless ``identity`` is an operator's."""
+    if role_of_name(identity.name) != "operator":
+        raise ConfigError(f"--identity {identity.name!r} is not an operator's identity; a job is signed by an operator "
+                          "('operator' or 'operator-...', the name the trust file pins).")
+    submit = JobSubmit(request_id=uuid.uuid4().hex[:12], job=job.model_dump(mode="json"))
+    return to_frame(submit, fleet=fleet, sender=identity.name, round=0, signer=identity)
+
+
+def read_job_bytes(path: Path | str) -> bytes:
+    """The bytes of a job file (signed or YAML/TOML); ConfigError naming it if unreadable."""
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"Job file {str(path)!r} cannot be read ({exc.strerror or exc}); give a signed, YAML or TOML "
+                          "job file.") from None
+
+
+def is_signed_job(data: bytes) -> bool:
+    """True if ``data`` is a frame (a signed job file), not a YAML or TOML job."""
+    return bytes(data[: len(MAGIC)]) == MAGIC
+
+
+def open_signed_job(data: bytes, trust: Trust, *, fleet: str) -> tuple[str, Job]:
+    """(operator, job) of a signed job: a ``job-submit`` frame for ``fleet`` whose signature
+    verifies under the key ``trust`` pins for its sender, a principal with role operator.
+    :class:`ProtocolError` (or :class:`ConfigError` for a job that is not a valid job) naming
+    what is wrong, as the end of a sentence ("it is ...")."""
+    frame = decode_frame(data)
+    if frame.schema != JobSubmit.schema_name:
+        raise ProtocolError(f"it is a {frame.schema!r} frame, not a signed job ({JobSubmit.schema_name!r})")
+    if frame.fleet != fleet:
+        raise ProtocolError(f"it is signed for fleet {frame.fleet!r}, not {fleet!r}")
+    if not frame.is_signed:
+        raise ProtocolError(f"it is not signed (sender {frame.sender!r})")
+    trust.verify(frame.sender, frame.signer_key, frame.signed, frame.signature, role=role_of_name(frame.sender))
+    if trust.role(frame.sender) != "operator":
+        raise ProtocolError(f"it is signed by {frame.sender!r}, which the trust file pins as "
+                            f"{trust.role(frame.sender)!r}, not as an operator")
+    message: JobSubmit = from_frame(frame)  # type: ignore[assignment]
+    return frame.sender, job_from_dict(message.job, where=f"the job {frame.sender!r} signed")
+
+
+def check_signed_job(data: bytes, trust: Trust, *, fleet: str, where: str) -> tuple[str, Job]:
+    """:func:`open_signed_job` for a file (``where``): ConfigError in one sentence naming it."""
+    try:
+        return open_signed_job(data, trust, fleet=fleet)
+    except (ProtocolError, ConfigError) as exc:
+        raise ConfigError(f"Signed job {where} is not allowed: {str(exc).rstrip('.')}.") from None
+
+
+def normalised(config: dict[str, Any]) -> dict[str, Any]:
+    """A job's JSON as the coordinator runs it (``Job(...).model_dump(mode="json")``)."""
+    return job_from_dict(config).model_dump(mode="json")
+
+
+def job_refusal(run_id: str, config: dict[str, Any], submission: bytes, trust: Trust, *, fleet: str,
+                required: bool) -> str | None:
+    """Why the key server refuses run ``run_id`` of ``config`` forwarded with ``submission``
+    (one sentence naming the job and the reason), or None: served. Without a submission the
+    run is served only when ``required`` is False (development mode, ``--allow-unsigned-jobs``
+    or no trust file); a submission, when given, is always checked."""
+    if not submission:
+        if not required:
+            return None
+        return (f"Job {run_id} is refused: it carries no job signed by an operator of fleet {fleet!r}, so the "
+                "coordinator alone may have made it; submit it with `senseshield job submit` or give "
+                f"`coordinator serve --job` a file of `senseshield job sign` (or start the key server with "
+                f"{ALLOW_UNSIGNED}, or {DEV_FLAG} / {DEVELOPMENT_ENV}=1 on a development machine).")
+    try:
+        operator, job = open_signed_job(submission, trust, fleet=fleet)
+        ran = normalised(config)
+    except (ProtocolError, ConfigError) as exc:
+        return (f"Job {run_id} is refused: the job it carries is not signed by an operator of fleet {fleet!r} "
+                f"({str(exc).rstrip('.')}).")
+    signed = job.model_dump(mode="json")
+    differ = [k for k in sorted(set(signed) | set(ran)) if signed.get(k) != ran.get(k)]
+    if differ:
+        k = differ[0]
+        return (f"Job {run_id} is refused: its configuration is not the job {operator!r} signed ({k} is "
+                f"{_short(ran.get(k))}, signed {_short(signed.get(k))}).")
+    return None
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

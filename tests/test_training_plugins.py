@@ -1,0 +1,118 @@
+"""Training you bring (issue 25): tasks, losses, optimizers, train/evaluate functions, DP."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from senseshield import Job, simulate
+from senseshield.data.local import load_local_data
+from senseshield.errors import ConfigError
+from senseshield.job import check_job, job_from_dict
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "regression" / "sensors.py"
+
+
+def regression_job(**extra) -> Job:
+    return Job(**{"task": "regression", "model": "mlp", "input_shape": [10], "num_classes": 1, "rounds": 2,
+                  "strategy": "plaintext", "lr": 0.01, "local_epochs": 1, "batch_size": 16, "seed": 7,
+                  "loss": f"{EXAMPLE}:log_cosh", **extra})
+
+
+@pytest.fixture(scope="module")
+def devices(tmp_path_factory) -> list[Path]:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sensors_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.write_devices(tmp_path_factory.mktemp("sensors"))
+
+
+def test_regression_with_custom_loss_and_train_function_learns(devices) -> None:
+    job = regression_job(train=f"{EXAMPLE}:train", optimizer="adam", optimizer_args={"weight_decay": 1e-4})
+    data = [load_local_data(p, job) for p in devices]
+    result = simulate(job, devices=data)
+    assert result.metric_name == "mse" and result.final_accuracy is None
+    assert result.rounds[-1].metric < result.rounds[0].metrics["mse"] * 1.5  # learns (noisy data)
+    assert result.final_metric < 1.0  # targets are standardised: predicting the mean gives ~1
+    assert {"mse", "mae", "rmse", "training_loss", "training_samples"} <= set(result.rounds[-1].metrics)
+    assert all(set(c.metrics) >= {"mse", "training_loss"} for c in result.clients)
+
+
+def test_builtin_classification_is_unchanged_by_explicit_defaults() -> None:
+    base = Job(clients=2, rounds=1, model="linear", strategy="plaintext")
+    explicit = base.model_copy(update={"optimizer": "sgd", "loss": "cross_entropy", "task": "classification"})
+    a, b = simulate(base), simulate(explicit)
+    assert np.array_equal(a.models[0], b.models[0]) and a.final_accuracy == b.final_accuracy == a.final_metric
+
+
+def test_load_local_data_uses_the_jobs_seed(devices) -> None:
+    job = regression_job()
+    by_job = load_local_data(devices[0], job)
+    explicit = load_local_data(devices[0], input_shape=(10,), num_classes=1, task="regression", seed=7)
+    seed0 = load_local_data(devices[0], input_shape=(10,), num_classes=1, task="regression")
+    assert np.array_equal(by_job.y_test, explicit.y_test)
+    assert not np.array_equal(by_job.y_test, seed0.y_test)
+
+
+@pytest.mark.parametrize("keys, words", [
+    ({"loss": "hinge"}, ["Unknown loss 'hinge'", "mse"]),
+    ({"task": "regression", "num_classes": 1, "metric": "accuracy"}, ["metric='accuracy'", "regression", "mse"]),
+    ({"task": "regression", "num_classes": 1, "loss": "cross_entropy"}, ["cross_entropy", "regression"]),
+    ({"optimizer": "lbfgs2"}, ["Unknown optimizer 'lbfgs2'", "adam"]),
+])
+def test_bad_training_keys_get_one_sentence(keys, words) -> None:
+    with pytest.raises(ConfigError) as info:
+        job_from_dict({"input_shape": [10], "num_classes": 3, **keys})
+    message = str(info.value)
+    assert all(w in message for w in words) and message.count(". ") == 0 and "\n" not in message
+
+
+def test_train_function_with_wrong_signature_is_refused(tmp_path) -> None:
+    module = tmp_path / "bad_train.py"
+    module.write_text("def train(model, data):\n    return {}\n")
+    job = regression_job(train=f"{module}:train")
+    with pytest.raises(ConfigError, match=r"has the signature \(model, data\); it must take \(model, loader, config\)"):
+        check_job(job)
+
+
+def test_dp_sgd_wraps_a_custom_optimizer_and_refuses_a_train_function_it_cannot(tmp_path) -> None:
+    module = tmp_path / "opt.py"
+    module.write_text(
+        "import torch\n"
+        "def nesterov(params, lr, momentum=0.9):\n"
+        "    return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=True)\n"
+        "def own_optimizer(model, loader, config):\n"
+        "    opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "    for x, y in loader:\n"
+        "        opt.zero_grad(); config.loss(model(x), y).backward(); opt.step()\n"
+        "    return {}\n")
+    job = Job(strategy="dpsgd", clients=2, rounds=1, model="linear", optimizer=f"{module}:nesterov",
+              optimizer_args={"momentum": 0.5})
+    result = simulate(job, noise_seed=1)
+    assert result.epsilon is not None and result.epsilon > 0 and 0 < result.final_accuracy <= 1
+    with pytest.raises(ConfigError, match="without config.optimizer.step\\(\\), so DP-SGD cannot make it private"):
+        simulate(job.model_copy(update={"train": f"{module}:own_optimizer"}), noise_seed=1)
+
+
+@pytest.mark.slow  # 41 s on the shared 2-core machine
+def test_regression_fleet_equals_simulator(devices, tmp_path) -> None:
+    """The essential integration test: a regression job with a custom loss and training
+    function on a fleet of OS processes (real Mosquitto-free embedded broker) ends with the
+    simulator's model and metric."""
+    from senseshield import run_local_fleet
+
+    job = regression_job(train=f"{EXAMPLE}:train", rounds=2, round_deadline=120)
+    sim = simulate(job, devices=[load_local_data(p, job) for p in devices])
+    report = run_local_fleet(job, agents=len(devices), out=tmp_path / "run", data=devices, timeout=300)
+    assert report["metric_name"] == "mse" and report["final_accuracy"] is None
+    assert report["dataset"] == "sensor-0.npz, sensor-1.npz, sensor-2.npz"
+    assert report["final_metric"] == pytest.approx(sim.final_metric, rel=1e-5)
+    assert "training_loss" in report["rounds"][-1]["metrics"]
+    final = np.load(next((tmp_path / "run" / "models").glob("*round-2*.npy"))) if list(
+        (tmp_path / "run" / "models").glob("*round-2*.npy")) else None
+    if final is not None:
+        np.testing.assert_allclose(final, sim.models[0], rtol=0, atol=1e-9)

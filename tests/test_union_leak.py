@@ -1,0 +1,38 @@
+"""Issue 22 item 2: the coordinator's union-block attack (senseshield_checks.union_leak,
+written apart from the engine) against SenseCrypt in the real simulator: under the papers'
+rule (k = 1) it solves every value an agent alone encrypted; under the default k = 2 it does
+no better than guessing the other agents' mean."""
+
+import numpy as np
+import pytest
+
+from senseshield.job import Job
+from senseshield.simulation import run_simulation
+from senseshield_checks.union_leak import Seen, others_mean, recover, score
+
+
+def _attack(k: int) -> tuple[int, int, int]:
+    hits = attacked = chance = 0
+
+    def observe(r, cluster, updates, mean, truth):  # noqa: ANN001
+        nonlocal hits, attacked, chance
+        seen = [Seen(u.client_id, u.n_samples, u.mask, u.plaintext.astype(np.float64)) for u in updates]
+        got = recover(seen, mean)
+        for h, n in score(got, truth).values():
+            hits, attacked = hits + h, attacked + n
+        chance += sum(h for h, _ in score(others_mean(seen, {c: w for c, (w, _) in got.items()}), truth).values())
+
+    job = Job(strategy="sensecrypt", dataset="digits", model="mlp", clients=4, rounds=1, seed=1, partition="iid",
+              cpu=[8.0, 8.0, 8.0, 0.08], bandwidth=[100.0, 100.0, 100.0, 1.0], options={"min_encryptors": k})
+    run_simulation(job, noise_seed=1, observe=observe)
+    return hits, attacked, chance
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_the_union_block_attack_is_at_chance_under_the_k_rule(k):
+    hits, attacked, chance = _attack(k)
+    assert attacked > 20  # the fleet has single-encryptor positions to attack
+    if k == 1:
+        assert hits == attacked  # every one solved
+    else:
+        assert hits == chance < attacked / 2  # what is left is the guess of the others' mean
