@@ -105,7 +105,7 @@ def test_a_cpu_quota_lowers_the_measured_encryption_rate_a_busy_neighbour_does_n
         limited = rate("quota")
     finally:
         group.rmdir()
-    assert 0.67 < busy / alone < 1.5, (alone, busy)  # CPU time: the hogs take wall time, not ours (wall: 1/2-1/3)
+    assert 0.67 < busy / alone < 1.5, (alone, busy)  # CPU time: the hogs take wall time, not ours
     assert 5 < alone / limited < 20, (alone, limited)  # a 10 % quota: about a tenth
 
 
