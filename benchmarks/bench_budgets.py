@@ -1,7 +1,7 @@
 """Budget stability: 6 identical agents on this machine, max/min encryption budget per join.
 
 Each join is a real fleet (keyserver, coordinator and 6 `edge-agent join --profile auto`
-processes on the embedded broker of `fleet up`, or --broker), SenseCrypt in paper budget mode,
+processes on the embedded broker of `fleet up`, or --broker), SenseCrypt in the default budget mode,
 stopped as soon as every agent has its Assignment (no training rounds). Joins alternate
 between the old path ("before": one short best-of-two bandwidth probe, figures used as
 reported) and the current one ("after": medians of several probes of a minimum duration,

@@ -11,7 +11,7 @@ import numpy as np
 
 from senseshield.runtime.protocol.messages import Hello
 from senseshield.strategies import BootstrapReport
-from senseshield.strategies.base import RoundCosts, measured_intervals
+from senseshield.strategies.base import EncryptionRate, RoundCosts, measured_intervals
 
 
 @dataclass
@@ -39,4 +39,5 @@ def report_of(agents: dict[str, AgentInfo], agent_id: str) -> BootstrapReport:
     """What the strategy plans ``agent_id`` from: its hello's facts and profile, its vector."""
     info = agents[agent_id]
     return BootstrapReport(agent_id, info.hello.n_samples, info.hello.bandwidth, info.hello.cpu_speed, info.vector,
-                           RoundCosts.from_profile(info.hello.profile), measured_intervals(info.hello.profile))
+                           RoundCosts.from_profile(info.hello.profile), measured_intervals(info.hello.profile),
+                           EncryptionRate.from_profile(info.hello.profile))

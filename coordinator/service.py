@@ -80,7 +80,7 @@ from senseshield.job import (
 from senseshield.results import RoundRecord, metric_line
 from senseshield.strategies import BootstrapReport, FleetPlan
 from senseshield.strategies.base import RoundCosts, measured_intervals
-from senseshield.engine.work import full_steps, recent_median
+from senseshield.engine.work import full_steps, recent_median, step_seconds
 from senseshield.rounds import plan_local_steps
 
 log = logging.getLogger("senseshield.coordinator")
@@ -574,6 +574,7 @@ class Coordinator(Service):
         sampled = set(ids) if o.sample_rate >= 1.0 else {a for a in ids if self.sampler.random() < o.sample_rate}
         self.round, self.clusters, self.offline_notes = r, {}, []
         self._recalibrate(r)
+        self._refresh_measured(r)
         self.steps_of = self._local_steps(r, sorted(sampled & online))
         self.round_started = time.time()
         self._note_restart(r)
@@ -615,22 +616,35 @@ class Coordinator(Service):
 
     def _local_steps(self, r: int, ids: list[str]) -> dict[str, int]:
         """Partial work before round ``r`` (:func:`senseshield.rounds.plan_local_steps`): each
-        device's seconds per step and its other round work are the median of its last 5
-        delivered rounds (train seconds / steps; sensitivity + mask + noise + encrypt);
-        before every device delivered one, relative speeds from the join (1 / measured GFLOPS
-        when all measured it, else 1 / cpu_speed, as in the simulator). Devices with partial
-        work get ``local_steps`` in their round plan; the others train in full."""
+        device's seconds per step and the fixed part of its training are fitted over its last 5
+        delivered rounds (:func:`senseshield.engine.work.step_seconds`; round 1, which warms
+        torch up, only while there is no other), its other round work is the median over them of
+        what its round took beyond training (plan in hand to update received, as the straggling
+        figure counts it; else sensitivity + mask + noise + encrypt); before every device
+        delivered one, relative speeds from the join (1 / measured GFLOPS when all measured it,
+        else 1 / cpu_speed, as in the simulator). Devices with partial work get ``local_steps``
+        in their round plan; the others train in full."""
         o = self.config.options
         ids = [a for a in ids if a in self.agents]
         if not ids or self.strategy.round_plan(r).dpsgd:
             return {}
         per_step, other = {}, {}
         for a in ids:
-            rows = [self.agent_rounds.get(a, {}).get(rr, {}) for rr in sorted(self.agent_rounds.get(a, {}))]
-            rows = [x for x in rows if x.get("agent_timings") and x.get("steps")]
-            per_step[a] = recent_median([x["agent_timings"].get("train", 0.0) / x["steps"] for x in rows])
-            other[a] = recent_median([sum(x["agent_timings"].get(k, 0.0) for k in ("sensitivity", "mask", "noise", "encrypt"))
-                                      for x in rows]) or 0.0
+            records = self._agent_round_records(a, self._clock_offset(a))
+            rows = [(rr, x) for rr, x in sorted(self.agent_rounds.get(a, {}).items())
+                    if x.get("agent_timings") and x.get("steps") and x["agent_timings"].get("train", 0.0) > 0]
+            if len(rows) > 1:
+                rows = [(rr, x) for rr, x in rows if rr > 1] or rows
+            rows = rows[-5:]
+            fit = step_seconds([x["agent_timings"]["train"] for _, x in rows], [x["steps"] for _, x in rows])
+            per_step[a] = None if fit is None else fit[1]
+            beyond = []
+            for rr, x in rows:
+                busy = (records.get(str(rr)) or {}).get("busy_s")
+                tm = x["agent_timings"]
+                beyond.append(busy - tm["train"] if busy is not None
+                              else sum(tm.get(k, 0.0) for k in ("sensitivity", "mask", "noise", "encrypt")))
+            other[a] = (recent_median(beyond) or 0.0) + (fit[0] if fit else 0.0)
         if all(v is not None for v in per_step.values()):
             step_s, deadline = per_step, self.round_deadline
         else:  # relative speeds only (no seconds): no deadline term, no other work
@@ -722,6 +736,61 @@ class Coordinator(Service):
         self.plan.budget_of.update(budgets)
         self.plan.budget_notes.setdefault("rounds", {})[str(r)] = notes["clusters"]
         self.log.info("round %d: calibrated budgets %s", r, {a: round(b, 3) for a, b in sorted(budgets.items())})
+
+    def round_encryption_rates(self, agent: str) -> list[float]:
+        """Values ``agent`` encrypted per second in each of its delivered rounds since round 2
+        (round 1 warms torch and the HE tables up), oldest first: encrypted share x model size
+        over its encrypt seconds (rounds encrypting under 5 ms are left out: too short to time)."""
+        rates = []
+        for rr, raw in sorted(self.agent_rounds.get(agent, {}).items()):
+            enc, f = (raw.get("agent_timings") or {}).get("encrypt", 0.0), raw.get("he_ratio")
+            if int(rr) >= 2 and f and enc > 0.005:
+                rates.append(f * self.size / enc)
+        return rates
+
+    def _refresh_measured(self, r: int, window: int = 5, least: int = 3) -> None:
+        """Measured budgets, before round ``r``: in a cluster whose members all measured their
+        encryption rate at join and all delivered ``least`` timed rounds since round 2, a device
+        whose rounds show it slower than it measured -- the median rate of its last ``window``
+        rounds (:func:`senseshield.engine.work.recent_median`: one busy round does not move it)
+        below its join rate (a CPU quota set after the join or not visible to it, throttling) --
+        gets that median as its rate, with [the rounds' min, the median] as its interval; the others keep
+        their join figures. Rounds never raise a rate above the join's: a round encrypts with
+        randomness the device precomputed while it waited, so a round's rate depends on how
+        long it waited and how few values its budget asked for (measured: a device under a 5 %
+        quota with budget 0.04 timed 11,000-23,000 values/s in rounds against 4,400 at join,
+        and identical fast devices scattered 0.3-1.1 M values/s), and raising budgets on it made
+        the slow device's budget climb to 1.0."""
+        if self.plan is None or self.config.options.budget_mode != "measured" or r < 3:
+            return
+        from dataclasses import replace
+
+        reports = {a: self._report_of(a) for a in sorted(self.plan.cluster_of) if a in self.agents}
+        refreshed = []
+        for k in self.plan.clusters:
+            members = [a for a in self.plan.members(k) if a in reports]
+            seen = {a: self.round_encryption_rates(a)[-window:] for a in members}
+            if not members or any(reports[a].encryption is None or len(seen[a]) < least for a in members):
+                continue
+            for a in members:
+                rep, median = reports[a], recent_median(seen[a], k=window)
+                if median is not None and median < rep.encryption.per_s:
+                    # a round's fast outlier (a full pool) must not pool it with faster devices
+                    intervals = dict(rep.intervals, he_encryptions_per_s=(min(seen[a]), median))
+                    reports[a] = replace(rep, intervals=intervals, encryption=replace(rep.encryption, per_s=median))
+            refreshed.append(k)
+        if not refreshed:
+            return
+        cluster_of = {a: self.plan.cluster_of[a] for a in reports}
+        result = self.strategy.rebudget(list(reports.values()), cluster_of, size=self.size, block_size=self.block_size)
+        if result is None:
+            return
+        budgets, notes = result
+        changed = {a: b for a, b in budgets.items() if self.plan.cluster_of[a] in refreshed}
+        self.plan.budget_of.update(changed)
+        self.plan.budget_notes.setdefault("rounds", {})[str(r)] = {
+            str(k): v for k, v in notes.get("clusters", {}).items() if int(k) in refreshed}
+        self.log.info("round %d: budgets from round timings %s", r, {a: round(b, 3) for a, b in sorted(changed.items())})
 
     def _on_proposal(self, item: Inbound) -> None:
         agent_id = check_sender(item)

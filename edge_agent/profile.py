@@ -65,6 +65,10 @@ from senseshield.errors import ConfigError
 DEFAULT_SCHEME = "packed-paillier"
 DEFAULT_BANDWIDTH_MBPS = 10.0
 """Declared r_i (MB/s) when the bandwidth is not measured (~80 Mbit/s, a decent Wi-Fi link)."""
+LOOPBACK_BANDWIDTH_MBPS = 1000.0
+"""r_i (MB/s) of an agent whose broker is on its own host (loopback): no network limits it, and
+probes through a local broker measure how busy the host is, not a link (the measured figure
+stays in ``bandwidth_up_mbps``)."""
 DEFAULT_CLOCK_GHZ = 1.5
 """Clock assumed per core when it cannot be read (a Raspberry Pi 4's 1.5 GHz)."""
 
@@ -146,6 +150,9 @@ class DeviceProfile(BaseModel):
             "schemes (packed Paillier, CKKS) this counts values, not ciphertexts."
         ),
     )
+    he_bytes_per_value: Optional[float] = Field(
+        None, gt=0, description="Ciphertext bytes on the wire per encrypted value with he_scheme at he_key_bits."
+    )
     bandwidth_up_mbps: Optional[float] = Field(
         None, gt=0, description="Measured MB/s through the broker; None unless measured."
     )
@@ -167,8 +174,9 @@ class DeviceProfile(BaseModel):
     bandwidth: float = Field(
         gt=0,
         description=(
-            f"r_i for the coordinator, MB/s: bandwidth_up_mbps if measured, else the declared "
-            f"default {DEFAULT_BANDWIDTH_MBPS:g}."
+            f"r_i for the coordinator, MB/s: bandwidth_up_mbps if measured (at least "
+            f"{LOOPBACK_BANDWIDTH_MBPS:g}, non-limiting, when the broker is on this host), else the "
+            f"declared default {DEFAULT_BANDWIDTH_MBPS:g}."
         ),
     )
     cpu_share: Optional[float] = Field(
@@ -325,26 +333,91 @@ def clock_mhz(*, cpuinfo: Path = CPUINFO) -> float | None:
     return max(speeds) if speeds else None
 
 
+def _cgroup_dirs(cgroup_file: Path, mounts: Path) -> list[tuple[str, Path, str]]:
+    """(version, mount point, this process's path in it) of the hierarchies holding the cpu
+    controller: cgroup v2 (``0::/path``) and a v1 hierarchy with ``cpu``."""
+    points: dict[str, Path] = {}
+    for line in (_read_text(mounts) or "").splitlines():
+        parts = line.split()
+        if len(parts) >= 4 and parts[2] == "cgroup2":
+            points.setdefault("v2", Path(parts[1]))
+        elif len(parts) >= 4 and parts[2] == "cgroup" and "cpu" in parts[3].split(","):
+            points.setdefault("v1", Path(parts[1]))
+    out = []
+    for line in (_read_text(cgroup_file) or "").splitlines():
+        number, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if number == "0" and controllers == "" and "v2" in points:
+            out.append(("v2", points["v2"], path))
+        elif "cpu" in controllers.split(",") and "v1" in points:
+            out.append(("v1", points["v1"], path))
+    return out
+
+
+def _quota(version: str, where: Path) -> float | None:
+    """CPUs one cgroup directory allows (quota / period), None when unlimited or unreadable."""
+    try:
+        if version == "v2":
+            fields = (_read_text(where / "cpu.max") or "").split()
+            if len(fields) != 2 or fields[0] == "max":
+                return None
+            quota, period = float(fields[0]), float(fields[1])
+        else:
+            quota = float((_read_text(where / "cpu.cfs_quota_us") or "-1").strip())
+            period = float((_read_text(where / "cpu.cfs_period_us") or "0").strip())
+    except ValueError:
+        return None
+    return quota / period if quota > 0 and period > 0 else None
+
+
+def cpu_limit(*, cgroup_file: Path = Path("/proc/self/cgroup"), mounts: Path = Path("/proc/self/mounts")) -> float | None:
+    """CPUs this process's cgroup allows: the least quota / period along its cgroup path (v2
+    ``cpu.max``, v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``), from the process's own
+    cgroup up to the root; None when nothing limits it or the cgroup files are not visible
+    (e.g. inside ``ip netns exec``, which mounts a fresh /sys)."""
+    limits = []
+    for version, root, path in _cgroup_dirs(cgroup_file, mounts):
+        where = root / path.lstrip("/")
+        if not where.is_dir():  # a cgroup namespace: the mount's root is our own cgroup
+            where = root
+        while True:
+            limit = _quota(version, where)
+            if limit is not None:
+                limits.append(limit)
+            if where == root or root not in where.parents:
+                break
+            where = where.parent
+    return min(limits) if limits else None
+
+
+def cpu_share(threads: int = 1, *, limit: float | None = None) -> float:
+    """CPUs ``threads`` busy threads of this process can have: ``min(threads, cpu_limit())``.
+    A measured rate per CPU-second times this is what the device sustains: a neighbour's CPU
+    hog (it takes wall time, not CPU time) does not lower it, this cgroup's quota does."""
+    limit = cpu_limit() if limit is None else limit
+    return float(threads) if limit is None else min(float(threads), limit)
+
+
 # ---- microbenchmarks ---------------------------------------------------------------------------
 
 
 def measure_gflops(n: int = 512, probes: int = 5, min_seconds: float = 0.05) -> Spread:
     """float32 GFLOP/s of ``n x n`` torch matmuls (2 n^3 flops each) with torch's default
     thread count: after one warm-up product, ``probes`` probes, each repeating products for
-    at least ``min_seconds`` (and at least one); a probe's figure is its flops over its wall
-    time. Returns the :class:`~senseshield.engine.measurements.Spread` of the probes (the
+    at least ``min_seconds`` (and at least one). Returns the :class:`~senseshield.engine.measurements.Spread` of the probes (the
     profile's ``gflops`` is the median). Runs in this process (it imports torch);
     :func:`measure_gflops_apart` runs it in a child process.
 
-    It measures what the device offers now: a busy device (another process on a core that
-    torch's threads need) scores lower in the probes that overlap the busy spell.
+    A probe's figure is its flops per CPU-second of this process times the CPUs torch's
+    threads may use (:func:`cpu_share`): another process busy on the same cores takes wall
+    time, not this process's CPU time, so it does not lower the figure; a cgroup CPU quota does.
     """
     from edge_agent.matmul import gflops_probes
 
     if n < 1 or probes < 1 or not min_seconds >= 0:
         raise ConfigError(f"Matmul n={n}, probes={probes}, min_seconds={min_seconds} is not allowed; "
                           "n and probes must be >= 1, min_seconds >= 0.")
-    return summarise(gflops_probes(n, probes, min_seconds))
+    return summarise(gflops_probes(n, probes, min_seconds, cpu_limit()))
 
 
 _GFLOPS_CHILD = """
@@ -374,7 +447,7 @@ def measure_gflops_apart(n: int = 512, probes: int = 5, min_seconds: float = 0.0
                           "n and probes must be >= 1, min_seconds >= 0.")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     try:
-        done = subprocess.run([sys.executable, "-c", _GFLOPS_CHILD, json.dumps([n, probes, min_seconds])],
+        done = subprocess.run([sys.executable, "-c", _GFLOPS_CHILD, json.dumps([n, probes, min_seconds, cpu_limit()])],
                               capture_output=True, text=True, env=env, timeout=timeout)
     except subprocess.TimeoutExpired:
         raise ConfigError(f"The matmul benchmark (torch) did not finish within {timeout:g} s; "
@@ -402,6 +475,7 @@ class HEMeasurement:
     setup_s: float  # the first encryption (builds tables such as packed Paillier's fixed-base table)
     encrypt_s: float  # the timed encryptions
     spread: Spread | None = None  # values/s of the timed calls at the final vector length
+    bytes_per_value: float | None = None  # ciphertext bytes on the wire per value
 
 
 def resolve_key_bits(scheme: str, key_bits: int | None) -> int | None:
@@ -435,7 +509,9 @@ def measure_encryption(
     The key is generated once (``keygen_s``); one warm-up encryption of one block
     (``setup_s``); then vectors of whole blocks, doubling in length while one encryption
     takes under ``budget_s / 8``, are encrypted until ``budget_s`` is spent (at least three
-    calls at the final length). The rate is the median values/second of the calls at the
+    calls at the final length). A call's time is this thread's CPU time over the share of a
+    CPU the process's cgroup allows (:func:`cpu_share`): a neighbour's CPU hog does not lower
+    the rate, a CPU quota does. The rate is the median values/second of the calls at the
     final length (``spread`` summarises them), so per-value schemes and packed ones (66
     values per packed-Paillier ciphertext, thousands per CKKS ciphertext) are both counted
     in values.
@@ -458,11 +534,19 @@ def measure_encryption(
     rng = np.random.default_rng(0)
     n = max(1, int(public_key.block_size))
 
+    sent: list[float] = []
+
+    share = cpu_share(1)  # encryption runs on this thread
+
     def encrypt(count: int) -> float:
+        """Seconds of this thread's CPU the encryption of ``count`` values takes, over the
+        share of a CPU this process may have (a neighbour's load does not count, a quota does)."""
         values = rng.uniform(-0.5, 0.5, count)
-        start = time.perf_counter()
-        public_key.encrypt(values, np.arange(count, dtype=np.int64))
-        return time.perf_counter() - start
+        start = time.thread_time()
+        vector = public_key.encrypt(values, np.arange(count, dtype=np.int64))
+        elapsed = (time.thread_time() - start) / share
+        sent[:] = [len(public_key.ciphertext_bytes(vector)) / count]
+        return elapsed
 
     setup_s = encrypt(n)
     rates: list[float] = []
@@ -477,7 +561,7 @@ def measure_encryption(
             n *= 2
             rates = []  # only calls of the final length count
     spread = summarise(rates)
-    return HEMeasurement(scheme, key_bits, spread.median, keygen_s, setup_s, spent, spread)
+    return HEMeasurement(scheme, key_bits, spread.median, keygen_s, setup_s, spent, spread, sent[0])
 
 
 @dataclass(frozen=True)
@@ -680,19 +764,40 @@ def measure_profile(
     summaries["he_encryptions_per_s"] = ProbeSummary.of(he.spread)
 
     timings["total"] = time.perf_counter() - began
+    bandwidth = DEFAULT_BANDWIDTH_MBPS if up is None else up
+    if up is not None and is_loopback(broker):
+        bandwidth = max(up, LOOPBACK_BANDWIDTH_MBPS)
     return DeviceProfile(
         **facts,
         gflops=gflops.median,
         he_scheme=he.scheme,
         he_key_bits=he.key_bits,
         he_encryptions_per_s=he.encryptions_per_s,
+        he_bytes_per_value=he.bytes_per_value,
         bandwidth_up_mbps=up,
         bandwidth_down_mbps=up,
         cpu_speed=cpu_speed_of(facts["clock_mhz"], cores),
-        bandwidth=DEFAULT_BANDWIDTH_MBPS if up is None else up,
+        bandwidth=bandwidth,
         timings=timings,
         measurements=summaries,
     )
+
+
+def is_loopback(broker: str | None) -> bool:
+    """Whether ``broker`` is on this host (localhost, 127.0.0.0/8, ::1)."""
+    import ipaddress
+
+    if broker is None:
+        return False
+    from senseshield.runtime.transport import parse_broker
+
+    host = parse_broker(broker)[0]
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def bound_profile(measured: DeviceProfile, declared: DeviceProfile, source: str) -> DeviceProfile:

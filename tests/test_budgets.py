@@ -227,8 +227,12 @@ def test_sensecrypt_budget_modes_paper_and_calibrated() -> None:
     speeds = [24.0, 12.0, 8.0]
     costs = [RoundCosts(train_s=0.005 * 24 / v, encrypt_per_s=100.0 * v, bytes_per_encrypted=7.76) for v in speeds]
     reports = [BootstrapReport(f"c{i}", 100, 1.0, v, vectors[i], costs[i]) for i, v in enumerate(speeds)]
-    paper = build_strategy("sensecrypt", StrategyOptions()).plan_fleet(reports, size=size, block_size=66)
+    paper = build_strategy("sensecrypt", StrategyOptions(budget_mode="paper")).plan_fleet(reports, size=size, block_size=66)
     assert paper.budget_notes["mode"] == "paper"
+    # the default (measured) mode without measured encryption rates: the paper's formula, noted
+    default = build_strategy("sensecrypt", StrategyOptions()).plan_fleet(reports, size=size, block_size=66)
+    assert default.budget_of == paper.budget_of
+    assert [n["mode"] for n in default.budget_notes["clusters"].values()] == ["paper"] * len(default.clusters)
     assert max(paper.budget_of.values()) == 1.0
     for tolerance, lined_up in ((0.0, 1.0), (0.05, 1.05)):  # predicted times within the tolerance count as on time
         strategy = build_strategy("sensecrypt", StrategyOptions(budget_mode="calibrated", budget_tolerance=tolerance))
@@ -249,7 +253,7 @@ def test_sensecrypt_budget_modes_paper_and_calibrated() -> None:
 def test_budget_mode_option_is_checked() -> None:
     from senseshield.strategies import StrategyOptions
 
-    with pytest.raises(Exception, match=r"budget_mode='fast' is not allowed; use one of: paper, calibrated"):
+    with pytest.raises(Exception, match=r"budget_mode='fast' is not allowed; use one of: measured, paper, calibrated"):
         StrategyOptions(budget_mode="fast")
 
 
@@ -260,3 +264,41 @@ def test_round_costs_from_an_agent_profile() -> None:
     assert got == RoundCosts(0.2, 1e4, 7.8, 0.0)
     assert RoundCosts.from_profile({}) is None
     assert RoundCosts.from_profile({"measured": {"train_s": 0.2, "encrypt_per_s": 0}}) is None
+
+
+def test_measured_encryption_rates_decide_the_budgets_when_every_member_measured() -> None:
+    """A board 20x slower at encryption gets about a 20th of the budget, whatever the spec sheet
+    says; one device without a measured rate (or rates measured with different keys) falls back
+    to the paper's formula, and the note says why."""
+    from senseshield.strategies.base import BootstrapReport, EncryptionRate, budgets_per_cluster
+
+    def report(cid: str, bandwidth: float, rate: float | None, method: str = "packed-paillier/2048") -> BootstrapReport:
+        measured = None if rate is None else EncryptionRate(rate, method, 7.76)
+        return BootstrapReport(cid, 100, bandwidth, 8.0, encryption=measured)  # same spec sheet: 2 GHz x 4 cores
+
+    fleet = [report("fast1", 450.0, 42_000.0), report("fast2", 45.0, 41_000.0), report("slow", 90.0, 2_100.0)]
+    one = {r.client_id: 0 for r in fleet}
+    notes: dict = {}
+    budgets = budgets_per_cluster(fleet, one, notes=notes, tolerance=None)
+    assert notes["0"]["mode"] == "measured"
+    assert budgets["fast1"] == 1.0 and budgets["fast2"] > 0.95  # a 10x slower loopback probe barely matters
+    assert 0.04 < budgets["slow"] < 0.06
+    paper = budgets_per_cluster(fleet, one, mode="paper", tolerance=None)
+    assert paper["slow"] > 3 * budgets["slow"]  # the spec sheet does not see the slow board (only its probe)
+    for odd, why in ((report("slow", 90.0, None), "slow did not measure"),
+                     (report("slow", 90.0, 2_100.0, "paillier/1024"), "measured with")):
+        notes = {}
+        fallback = budgets_per_cluster([*fleet[:2], odd], one, notes=notes, tolerance=None)
+        assert notes["0"]["mode"] == "paper" and why in notes["0"]["fallback"]
+        assert fallback == budgets_per_cluster([*fleet[:2], odd], one, mode="paper", tolerance=None)
+
+
+def test_encryption_rate_from_a_hello_profile() -> None:
+    from senseshield.strategies.base import EncryptionRate
+
+    rate = EncryptionRate.from_profile({"he_encryptions_per_s": 4e4, "he_scheme": "packed-paillier", "he_key_bits": 2048,
+                                        "he_bytes_per_value": 7.76})
+    assert rate == EncryptionRate(4e4, "packed-paillier/2048", 7.76)
+    for bad in ({}, {"he_encryptions_per_s": -1.0, "he_scheme": "x"}, {"he_encryptions_per_s": "fast", "he_scheme": "x"},
+                {"he_encryptions_per_s": 1e4}):
+        assert EncryptionRate.from_profile(bad) is None

@@ -116,3 +116,17 @@ def test_simulated_slow_device_trains_fewer_steps_reported_per_round() -> None:
     assert work["c002"]["budget"] < work["c000"]["budget"]
     again = run_simulation(job, noise_seed=0)
     assert again.rounds[-1].work == work and again.final_accuracy == result.final_accuracy
+
+
+def test_step_seconds_separates_the_fixed_part_from_the_steps() -> None:
+    from senseshield.engine.work import step_seconds
+
+    # 0.5 s fixed + 0.1 s per step: a 1-step round is not taken for a 0.6 s step
+    fixed, per_step = step_seconds([0.6, 2.5, 1.5, 0.6], [1, 20, 10, 1])
+    assert fixed == pytest.approx(0.5) and per_step == pytest.approx(0.1)
+    assert step_seconds([2.0, 2.2, 1.8], [10, 10, 10]) == (0.0, pytest.approx(0.2))  # one step count: the median ratio
+    assert step_seconds([], []) is None and step_seconds([0.0, float("nan")], [3, 3]) is None
+    only_last = step_seconds([9.0, 1.0, 2.0], [1, 10, 20], k=2)
+    assert only_last == (pytest.approx(0.0), pytest.approx(0.1))
+    with pytest.raises(ConfigError, match="k=0 is not allowed"):
+        step_seconds([1.0], [1], k=0)

@@ -5,6 +5,8 @@ A device whose full local training would make it straggle trains fewer local ste
 
 * :func:`recent_median` -- a device's figure from its last ``k`` rounds (median: one busy
   round does not move it);
+* :func:`step_seconds` -- a device's seconds per local step and the training time that does
+  not shrink with the steps, from its last rounds;
 * :func:`local_steps` -- how many local steps each device trains so that its predicted round
   time stays within ``limit`` x the quickest device's full round (and under a deadline);
 * :func:`step_scale` -- FedNova's normalisation of a device's update for the aggregate.
@@ -44,7 +46,7 @@ import numpy as np
 
 from senseshield.errors import ConfigError
 
-__all__ = ["full_steps", "local_steps", "recent_median", "step_scale"]
+__all__ = ["full_steps", "local_steps", "recent_median", "step_scale", "step_seconds"]
 
 
 def recent_median(values, *, k: int = 5) -> float | None:  # noqa: ANN001
@@ -57,6 +59,33 @@ def recent_median(values, *, k: int = 5) -> float | None:  # noqa: ANN001
     if not kept:
         return None
     return float(np.median(kept[-k:]))
+
+
+def step_seconds(train_s, steps, *, k: int = 5) -> tuple[float, float] | None:  # noqa: ANN001
+    """``(fixed, per_step)`` seconds of a device's local training from its last ``k`` rounds
+    (oldest first; rounds with a train time or step count not > 0 are left out): ``train =
+    fixed + steps x per_step``. With two or more distinct step counts in the window, the
+    least-squares line (a device trained 1 step in one round and 20 in another: the 1-step
+    round's time is mostly the fixed part, not one slow step); its intercept is clipped to
+    [0, min train] and the slope then refitted. With one step count (or a slope <= 0): fixed 0
+    and the median of train / steps. None without a usable round."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ConfigError(f"k={k!r} is not allowed; the window needs at least 1 round.")
+    pairs = [(float(t), float(s)) for t, s in zip(train_s, steps)
+             if isinstance(t, (int, float)) and isinstance(s, (int, float)) and math.isfinite(t) and t > 0 and s > 0]
+    pairs = pairs[-k:]
+    if not pairs:
+        return None
+    t = np.array([p[0] for p in pairs])
+    n = np.array([p[1] for p in pairs])
+    if np.unique(n).size >= 2:
+        slope, intercept = np.polyfit(n, t, 1)
+        if slope > 0:
+            fixed = float(min(max(intercept, 0.0), t.min()))
+            per_step = float(np.sum((t - fixed) * n) / np.sum(n * n))  # least squares through (0, fixed)
+            if per_step > 0:
+                return fixed, per_step
+    return 0.0, float(np.median(t / n))
 
 
 def full_steps(n_samples: int, *, batch_size: int, epochs: int) -> int:

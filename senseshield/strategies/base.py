@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from senseshield import defaults
 from senseshield.engine.clustering import nearest_cluster
-from senseshield.engine.budgets import encryption_budgets
+from senseshield.engine.budgets import encryption_budgets, measured_budgets
 from senseshield.engine.dp import check_clip, check_sigma
 from senseshield.engine.measurements import pool_agreeing
 from senseshield.engine.zones import check_unit, parse_ratio
@@ -35,7 +35,7 @@ from senseshield.errors import ConfigError
 from senseshield.registry import Registry
 
 
-BUDGET_MODES = ("paper", "calibrated")
+BUDGET_MODES = ("measured", "paper", "calibrated")
 
 
 class StrategyOptions(BaseModel):
@@ -53,9 +53,11 @@ class StrategyOptions(BaseModel):
     cluster_clip: float = Field(1.0, gt=0.0, description="Per-sample L2 clip G of sensitivity vectors (Alg. 2).")
     server_lr: float = Field(1.0, gt=0.0, description="Server learning rate applied to the mean update.")
     budget_mode: str = Field(
-        "paper",
+        "measured",
         description=(
-            "Encryption budgets: 'paper' (max-abs over bandwidth and CPU speed, SenseCrypt sec. 3.2) "
+            "Encryption budgets: 'measured' (from the encryption rate and bandwidth every device of a "
+            "cluster measured at join, refreshed from its rounds; the paper's formula where one did "
+            "not measure), 'paper' (max-abs over bandwidth and CPU speed, SenseCrypt sec. 3.2) "
             "or 'calibrated' (from measured train/encrypt rates and bandwidth, so that predicted "
             "round times line up under the deadline)."
         ),
@@ -234,6 +236,34 @@ class RoundCosts:
 
 
 @dataclass(frozen=True)
+class EncryptionRate:
+    """What a device measured of its encryption speed at join (its profile, ``edge-agent join
+    --profile auto``): ``per_s`` values encrypted per second, ``bytes_per_value`` ciphertext bytes
+    on the wire per value (0 when unknown), ``method`` the scheme and key size it was measured
+    with (rates of different methods are not compared)."""
+
+    per_s: float
+    method: str
+    bytes_per_value: float = 0.0
+
+    @staticmethod
+    def from_profile(profile: dict[str, Any] | None) -> "EncryptionRate | None":
+        """The rate of a hello profile (:class:`edge_agent.profile.DeviceProfile` fields
+        ``he_encryptions_per_s``, ``he_scheme``, ``he_key_bits``, ``he_bytes_per_value``); None
+        when absent or malformed (the device then counts as not measured)."""
+        profile = profile or {}
+        rate, scheme = profile.get("he_encryptions_per_s"), profile.get("he_scheme")
+        size = profile.get("he_bytes_per_value") or 0.0
+        if not (isinstance(rate, (int, float)) and not isinstance(rate, bool) and np.isfinite(rate) and rate > 0
+                and isinstance(scheme, str) and scheme):
+            return None
+        if not (isinstance(size, (int, float)) and not isinstance(size, bool) and np.isfinite(size) and size >= 0):
+            size = 0.0
+        bits = profile.get("he_key_bits")
+        return EncryptionRate(float(rate), f"{scheme}/{bits}" if bits else scheme, float(size))
+
+
+@dataclass(frozen=True)
 class BootstrapReport:
     """What a client sends once at join/bootstrap: its profile and a clustering vector."""
 
@@ -243,13 +273,15 @@ class BootstrapReport:
     cpu_speed: float  # v_i, e.g. GHz x cores
     sensitivity: np.ndarray | None = None  # (noised, normalised) sensitivity vector
     costs: RoundCosts | None = None  # measured on the device (calibrated budgets)
-    # probe interval [min, max] of measured figures ("bandwidth", "cpu_speed", "train_s",
-    # "encrypt_per_s"); a figure without one is declared, i.e. exact
+    # probe interval [min, max] of measured figures (:data:`BUDGET_FIGURES`); a figure
+    # without one is declared, i.e. exact
     intervals: dict[str, tuple[float, float]] = field(default_factory=dict)
+    encryption: EncryptionRate | None = None  # measured at join (measured budgets)
 
 
-BUDGET_FIGURES = ("bandwidth", "cpu_speed", "train_s", "encrypt_per_s")
-"""The measured figures budgets are computed from (the first two on the report, the others in its costs)."""
+BUDGET_FIGURES = ("bandwidth", "cpu_speed", "train_s", "encrypt_per_s", "he_encryptions_per_s")
+"""The measured figures budgets are computed from: the first two on the report, ``train_s`` and
+``encrypt_per_s`` in its costs (calibrated), ``he_encryptions_per_s`` its join's encryption rate."""
 
 
 def measured_intervals(profile: dict[str, Any] | None) -> dict[str, tuple[float, float]]:
@@ -279,6 +311,8 @@ def measured_intervals(profile: dict[str, Any] | None) -> dict[str, tuple[float,
 
 
 def _figure(report: BootstrapReport, name: str) -> float | None:
+    if name == "he_encryptions_per_s":
+        return None if report.encryption is None else report.encryption.per_s
     holder = report.costs if name in ("train_s", "encrypt_per_s") else report
     return None if holder is None else float(getattr(holder, name))
 
@@ -315,7 +349,9 @@ def stable_inputs(
         top = {n: figures[n][r.client_id] for n in ("bandwidth", "cpu_speed") if r.client_id in figures.get(n, {})}
         cost = {n: figures[n][r.client_id] for n in ("train_s", "encrypt_per_s") if r.client_id in figures.get(n, {})}
         costs = replace(r.costs, **cost) if cost and r.costs is not None else r.costs
-        out.append(replace(r, **top, costs=costs))
+        rate = figures.get("he_encryptions_per_s", {}).get(r.client_id)
+        encryption = replace(r.encryption, per_s=rate) if rate is not None and r.encryption is not None else r.encryption
+        out.append(replace(r, **top, costs=costs, encryption=encryption))
     return out, changed
 
 
@@ -405,14 +441,18 @@ class Strategy(ABC):
     ) -> FleetPlan:
         """Default: one cluster; budgets from the profiles over the whole fleet (sec. 3.2)."""
         cluster_of = {r.client_id: 0 for r in reports}
-        return FleetPlan(cluster_of, budgets_per_cluster(reports, cluster_of, tolerance=self.options.budget_tolerance))
+        budgets, notes = self.budgets_for(reports, cluster_of, size=size, block_size=block_size)
+        return FleetPlan(cluster_of, budgets, budget_notes={"mode": self.options.budget_mode, "clusters": notes})
 
     def budgets_for(
         self, reports: Sequence[BootstrapReport], cluster_of: dict[str, int], *, size: int, block_size: int = 1
     ) -> tuple[dict[str, float], dict[str, Any]]:
         """Budgets of ``reports`` with their clusters fixed (re-planning after a join); the
-        strategy's own budget rule ("paper" max-abs scaling by default) and its notes."""
-        return budgets_per_cluster(reports, cluster_of, tolerance=self.options.budget_tolerance), {}
+        strategy's own budget rule (measured rates, else the paper's max-abs scaling) and its notes."""
+        notes: dict[str, Any] = {}
+        mode = "paper" if self.options.budget_mode == "paper" else "measured"
+        budgets = budgets_per_cluster(reports, cluster_of, mode=mode, notes=notes, tolerance=self.options.budget_tolerance)
+        return budgets, notes
 
     def admit(
         self, reports: Sequence[BootstrapReport], plan: FleetPlan, newcomer: BootstrapReport, *, size: int,
@@ -446,8 +486,12 @@ class Strategy(ABC):
         block_size: int = 1,
         observed: dict[str, tuple[float, float]] | None = None,
     ) -> tuple[dict[str, float], dict[str, Any]] | None:
-        """Between rounds: new budgets from refined costs, or None to keep them (default)."""
-        return None
+        """Between rounds: new budgets from refined figures (measured mode: the reports'
+        ``encryption`` rates as the rounds showed them), or None to keep them (paper mode)."""
+        if self.options.budget_mode != "measured":
+            return None
+        budgets, notes = self.budgets_for(reports, cluster_of, size=size, block_size=block_size)
+        return budgets, {"mode": "measured", "clusters": notes}
 
     def consensus(
         self, proposals: Sequence[np.ndarray], *, size: int, block_size: int = 1
@@ -518,11 +562,38 @@ def _budgets(reports: Sequence[BootstrapReport]) -> dict[str, float]:
     return {r.client_id: float(a) for r, a in zip(reports, alphas)}
 
 
+def measured_cluster_budgets(reports: Sequence[BootstrapReport]) -> tuple[dict[str, float], dict[str, Any]]:
+    """Budgets of one cluster from what its members measured
+    (:func:`senseshield.engine.budgets.measured_budgets`: values encrypted and sent per second)
+    when every member measured its encryption rate with the same scheme and key size; else the
+    paper's formula over bandwidth and the spec sheet's CPU speed, and the note says why."""
+    rates = [r.encryption for r in reports]
+    if not reports or any(e is None for e in rates):
+        missing = [r.client_id for r, e in zip(reports, rates) if e is None]
+        note: dict[str, Any] = {"mode": "paper"}
+        if len(missing) < len(reports):
+            note["fallback"] = f"{', '.join(missing)} did not measure an encryption rate"
+        return _budgets(reports), note
+    methods = sorted({e.method for e in rates})  # type: ignore[union-attr]
+    if len(methods) > 1:
+        return _budgets(reports), {"mode": "paper", "fallback": f"encryption rates measured with {', '.join(methods)}"}
+    sizes = [e.bytes_per_value for e in rates if e.bytes_per_value > 0]  # type: ignore[union-attr]
+    alphas = measured_budgets(
+        encrypt_per_s=np.array([e.per_s for e in rates]),  # type: ignore[union-attr]
+        bandwidth=np.array([r.bandwidth for r in reports], dtype=np.float64),
+        bytes_per_encrypted=float(np.mean(sizes)) if sizes else 0.0,
+    )
+    return {r.client_id: float(a) for r, a in zip(reports, alphas)}, {
+        "mode": "measured", "method": methods[0],
+        "encrypt_per_s": {r.client_id: round(e.per_s, 1) for r, e in zip(reports, rates)},  # type: ignore[union-attr]
+    }
+
+
 def budgets_per_cluster(
     reports: Sequence[BootstrapReport],
     cluster_of: dict[str, int],
     *,
-    mode: str = "paper",
+    mode: str = "measured",
     size: int | None = None,
     block_size: int = 1,
     deadline: float | None = None,
@@ -536,7 +607,9 @@ def budgets_per_cluster(
     (:func:`stable_inputs`: devices whose probe intervals, widened by ``tolerance``, overlap
     get one figure, so identical devices get identical budgets). ``mode="calibrated"`` then
     uses :func:`calibrated_cluster_budgets` (it needs ``size`` and the reports' measured
-    ``costs``), else the paper's max-abs formula; ``notes`` (a dict) receives what was decided
+    ``costs``); ``"measured"`` (the default) :func:`measured_cluster_budgets` (the encryption rates
+    measured at join, the paper's formula in a cluster where one device did not measure);
+    ``"paper"`` the paper's max-abs formula; ``notes`` (a dict) receives what was decided
     per cluster (with ``pooled``: the figures pooling changed), for the run's report.
     """
     reports, pooled = stable_inputs(reports, tolerance=tolerance)
@@ -548,6 +621,8 @@ def budgets_per_cluster(
                 members, size=size, block_size=block_size, deadline=deadline, fractions=fractions,
                 slack=tolerance or 0.0,
             )
+        elif mode == "measured":
+            budgets, note = measured_cluster_budgets(members)
         else:
             budgets, note = _budgets(members), {"mode": "paper"}
         out.update(budgets)

@@ -92,10 +92,11 @@ class SenseCrypt(Strategy):
 
         The solver fractions predicted at bootstrap are corrected by what each device really
         encrypted: ``observed[id] = (budget, encrypted fraction)`` scales its curve (clamped to
-        [0.5, 2]), never above the budget itself. None in paper mode (budgets stay fixed).
+        [0.5, 2]), never above the budget itself. Measured mode: :meth:`Strategy.rebudget`;
+        None in paper mode (budgets stay fixed).
         """
         if self.options.budget_mode != "calibrated":
-            return None
+            return super().rebudget(reports, cluster_of, size=size, block_size=block_size, observed=observed)
         base = getattr(self, "_fractions", None) or {}
         grid = np.linspace(0.0, 1.0, 21)
         fractions = {}

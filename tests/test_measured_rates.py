@@ -1,0 +1,131 @@
+"""Measured figures that a busy neighbour does not move and a CPU quota does (cgroup files,
+a real quota on a real process), and measured budgets refreshed between rounds."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edge_agent.profile import cpu_limit, cpu_share, is_loopback
+
+pytestmark = pytest.mark.filterwarnings("ignore::senseshield.he.paillier.InsecureKeyWarning")
+
+
+def _files(tmp_path: Path, cgroup: str, mounts: str) -> dict[str, Path]:
+    (tmp_path / "cgroup").write_text(cgroup)
+    (tmp_path / "mounts").write_text(mounts)
+    return {"cgroup_file": tmp_path / "cgroup", "mounts": tmp_path / "mounts"}
+
+
+def test_cpu_limit_reads_the_least_quota_along_the_cgroup_path_v1_and_v2(tmp_path):
+    v1 = tmp_path / "v1"
+    (v1 / "fleet" / "pi").mkdir(parents=True)
+    for where, quota in ((v1, "-1"), (v1 / "fleet", "150000"), (v1 / "fleet" / "pi", "5000")):
+        (where / "cpu.cfs_quota_us").write_text(quota + "\n")
+        (where / "cpu.cfs_period_us").write_text("100000\n")
+    files = _files(tmp_path, "2:cpuacct:/\n1:cpu:/fleet/pi\n0::/\n",
+                   f"cgroup {v1} cgroup rw,relatime,cpu 0 0\n")
+    assert cpu_limit(**files) == pytest.approx(0.05)
+    (v1 / "fleet" / "pi" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert cpu_limit(**files) == pytest.approx(1.5)  # the parent's limit holds for its children
+
+    v2 = tmp_path / "v2"
+    (v2 / "box").mkdir(parents=True)
+    (v2 / "cpu.max").write_text("max 100000\n")
+    (v2 / "box" / "cpu.max").write_text("20000 100000\n")
+    files = _files(tmp_path / "v2", "0::/box\n", f"cgroup2 {v2} cgroup2 rw 0 0\n")
+    assert cpu_limit(**files) == pytest.approx(0.2)
+    (v2 / "box" / "cpu.max").write_text("max 100000\n")
+    assert cpu_limit(**files) is None  # unlimited
+    assert cpu_share(2, limit=0.2) == 0.2 and cpu_share(2, limit=8.0) == 2.0
+
+
+def test_a_broker_on_this_host_is_loopback():
+    assert is_loopback("mqtt://127.0.0.1:1883") and is_loopback("localhost") and is_loopback("mqtt://[::1]:1883")
+    assert not is_loopback("mqtt://10.0.0.2") and not is_loopback("broker.example.org") and not is_loopback(None)
+
+
+def _cpu_cgroup() -> tuple[str, Path] | None:
+    from senseshield.trials.trial import _cpu_cgroup_mount
+
+    found = _cpu_cgroup_mount()
+    return found if os.geteuid() == 0 and found is not None and os.access(found[1], os.W_OK) else None
+
+
+@pytest.mark.skipif(_cpu_cgroup() is None, reason="needs root and a writable cpu cgroup controller")
+def test_a_cpu_quota_lowers_the_measured_encryption_rate_a_busy_neighbour_does_not(tmp_path):
+    """The same measurement in three processes: alone, next to two busy-looping processes (a
+    neighbour's hog on this 2-core machine), and inside a real 10 % cgroup CPU quota."""
+    version, root = _cpu_cgroup()
+    group = root / f"senseshield-test-{os.getpid()}"
+    group.mkdir()
+    try:
+        if version == "v2":
+            (group / "cpu.max").write_text("10000 100000")
+        else:
+            (group / "cpu.cfs_period_us").write_text("100000")
+            (group / "cpu.cfs_quota_us").write_text("10000")
+        from senseshield.he import SCHEMES
+
+        import pickle
+
+        key = tmp_path / "key.pkl"
+        key.write_bytes(pickle.dumps(SCHEMES.get("packed-paillier").generate(key_bits=1024).public_key))
+        script = textwrap.dedent(f"""
+            import pickle, sys
+            from pathlib import Path
+            from edge_agent.profile import measure_encryption
+            public = pickle.loads(Path({str(key)!r}).read_bytes())
+            measure_encryption(public_key=public, budget_s=0.05)  # imports and tables, outside the quota
+            if sys.argv[1] == "quota":
+                Path({str(group / "cgroup.procs")!r}).write_text(str(__import__("os").getpid()))
+            print(measure_encryption(public_key=public, budget_s=0.2).encryptions_per_s)
+        """)
+
+        def rate(mode: str) -> float:
+            out = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, timeout=120,
+                                 env={**os.environ, "PYTHONWARNINGS": "ignore"})
+            assert out.returncode == 0, out.stderr
+            return float(out.stdout.split()[-1])
+
+        alone = rate("alone")
+        hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+        try:
+            busy = rate("busy")
+        finally:
+            for h in hogs:
+                h.kill()
+                h.wait()
+        limited = rate("quota")
+    finally:
+        group.rmdir()
+    assert 0.67 < busy / alone < 1.5, (alone, busy)  # CPU time: the hogs take wall time, not ours
+    assert 5 < alone / limited < 20, (alone, limited)  # a 10 % quota: about a tenth
+
+
+def test_measured_mode_rebudgets_from_round_rates_and_paper_mode_keeps_its_budgets():
+    from dataclasses import replace
+
+    from senseshield.strategies import StrategyOptions, build_strategy
+    from senseshield.strategies.base import BootstrapReport, EncryptionRate
+
+    rng = np.random.default_rng(0)
+    reports = [BootstrapReport(f"c{i}", 100, 1000.0, 8.0, np.abs(rng.normal(size=66)),
+                               encryption=EncryptionRate(40_000.0, "packed-paillier/2048", 7.76)) for i in range(3)]
+    one = {r.client_id: 0 for r in reports}
+    strategy = build_strategy("sensecrypt", StrategyOptions())
+    budgets, notes = strategy.budgets_for(reports, one, size=66, block_size=66)
+    assert budgets == {"c0": 1.0, "c1": 1.0, "c2": 1.0} and notes["0"]["mode"] == "measured"
+    # the rounds showed c2 20x slower (a CPU quota): its budget follows
+    seen = [*reports[:2], replace(reports[2], encryption=replace(reports[2].encryption, per_s=2_000.0))]
+    budgets, notes = strategy.rebudget(seen, one, size=66, block_size=66)
+    assert budgets["c0"] == budgets["c1"] == 1.0 and 0.04 < budgets["c2"] < 0.06
+    assert notes["mode"] == "measured" and notes["clusters"]["0"]["encrypt_per_s"]["c2"] == 2000.0
+    paper = build_strategy("sensecrypt", StrategyOptions(budget_mode="paper"))
+    assert paper.rebudget(seen, one, size=66, block_size=66) is None
