@@ -353,12 +353,12 @@ class Sampler:
 
 
 def run_scale(agents: int, strategy: str, *, rounds: int = 3, key_bits: int = 2048, out: Path,
-              broker_url: str, timeout: float = 3600.0, model: str = "linear") -> dict:
+              broker_url: str, timeout: float = 3600.0, model: str = "linear", repeat: int = 0) -> dict:
     """One (N, strategy) point; returns its summary (see the module docstring)."""
     config = Job(strategy=strategy, rounds=rounds, dataset="digits", model=model, partition=f"categories:{TEMPLATES}",
                  key_bits=key_bits, scheme=None if strategy in ("plaintext", "masked") else "packed-paillier",
                  round_deadline=max(120.0, agents * 0.6), clients=agents)
-    options = FleetOptions(agents=agents, out=out, broker=broker_url, fleet=f"scale-{strategy}-{agents}",
+    options = FleetOptions(agents=agents, out=out, broker=broker_url, fleet=f"scale-{strategy}-{agents}-{repeat}",  # a repeat never reads the last one's retained frames
                            join_timeout=timeout, log_level=os.environ.get("SCALE_LOG_LEVEL", "warning"))
     started = time.time()
     with ScaleFleet(config, options) as fleet:
@@ -430,7 +430,8 @@ def main() -> None:
                 for rep in range(repeats):
                     for strategy in args.strategies.split(","):
                         row = run_scale(n, strategy, rounds=rounds, key_bits=key_bits,
-                                        out=Path(tmp) / f"{strategy}-{n}-{rep}", broker_url=broker.url, model=args.model)
+                                        out=Path(tmp) / f"{strategy}-{n}-{rep}", broker_url=broker.url, model=args.model,
+                                        repeat=rep)
                         row["repeat"] = rep
                         runs.append(row)
                         print(json.dumps(row), flush=True)

@@ -390,7 +390,7 @@ class EdgeAgent(Service):
             key_id=self.public.key_id if self.public is not None else "",
             mask_digest=hashlib.sha256(message.mask.tobytes()).hexdigest(),
             ciphertext_digest=hashlib.sha256(message.ciphertext).hexdigest() if message.ciphertext else "",
-            fingerprint=fp, start_digest=model_digest(start),
+            fingerprint=fp, start_digest=model_digest(start), shares=int(message.report.get("shares", 0)),
         )
         return self.frame(receipt, round=r)
 

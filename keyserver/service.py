@@ -478,6 +478,11 @@ class KeyServer(Service):
             return (f"{len(names)} distinct contributor(s) {names}, fewer than the minimum {need} "
                     f"(--min-contributors {self.min_contributors}, --min-fraction {self.min_fraction:g} of "
                     f"{len(plan[k])}); decrypting would reveal an individual update"), {}
+        shares = max((rc.shares for rc in receipts.values()), default=0)
+        if shares > len(names):  # distributed DP: each share is sized for this many contributors
+            return (f"{len(names)} contributor(s) {names}, fewer than the {shares} the noise shares of their receipts "
+                    "are sized for; the sum would carry less than the job's DP noise (a job may allow dropouts "
+                    "with dp_quorum below 1)"), {}
         weight = sum(rc.n_samples for rc in receipts.values())
         if weight != msg.total_weight:
             return f"the aggregate weighs {msg.total_weight} samples; the receipts sign {weight}", {}

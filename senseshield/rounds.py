@@ -359,6 +359,8 @@ def choice_report(choice: MaskChoice) -> dict:
     if "feasible" in info:
         report["feasible"] = bool(info["feasible"])
         report["violations"] = [str(v) for v in info.get("violations", [])[:1]]
+    if info.get("shares"):  # distributed DP: the receipt signs it (the key server's floor)
+        report["shares"] = int(info["shares"])
     return report
 
 

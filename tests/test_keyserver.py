@@ -127,7 +127,7 @@ class Harness:
         self.seeds[r] = next(iter(seeds.values()))
 
     def contribution(self, agent: str, r: int, cluster: int, *, seed_round: int | None = None, n: int = 10,  # noqa: ANN201
-                     start: str | None = None, blocks: range = range(4)):
+                     start: str | None = None, blocks: range = range(4), shares: int = 0):
         """An honest agent's update (``blocks`` encrypted) and its signed receipt;
         ``start``: the model it trained from (default: the cluster's model of round r - 1)."""
         mask = np.zeros(SIZE, bool)
@@ -146,7 +146,8 @@ class Harness:
         receipt = Receipt(run_id=run, cluster=cluster, n_samples=n, key_id=self.public.key_id if self.public else "",
                           mask_digest=hashlib.sha256(pack_mask(mask).tobytes()).hexdigest(),
                           ciphertext_digest=hashlib.sha256(cipher).hexdigest() if cipher else "", fingerprint=fp,
-                          start_digest=hashlib.sha256((start or f"{run}/{cluster}/{r - 1}").encode()).hexdigest())
+                          start_digest=hashlib.sha256((start or f"{run}/{cluster}/{r - 1}").encode()).hexdigest(),
+                          shares=shares)
         return update, to_frame(receipt, fleet=FLEET, sender=agent, round=r, signer=self.ids[agent])
 
     def request(self, r: int, cluster: int, parts: list, *, contributors: list[str] | None = None,  # noqa: ANN001
@@ -572,3 +573,16 @@ def test_only_a_job_an_operator_signed_is_served(harness, caplog):
     announcement = harness.start_run(run="run-genuine")
     assert not announcement.refused and announcement.scheme == "packed-paillier"
     assert harness.server.run_id == "run-genuine"
+
+
+def test_a_sum_of_fewer_contributors_than_the_noise_shares_is_never_unmasked(harness):
+    """Distributed DP (masked-dp): each receipt signs how many contributors its noise share
+    was sized for; a sum of fewer would carry less than the job's noise, so the key server
+    refuses it, whatever plan the coordinator published; as many or more pass."""
+    harness.start_run()
+    harness.open_round(1, {0: ["a", "b", "c"], 1: ["d", "e"]})
+    short = [harness.contribution(x, 1, 0, shares=3) for x in "ab"]
+    result = harness.verdict(1, harness.request(1, 0, short))
+    assert not result.accepted and "fewer than the 3 the noise shares" in result.reason
+    result = harness.verdict(1, harness.request(1, 1, [harness.contribution(x, 1, 1, shares=2) for x in "de"]))
+    assert result.accepted, result.reason

@@ -15,6 +15,8 @@ import math
 
 import numpy as np
 import pytest
+
+from senseshield.accounting import Accountant
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
@@ -140,11 +142,13 @@ def test_masked_dp_learns_at_a_moderate_epsilon_where_dp_fedavg_does_not():
 
 
 @pytest.mark.slow
-def test_a_fleet_round_with_a_dropout_is_charged_at_the_noise_its_sum_carried(mosquitto, tmp_path):
-    """c002's training raises in round 2 (fault drill), so round 2's sum holds two of the
-    three noise shares: the coordinator charges it at sigma sqrt(2/3), notes it, and the
-    report's epsilons are the accountant's for that history (~35 s, make test-slow)."""
-    from senseshield.accounting import Accountant
+def test_a_fleet_round_with_a_dropout_is_refused_by_the_key_server(mosquitto, tmp_path):
+    """c002's training raises in round 2 (fault drill), so round 2's sum would hold two of
+    the three noise shares its agents' receipts are sized for: the key server refuses to
+    unmask it (whatever the coordinator's plan said, no sum it unmasks carries less than the
+    job's noise), round 2 leaves the model unchanged with the key server's sentence, and the
+    job goes on (~35 s, make test-slow). With dp_quorum below 1 the same dropout is allowed
+    (tests/test_keyserver.py)."""
     from senseshield.runtime.fleet import Fleet, FleetOptions
 
     config = Job(strategy="masked-dp", model="linear", clients=3, rounds=2, options=StrategyOptions(sigma=2.0, clip=0.5))
@@ -153,9 +157,6 @@ def test_a_fleet_round_with_a_dropout_is_charged_at_the_noise_its_sum_carried(mo
     with Fleet(config, options) as fleet:
         fleet.start()
         report = fleet.wait(timeout=240)
-    assert [r["participants"] for r in report["rounds"]] == [3, 2]
-    assert any("charged at noise multiplier 1.63, not 2" in n for n in report["rounds"][1]["notes"])
-    expected = Accountant([(2.0, 1.0, 1), (2.0 * math.sqrt(2 / 3), 1.0, 1)]).epsilon(DELTA)
-    assert report["epsilon"] == pytest.approx(expected, rel=1e-9)
-    assert report["epsilon_server"] == pytest.approx(expected, rel=1e-9)
-    assert report["epsilon"] > Accountant([(2.0, 1.0, 2)]).epsilon(DELTA)
+    notes = " ".join(report["rounds"][1]["notes"])
+    assert "model unchanged" in notes and "fewer than the 3 the noise shares" in notes, notes
+    assert report["epsilon"] >= Accountant([(2.0, 1.0, 1)]).epsilon(DELTA)

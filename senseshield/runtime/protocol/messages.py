@@ -510,10 +510,13 @@ class Receipt(Message):
     The round is the frame header's. ``start_digest`` (version 2) is the SHA-256 of the
     float32 model the update was trained from: the key server decrypts a contribution of
     one (key, agent, starting model) in one aggregate only, across jobs (no differencing of
-    re-run jobs)."""
+    re-run jobs). ``shares`` (version 3, distributed DP): the number of contributors the
+    agent sized its noise share for; the key server decrypts no sum of fewer contributors,
+    so every sum it unmasks carries at least the job's noise, whatever the coordinator
+    planned."""
 
     schema_name: ClassVar[str] = "receipt"
-    version: ClassVar[int] = 2
+    version: ClassVar[int] = 3
     sections: ClassVar[dict[str, str]] = {"fingerprint": "bytes"}
     run_id: str
     cluster: int = Field(ge=0)
@@ -523,6 +526,7 @@ class Receipt(Message):
     ciphertext_digest: str = Field(max_length=64)  # SHA-256 of the ciphertext bytes ("" if none)
     fingerprint: bytes = b""  # empty when nothing is encrypted or the scheme is not verifiable
     start_digest: str = Field("", max_length=64)  # SHA-256 of the float32 model trained from
+    shares: int = Field(0, ge=0, le=1 << 20)  # distributed DP: contributors its noise share is sized for (0: none)
 
 
 @message
