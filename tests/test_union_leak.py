@@ -28,7 +28,7 @@ def _attack(k: int) -> tuple[int, int, int]:
     return hits, attacked, chance
 
 
-@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.slow), 2])  # k=1: the papers' rule, make test-slow
 def test_the_union_block_attack_is_at_chance_under_the_k_rule(k):
     hits, attacked, chance = _attack(k)
     assert attacked > 20  # the fleet has single-encryptor positions to attack
