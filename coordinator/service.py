@@ -818,7 +818,8 @@ class Coordinator(Service):
         self._check_receipt(agent_id, item.round, msg)
         cr = self._cluster_round_of(agent_id, item.round, "update")
         if agent_id in cr.updates:
-            if msg.receipt != cr.updates[agent_id].receipt and cr.phase in ("updates", "decrypting"):
+            if (msg.receipt != cr.updates[agent_id].receipt and cr.phase in ("updates", "decrypting")
+                    and self.public is not None and self.public.verifiable):
                 # another update of the same device: kept aside, in case the key server finds
                 # the first one at fault (coordinator.contributions)
                 self.log.warning("round %d: a second, different update from %s kept aside", item.round, agent_id)
@@ -834,7 +835,8 @@ class Coordinator(Service):
         cr.running.add(update)  # a bad update is rejected here and changes nothing
         cr.timings["aggregate_streamed"] = cr.timings.get("aggregate_streamed", 0.0) + time.perf_counter() - t
         cr.updates[agent_id] = self._note(update, item, msg)
-        cr.book.keep(agent_id, update, cr.updates[agent_id])
+        if self.public is not None and self.public.verifiable:  # a fingerprint refusal can be retried without it
+            cr.book.keep(agent_id, update, cr.updates[agent_id])
         self.agent_rounds[agent_id][item.round]["update_received"] = item.received
         self._advance()
 
