@@ -512,7 +512,7 @@ def test_the_broker_refuses_wrong_credentials_anonymous_and_plain_connections(sa
     connects(sandbox.url, ca_file=sandbox.ca, username="agent-b", password=sandbox.password("agent-b"))
 
 
-@pytest.mark.slow  # one more playbook run (35 s on 2 cores, 60+ s on a busy CI box)
+@pytest.mark.slow  # one more playbook run (50-75 s on 2 shared cores)
 def test_a_second_apply_changes_nothing(sandbox):
     began = time.monotonic()
     second = playbook(sandbox.root, *sandbox.packages, port=sandbox.port)
@@ -525,7 +525,7 @@ def test_a_second_apply_changes_nothing(sandbox):
         assert sandbox.password(user) not in second.stdout
 
 
-@pytest.mark.slow  # one more playbook run (~15-30 s on 2 cores)
+@pytest.mark.slow  # one more playbook run (~55 s on 2 shared cores)
 def test_a_rotated_credential_replaces_the_old_one(sandbox):
     old = sandbox.password("agent-b")
     proc = playbook(sandbox.root, "--limit", "sandbox-broker,agent-b", "-e", "senseshield_rotate_credentials=agent-b",
