@@ -254,6 +254,36 @@ def test_sandbox_is_provisioned(sandbox):
             assert secret not in path.read_text(errors="replace"), path
 
 
+IDENTITY_FILES = {  # each host principal's identity key on its host (the roles' defaults)
+    "keyserver": "sandbox-keyserver/var/lib/senseshield/keyserver/identity.key",
+    "coordinator": "sandbox-coordinator/var/lib/senseshield/coordinator/identity/coordinator.key",
+    **{a: f"{a}/var/lib/senseshield/agent/identity/agent.key" for a in AGENTS},
+}
+
+
+def test_each_identity_is_made_on_its_host_and_only_the_operators_stays_on_the_controller(sandbox):
+    root = sandbox.root
+    pki = root / "pki"
+    # the controller holds one secret identity, the operator's (it signs the trust file and jobs)
+    assert sorted(p.name for p in (pki / "identities").glob("*.key")) == ["operator.key"]
+    trust = Trust.load(pki / "trust.json", fleet=FLEET)
+    assert set(trust.principals) == {"operator", *IDENTITY_FILES}
+    operator = Identity.load_or_create("operator", pki / "identities" / "operator.key")
+    assert trust.signer_fingerprint == operator.fingerprint
+    # no file on the controller's side holds a host's secret seed
+    controller_files = [p.read_bytes() for p in pki.rglob("*") if p.is_file()]
+    for name, path in IDENTITY_FILES.items():
+        key = root / path
+        assert key.stat().st_mode & 0o777 == 0o600, key
+        assert key.parent.stat().st_mode & 0o777 == 0o700, key.parent
+        seed = key.read_bytes()
+        assert not any(seed in data for data in controller_files), name
+        host = path.split("/", 1)[0]
+        assert trust.principals[name].sign == Identity.load_or_create(name, key).sign_key, name
+        # every host got the same signed trust file
+        assert (root / host / "etc/senseshield/trust.json").read_bytes() == (pki / "trust.json").read_bytes()
+
+
 def write_job(path: Path, **fields) -> Path:
     path.write_text(json.dumps(fields))  # JSON is YAML
     return path
@@ -482,7 +512,7 @@ def test_the_broker_refuses_wrong_credentials_anonymous_and_plain_connections(sa
     connects(sandbox.url, ca_file=sandbox.ca, username="agent-b", password=sandbox.password("agent-b"))
 
 
-@pytest.mark.slow  # one more playbook run (35 s on 2 cores, 60+ s on a busy CI box)
+@pytest.mark.slow  # one more playbook run (50-75 s on 2 shared cores)
 def test_a_second_apply_changes_nothing(sandbox):
     began = time.monotonic()
     second = playbook(sandbox.root, *sandbox.packages, port=sandbox.port)
@@ -495,7 +525,7 @@ def test_a_second_apply_changes_nothing(sandbox):
         assert sandbox.password(user) not in second.stdout
 
 
-@pytest.mark.slow  # one more playbook run (~15-30 s on 2 cores)
+@pytest.mark.slow  # one more playbook run (~55 s on 2 shared cores)
 def test_a_rotated_credential_replaces_the_old_one(sandbox):
     old = sandbox.password("agent-b")
     proc = playbook(sandbox.root, "--limit", "sandbox-broker,agent-b", "-e", "senseshield_rotate_credentials=agent-b",
