@@ -395,6 +395,7 @@ def test_an_agent_exits_cleanly_on_sigterm(mosquitto, tmp_path):
     watcher.stop()
 
 
+@pytest.mark.slow  # make test-slow: the default suite stays under 8 min on 2 cores
 def test_an_agent_encrypts_at_least_its_own_minimum_whatever_the_budget(mosquitto, tmp_path):
     """Issue 14: c001 (the slow device) joins with --min-he-ratio 0.5; SenseCrypt's planner gives it far less, so
     it raises its own budget (and says so) and encrypts at least half of every update; the

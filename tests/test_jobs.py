@@ -69,6 +69,7 @@ def test_two_jobs_in_a_row_without_restarting_an_agent_and_a_device_that_refuses
     assert agent_log.count("waiting for the next job") == 2
 
 
+@pytest.mark.slow  # make test-slow: the default suite stays under 8 min on 2 cores
 def test_a_device_that_joins_mid_job_takes_part_from_the_next_round(mosquitto, tmp_path):
     """SenseCrypt on two label groups: three devices start the job; the fourth (held with
     SIGSTOP until round 1 is done) joins, is put in the nearest cluster and delivers from

@@ -59,6 +59,7 @@ def _cpu_cgroup() -> tuple[str, Path] | None:
 
 
 @pytest.mark.skipif(_cpu_cgroup() is None, reason="needs root and a writable cpu cgroup controller")
+@pytest.mark.slow  # make test-slow: the default suite stays under 8 min on 2 cores
 def test_a_cpu_quota_lowers_the_measured_encryption_rate_a_busy_neighbour_does_not(tmp_path):
     """The same measurement in three processes: alone, next to two busy-looping processes (a
     neighbour's hog on this 2-core machine), and inside a real 10 % cgroup CPU quota."""

@@ -170,6 +170,7 @@ runs: [plaintext]
 """
 
 
+@pytest.mark.slow  # make test-slow: the default suite stays under 8 min on 2 cores
 def test_a_throttled_agent_is_measurably_slower_and_nothing_is_left_behind(tmp_path: Path) -> None:
     _emulation_or_skip()
     path = tmp_path / "two.yaml"
