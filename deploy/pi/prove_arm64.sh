@@ -23,10 +23,16 @@
 #      dies with SIGILL; cortex-a76: it runs), then deploy/pi/mlp_check.py (64->256->128->10
 #      MLP, forward, cross-entropy, backward, one SGD step, second forward, a 512x512 matmul;
 #      torch.set_num_threads(2)); and mlp_check.py on x86 with $X86_PYTHON;
-#   6. prints the max absolute difference (deploy/pi/compare.py; exits 1 above 1e-5).
+#   6. prints the max absolute difference (deploy/pi/compare.py; exits 1 above 1e-5);
+#   7. with AGENT=1: builds this checkout's wheel on x86, pip-installs it in the same venv
+#      under -cpu cortex-a72 (the aarch64 interpreter evaluates pyproject's torch markers and
+#      resolves the agent's other dependencies from PyPI), prints the venv's size again,
+#      and runs deploy/pi/simulate_check.py (the project's own training: simulate of a
+#      3-client, 2-round MLP job, train_threads 2) under cortex-a72 and on x86.
 #
 # Environment: TORCH (default 2.9.1), CPUS (default "cortex-a72 cortex-a76 cortex-a57"),
-# THREADS (default 2), X86_PYTHON (default .venv/bin/python of this checkout: the x86 reference).
+# THREADS (default 2), AGENT (default 0), X86_PYTHON (default .venv/bin/python of this
+# checkout: the x86 reference).
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -37,6 +43,7 @@ TORCH=${TORCH:-2.9.1}
 CPUS=${CPUS:-"cortex-a72 cortex-a76 cortex-a57"}
 THREADS=${THREADS:-2}
 X86_PYTHON=${X86_PYTHON:-$repo/.venv/bin/python}
+AGENT=${AGENT:-0}
 
 [ "$(id -u)" = 0 ] || { echo "prove_arm64.sh: run as root (chroot, apt-get)" >&2; exit 2; }
 [ "$(uname -m)" = x86_64 ] || { echo "prove_arm64.sh: meant for an x86_64 host" >&2; exit 2; }
@@ -110,3 +117,32 @@ echo "== mlp_check on x86 ($X86_PYTHON)"
 "$X86_PYTHON" "$here/mlp_check.py" "$work/x86.json" "$THREADS"
 echo "== max difference, x86 as reference"
 "$X86_PYTHON" "$here/compare.py" "$work/x86.json" "${results[@]}"
+
+[ "$AGENT" = 1 ] || exit 0
+echo "== the agent: this checkout's wheel, installed under -cpu cortex-a72"
+rm -rf "$work/wheel"
+"$X86_PYTHON" -m pip wheel "$repo" --no-deps --no-build-isolation -q -w "$work/wheel"
+whl=$(cd "$work/wheel" && ls senseshield-*.whl)
+cp "$work/wheel/$whl" "$root/tmp/"
+start=$(date +%s)
+arm cortex-a72 "$venv/bin/python" -m pip install --no-cache-dir --progress-bar off "/tmp/$whl" \
+    | grep -v '^ *\(Downloading\|━\)'
+echo "pip install of the agent took $(($(date +%s) - start)) s under emulation"
+arm cortex-a72 "$venv/bin/python" -m pip list --format=freeze > "$work/pip-list-agent.txt"
+if grep -qi '^nvidia-\|^triton' "$work/pip-list-agent.txt"; then
+    echo "FAIL: nvidia-*/triton wheels in the aarch64 venv" >&2
+    exit 1
+fi
+grep -i '^torch==' "$work/pip-list-agent.txt"
+echo "venv size with the agent: $(du -sm "$root$venv" | cut -f1) MB"
+cp "$here/simulate_check.py" "$root/tmp/"
+arm cortex-a72 "$venv/bin/python" /tmp/simulate_check.py /tmp/sim-arm64.json
+cp "$root/tmp/sim-arm64.json" "$work/"
+"$X86_PYTHON" "$here/simulate_check.py" "$work/sim-x86.json"
+"$X86_PYTHON" - "$work/sim-x86.json" "$work/sim-arm64.json" <<'PY'
+import json, sys
+a, b = (json.load(open(p)) for p in sys.argv[1:])
+d = max(abs(x - y) for x, y in zip(a["model"], b["model"], strict=True))
+print(f"simulate, x86 vs aarch64: final {a['metric']} {a['final']:.4f} vs {b['final']:.4f}, "
+      f"max weight difference {d:.2e}")
+PY
