@@ -116,3 +116,25 @@ def test_regression_fleet_equals_simulator(devices, tmp_path) -> None:
         (tmp_path / "run" / "models").glob("*round-2*.npy")) else None
     if final is not None:
         np.testing.assert_allclose(final, sim.models[0], rtol=0, atol=1e-9)
+
+
+def test_a_multilabel_job_learns_several_labels_per_sample(tmp_path) -> None:
+    """Multi-label (issue 25 item 1): three 0/1 labels per digit (even, at least 5, round: 0,
+    6, 8, 9), binary cross-entropy, reported as label_accuracy and subset_accuracy; the job
+    learns above the majority-label baseline within two rounds."""
+    from sklearn.datasets import load_digits
+
+    x, digit = load_digits(return_X_y=True)
+    x = (x / 16.0).astype(np.float32)
+    y = np.stack([digit % 2 == 0, digit >= 5, np.isin(digit, [0, 6, 8, 9])], axis=1).astype(np.float32)
+    paths = []
+    for i, part in enumerate(np.array_split(np.arange(len(x)), 3)):
+        paths.append(tmp_path / f"device-{i}.npz")
+        np.savez(paths[-1], x=x[part], y=y[part])
+    job = Job(task="multilabel", model="mlp", input_shape=[64], num_classes=3, rounds=2, strategy="plaintext",
+              lr=0.1, local_epochs=2, batch_size=16, seed=3)
+    result = simulate(job, devices=[load_local_data(p, job) for p in paths])
+    assert result.metric_name == "label_accuracy" and result.final_accuracy is None
+    assert {"label_accuracy", "subset_accuracy"} <= set(result.rounds[-1].metrics)
+    majority = float(np.mean(np.maximum(y.mean(0), 1 - y.mean(0))))  # always guessing each label's majority
+    assert result.final_metric > majority + 0.05, (result.final_metric, majority)
