@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from senseshield.job import Job  # noqa: E402
 from senseshield.simulation import run_simulation  # noqa: E402
-from senseshield_checks.union_leak import Seen, others_mean, recover, score  # noqa: E402
+from senseshield_checks.union_leak import Tally  # noqa: E402
 
 SETTINGS = {
     "equal budgets": {},
@@ -36,28 +36,17 @@ SETTINGS = {
 
 
 def one(name: str, extra: dict, k: int, rounds: int, clients: int, partition: str) -> dict:
-    tally = {"recovered": 0, "alone": 0, "encrypted": 0, "chance": 0}
-    sealed: list[float] = []
-
-    def observe(r, cluster, updates, mean, truth):  # noqa: ANN001
-        seen = [Seen(u.client_id, u.n_samples, u.mask, u.plaintext.astype(np.float64)) for u in updates]
-        got = recover(seen, mean)
-        for cid, (hit, n) in score(got, truth).items():
-            tally["recovered"] += hit
-            tally["alone"] += n
-        for cid, (hit, _) in score(others_mean(seen, {c: w for c, (w, _) in got.items()}), truth).items():
-            tally["chance"] += hit
-        tally["encrypted"] += int(sum(int(u.mask.sum()) for u in updates))
+    tally = Tally()
 
     job = Job(strategy="sensecrypt", dataset="digits", model="mlp", clients=clients, rounds=rounds, seed=1,
               partition=partition, options={"min_encryptors": k}, **extra)
-    result = run_simulation(job, noise_seed=1, observe=observe)
+    result = run_simulation(job, noise_seed=1, observe=tally.observe)
     sealed = [rec.sealed_positions for rec in result.rounds]
-    enc = max(1, tally["encrypted"])
+    enc = max(1, tally.encrypted)
     return {"setting": name, "partition": partition, "min_encryptors": k,
-            "alone_share_of_encrypted": tally["alone"] / enc,
-            "recovered_share_of_encrypted": tally["recovered"] / enc,
-            "chance_share_of_encrypted": tally["chance"] / enc,
+            "alone_share_of_encrypted": tally.alone / enc,
+            "recovered_share_of_encrypted": tally.recovered / enc,
+            "chance_share_of_encrypted": tally.chance / enc,
             "sealed_positions_per_round": float(np.mean(sealed)), "accuracy": float(result.final_accuracy)}
 
 

@@ -80,3 +80,24 @@ def score(recovered: dict[str, tuple[np.ndarray, np.ndarray]], truth: dict[str, 
         ok = np.abs(values - actual) <= np.maximum(tolerance * np.abs(actual), floor)
         out[cid] = (int(ok.sum()), int(where.size))
     return out
+
+
+@dataclass
+class Tally:
+    """The attack over many cluster rounds: values attacked (``alone``: encrypted by one agent
+    only), recovered, recovered by the chance baseline, and every encrypted value."""
+
+    recovered: int = 0
+    alone: int = 0
+    chance: int = 0
+    encrypted: int = 0
+
+    def observe(self, r: int, cluster: int, updates, mean: np.ndarray, truth: dict[str, np.ndarray]) -> None:  # noqa: ANN001
+        """One cluster round as ``run_simulation(observe=)`` hands it over: attack and score it."""
+        seen = [Seen(u.client_id, u.n_samples, u.mask, u.plaintext.astype(np.float64)) for u in updates]
+        got = recover(seen, mean)
+        for hit, n in score(got, truth).values():
+            self.recovered += hit
+            self.alone += n
+        self.chance += sum(hit for hit, _ in score(others_mean(seen, {c: w for c, (w, _) in got.items()}), truth).values())
+        self.encrypted += int(sum(int(u.mask.sum()) for u in updates))

@@ -3,29 +3,19 @@ written apart from the engine) against SenseCrypt in the real simulator: under t
 rule (k = 1) it solves every value an agent alone encrypted; under the default k = 2 it does
 no better than guessing the other agents' mean."""
 
-import numpy as np
 import pytest
 
 from senseshield.job import Job
 from senseshield.simulation import run_simulation
-from senseshield_checks.union_leak import Seen, others_mean, recover, score
+from senseshield_checks.union_leak import Tally
 
 
 def _attack(k: int) -> tuple[int, int, int]:
-    hits = attacked = chance = 0
-
-    def observe(r, cluster, updates, mean, truth):  # noqa: ANN001
-        nonlocal hits, attacked, chance
-        seen = [Seen(u.client_id, u.n_samples, u.mask, u.plaintext.astype(np.float64)) for u in updates]
-        got = recover(seen, mean)
-        for h, n in score(got, truth).values():
-            hits, attacked = hits + h, attacked + n
-        chance += sum(h for h, _ in score(others_mean(seen, {c: w for c, (w, _) in got.items()}), truth).values())
-
+    tally = Tally()
     job = Job(strategy="sensecrypt", dataset="digits", model="mlp", clients=4, rounds=1, seed=1, partition="iid",
               cpu=[8.0, 8.0, 8.0, 0.08], bandwidth=[100.0, 100.0, 100.0, 1.0], options={"min_encryptors": k})
-    run_simulation(job, noise_seed=1, observe=observe)
-    return hits, attacked, chance
+    run_simulation(job, noise_seed=1, observe=tally.observe)
+    return tally.recovered, tally.alone, tally.chance
 
 
 @pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.slow), 2])  # k=1: the papers' rule, make test-slow
