@@ -1084,7 +1084,8 @@ class Coordinator(Service):
         """Agent ``agent``'s plan for cluster ``k`` in the current round."""
         assert self.plan is not None
         cr = self.clusters[k]
-        shared = self.plan.fixed_masks.get(k)
+        shared = self.strategy.planned_mask(self.plan, agent, sorted(cr.members), size=self.size,
+                                            block_size=self.block_size)
         return RoundPlan(
             cluster=k,
             encryption_budget=self.plan.budget_of[agent],

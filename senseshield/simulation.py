@@ -205,7 +205,7 @@ def run_simulation(
             }
             for cid, update in local.items():
                 trained[cid] = {f"training_{name}": v for name, v in update.metrics.items()}
-            shared = plan.fixed_masks.get(k)
+            shared = None
             if strategy.negotiates:
                 t = time.perf_counter()
                 sens = [local[c.id].sensitivity for c in members]
@@ -213,8 +213,10 @@ def run_simulation(
                 tally.phases["mask"] += time.perf_counter() - t
             updates: list[ProtectedUpdate] = []
             for client in members:
+                planned = (shared if strategy.negotiates else strategy.planned_mask(
+                    plan, client.id, [c.id for c in members], size=layout.size, block_size=block_size))
                 context = ClientContext(
-                    client.id, r, k, plan.budget_of[client.id], shared, block_size,
+                    client.id, r, k, plan.budget_of[client.id], planned, block_size,
                     participants=len(members), noise_multiplier=sigma_user,
                 )
                 key = (public_key.for_contributor(boxes[client.id].exchange, round_context("simulation", "", r, k))

@@ -23,7 +23,7 @@ def _state() -> RunState:
     mask = np.zeros(SIZE, dtype=bool)
     mask[[1, 4, 7]] = True
     plan = FleetPlan({"a0": 0, "a1": 0, "a2": 1}, {"a0": 0.25, "a1": 0.5, "a2": 1.0}, {0: mask},
-                     {"mode": "calibrated", "rounds": {"3": {"0": "pooled"}}})
+                     {"mode": "calibrated", "rounds": {"3": {"0": "pooled"}}}, {1: np.linspace(0.0, 0.3, SIZE)})
     tally = RoundTally()
     tally.add_work("a0", steps=3, full_steps=5, budget=0.25)
     tally.add_update("a0", {"train": 0.5, "encrypt": 0.25}, 0.25, 1000, {})
@@ -57,6 +57,7 @@ def test_a_saved_state_loads_back_exactly(tmp_path):
     back = store.load("j-1", state.config, SIZE)
     assert back is not None
     assert np.array_equal(back.plan.fixed_masks[0], state.plan.fixed_masks[0]) and list(back.plan.fixed_masks) == [0]
+    assert list(back.plan.rankings) == [1] and np.array_equal(back.plan.rankings[1], state.plan.rankings[1])
     assert (back.plan.cluster_of, back.plan.budget_of, back.plan.budget_notes) == (
         state.plan.cluster_of, state.plan.budget_of, state.plan.budget_notes)
     assert back.hellos == state.hellos and back.metrics == state.metrics

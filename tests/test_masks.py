@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from senseshield.engine.masks import (
+    nested_block_masks,
     DEFAULT_B,
     DEFAULT_C,
     SECURITY_RTOL,
@@ -484,3 +485,32 @@ def test_top_up_mask_adds_the_most_sensitive_whole_blocks_until_the_floor(n, blo
         assert out.sum() - weakest.size < np.ceil(fraction * n - 1e-9)
     if mask.sum() >= fraction * n:
         assert np.array_equal(out, mask)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    values=st.lists(st.floats(0, 10, allow_nan=False), min_size=1, max_size=40),
+    alphas=st.lists(st.floats(0, 1), min_size=1, max_size=6),
+    block=st.integers(1, 4),
+    k=st.integers(1, 3),
+)
+def test_nested_masks_are_prefixes_of_one_ranking_with_k_encryptors(values, alphas, block, k) -> None:
+    """Issue 22: the nested masks of a cluster are prefixes of one ranking (block sums, ties
+    lower index first), each no longer than the solver's count at that budget, the k-1
+    largest capped at the k-th, so every encrypted block has at least k encryptors."""
+    g = np.array(values)
+    masks = nested_block_masks(g, alphas, block_size=block, min_encryptors=k)
+    blocks = block_scores(g, block_size=block)
+    order = sorted(range(blocks.size), key=lambda j: (-blocks[j], j))
+    solved = [int(solve_mask(blocks, alpha=a, eta_mi=None).count) for a in alphas]
+    cap = sorted(solved, reverse=True)[k - 1] if len(solved) >= k else None
+    per_block = []
+    for m, n in zip(masks, solved):
+        assert np.array_equal(m, expand_block_mask(m[::block].copy(), block_size=block, n=g.size))
+        chosen = set(np.flatnonzero(m[::block]).tolist())
+        want = n if cap is None else min(n, cap)
+        assert chosen == set(order[:want])  # the prefix of the one ranking
+        per_block.append(m[::block])
+    encryptors = np.sum(per_block, axis=0)
+    if len(alphas) >= k:
+        assert np.all((encryptors == 0) | (encryptors >= k))  # nothing sealed

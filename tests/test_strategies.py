@@ -84,3 +84,10 @@ def test_unknown_strategy_names_the_choices():
 def test_options_reject_bad_values():
     with pytest.raises(ValueError, match="he_ratio"):
         StrategyOptions(he_ratio=0)
+
+
+def test_masks_option_names_the_bad_value():
+    with pytest.raises(Exception, match="masks='prefix' is not allowed; use one of: solver, nested"):
+        StrategyOptions(masks="prefix")
+    with pytest.raises(Exception, match="masks='nested' with cluster_epsilon=1.0 is not allowed"):
+        StrategyOptions(masks="nested", cluster_epsilon=1.0)

@@ -26,3 +26,14 @@ def test_the_union_block_attack_is_at_chance_under_the_k_rule(k):
         assert hits == attacked  # every one solved
     else:
         assert hits == chance < attacked / 2  # what is left is the guess of the others' mean
+
+
+def test_nested_masks_leave_nothing_to_attack_and_nothing_sealed():
+    """masks=nested: every encrypted block has two encryptors, slow partner included, so the
+    attacker has no single-encryptor value and no position is sealed."""
+    tally = Tally()
+    job = Job(strategy="sensecrypt", dataset="digits", model="mlp", clients=4, rounds=1, seed=1, partition="iid",
+              cpu=[8.0, 8.0, 8.0, 0.08], bandwidth=[100.0, 100.0, 100.0, 1.0], options={"masks": "nested"})
+    result = run_simulation(job, noise_seed=1, observe=tally.observe)
+    assert tally.encrypted > 0 and tally.alone == 0 and tally.recovered == 0
+    assert result.rounds[0].sealed_positions == 0

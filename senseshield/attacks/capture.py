@@ -291,13 +291,15 @@ def _train_round(
             )
             for c in members
         }
-    shared = plan.fixed_masks.get(cluster)
+    shared = None
     if strategy.negotiates:
         shared = negotiate(strategy, [local[c.id].sensitivity for c in members], size=start.size, block_size=1)
     total = np.zeros_like(start)
     weight = np.zeros_like(start)
     for c in members:
-        context = ClientContext(c.id, r, cluster, plan.budget_of[c.id], shared, 1, participants=len(members))
+        planned = shared if strategy.negotiates else strategy.planned_mask(
+            plan, c.id, [m.id for m in members], size=start.size, block_size=1)
+        context = ClientContext(c.id, r, cluster, plan.budget_of[c.id], planned, 1, participants=len(members))
         choice = strategy.select_mask(context, sensitivity=local[c.id].sensitivity, weights=local[c.id].weights)
         sent, _ = strategy.privatise(
             context, local[c.id].delta, choice, sensitivity=local[c.id].sensitivity,
@@ -455,9 +457,10 @@ def _capture(
             else targets
         )
         local = {i: _local_step(fleet, i, batch_size, trial, local_steps) for i in members}
-        shared = plan.fixed_masks.get(k)
+        shared = None
         if strategy.negotiates:
             shared = negotiate(strategy, [local[i][5] for i in members], size=fleet.num_params, block_size=1)
+        cluster_ids = [c.id for c in fleet.clients if plan.cluster_of[c.id] == k]
         for v in targets:
             idx, x, y, weights, delta, sensitivity = local[v]
             budget = fleet.budget_of(v)
@@ -465,8 +468,10 @@ def _capture(
             if v in unprotected:
                 mask, info = np.zeros(delta.size, dtype=bool), {"unprotected": True}
             else:
+                planned = shared if strategy.negotiates else strategy.planned_mask(
+                    plan, fleet.clients[v].id, cluster_ids, size=fleet.num_params, block_size=1)
                 context = ClientContext(
-                    fleet.clients[v].id, spec.round, k, budget, shared, 1, participants=len(members)
+                    fleet.clients[v].id, spec.round, k, budget, planned, 1, participants=len(members)
                 )
                 if order is not None:  # a fixed-order mask in place of the strategy's own
                     rng = np.random.default_rng([spec.seed, spec.round, trial, v, 17])

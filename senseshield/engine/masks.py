@@ -101,6 +101,7 @@ __all__ = [
     "block_scores",
     "budget_count",
     "expand_block_mask",
+    "nested_block_masks",
     "required_security",
     "scalarised_objective",
     "security_met",
@@ -770,6 +771,47 @@ def solve_block_mask(
         feasible=not violations,
         violations=violations,
     )
+
+
+def nested_block_masks(
+    scores: np.ndarray,
+    alphas: "list[float] | tuple[float, ...]",
+    *,
+    block_size: int,
+    min_encryptors: int = 2,
+    c: float = DEFAULT_C,
+    b: float = DEFAULT_B,
+) -> list[np.ndarray]:
+    """Nested masks of one cluster (issue 22): every member encrypts a prefix of the same
+    ranking, so every encrypted block has at least ``min_encryptors`` encryptors.
+
+    ``scores`` is the cluster's agreed sensitivity (one value per position, >= 0), ``alphas``
+    the members' budgets. Member ``i`` encrypts the ``n_i`` most sensitive blocks of that one
+    ranking (block sums, ties lower index first: the canonical order of :func:`solve_mask`),
+    with ``n_i`` the count :func:`solve_block_mask` picks on ``scores`` at ``alphas[i]`` (eqs.
+    4-7; eq. 8 needs a member's own weights and is left out). Prefixes of one order are
+    nested, so block ``j`` has as many encryptors as there are members with ``n_i > rank(j)``;
+    the ``min_encryptors - 1`` largest counts are capped at the ``min_encryptors``-th largest,
+    so no block is encrypted by fewer (none is sealed, no encryption is wasted). With fewer
+    members than ``min_encryptors`` the counts stay as solved (every encrypted block is then
+    sealed by the k rule). Returns one per-position mask per member, in ``alphas`` order.
+    """
+    k = _positive_int("min_encryptors", min_encryptors)
+    size = _positive_int("block_size", block_size)
+    g = _score_vector("scores", scores, non_negative=True)
+    per_block = block_scores(g, block_size=size)
+    counts = [
+        int(solve_mask(per_block, alpha=a, c=c, b=b, eta_mi=None, unit="blocks").count) for a in alphas
+    ]
+    if len(counts) >= k:
+        cap = sorted(counts, reverse=True)[k - 1]
+        counts = [min(n, cap) for n in counts]
+    selector = _Selector(per_block) if per_block.size else None
+    out = []
+    for n in counts:
+        blocks = selector.top_k(n) if selector is not None else np.zeros(0, dtype=bool)
+        out.append(expand_block_mask(np.asarray(blocks, dtype=bool), block_size=size, n=g.size))
+    return out
 
 
 def top_fraction_block_mask(scores: np.ndarray, *, ratio: float, block_size: int) -> np.ndarray:

@@ -36,6 +36,7 @@ from senseshield.registry import Registry
 
 
 BUDGET_MODES = ("measured", "paper", "calibrated")
+MASK_MODES = ("solver", "nested")
 
 
 class StrategyOptions(BaseModel):
@@ -81,6 +82,16 @@ class StrategyOptions(BaseModel):
             "Paillier) a position fewer than k clients of the cluster encrypted is never "
             "decrypted; its mean comes from the clients that sent it in plaintext. 1 = the "
             "papers' rule (a single encryptor's value is decrypted)."
+        ),
+    )
+    masks: str = Field(
+        "solver",
+        description=(
+            "SenseCrypt's per-client masks: 'solver' (each client solves eqs. 4-8 on its own "
+            "sensitivity every round) or 'nested' (issue 22: the cluster ranks blocks once by its "
+            "members' mean bootstrap sensitivity and each member encrypts the prefix of that one "
+            "ranking the solver picks at its budget, the largest min_encryptors-1 prefixes capped "
+            "at the next, so every encrypted block has at least min_encryptors encryptors)."
         ),
     )
     straggle_limit: float | None = Field(
@@ -192,6 +203,13 @@ class StrategyOptions(BaseModel):
             )
         return value
 
+    @field_validator("masks")
+    @classmethod
+    def _masks(cls, value: str) -> str:
+        if value not in MASK_MODES:
+            raise ConfigError(f"masks={value!r} is not allowed; use one of: {', '.join(MASK_MODES)}.")
+        return value
+
     @field_validator("budget_skew")
     @classmethod
     def _skew(cls, value: float) -> float:
@@ -202,6 +220,12 @@ class StrategyOptions(BaseModel):
     @model_validator(mode="after")
     def _ratio(self) -> "StrategyOptions":
         parse_ratio(self.rho_syn, self.rho_tot)
+        if self.masks == "nested" and self.cluster_epsilon is not None:
+            raise ConfigError(
+                f"masks='nested' with cluster_epsilon={self.cluster_epsilon!r} is not allowed; nested masks "
+                "rank blocks by the members' full bootstrap sensitivity, which the DP sketches do not carry "
+                "(unset cluster_epsilon or use masks='solver')."
+            )
         return self
 
 
@@ -370,6 +394,8 @@ class FleetPlan:
     budget_of: dict[str, float]
     fixed_masks: dict[int, np.ndarray] = field(default_factory=dict)
     budget_notes: dict[str, Any] = field(default_factory=dict)  # how budgets were chosen (reports)
+    # per cluster, the agreed sensitivity (one value per position) its nested masks rank
+    rankings: dict[int, np.ndarray] = field(default_factory=dict)
 
     @property
     def clusters(self) -> list[int]:
@@ -475,7 +501,7 @@ class Strategy(ABC):
         budget_notes = dict(plan.budget_notes)
         if notes:
             budget_notes.setdefault("admissions", {})[newcomer.client_id] = notes
-        return FleetPlan(cluster_of, budgets, plan.fixed_masks, budget_notes)
+        return FleetPlan(cluster_of, budgets, plan.fixed_masks, budget_notes, plan.rankings)
 
     def rebudget(
         self,
@@ -497,6 +523,13 @@ class Strategy(ABC):
         self, proposals: Sequence[np.ndarray], *, size: int, block_size: int = 1
     ) -> np.ndarray:
         raise TypeError(f"Strategy {self.name!r} does not negotiate masks (negotiates = False).")
+
+    def planned_mask(
+        self, plan: FleetPlan, client_id: str, members: Sequence[str], *, size: int, block_size: int = 1
+    ) -> np.ndarray | None:
+        """The mask the coordinator hands ``client_id`` in its round plan (``members``: the
+        round's participants of its cluster), or None. Default: the cluster's fixed mask."""
+        return plan.fixed_masks.get(plan.cluster_of[client_id])
 
     def encryption_floor(self, budget: float, *, size: int, block_size: int = 1) -> float:
         """The least fraction of the parameters a genuine update of a device with encryption

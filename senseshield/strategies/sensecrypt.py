@@ -29,7 +29,7 @@ import numpy as np
 
 from senseshield.engine.clustering import cluster_clients
 from senseshield.engine.dp import relative_noise
-from senseshield.engine.masks import solve_block_mask
+from senseshield.engine.masks import nested_block_masks, solve_block_mask
 from senseshield.strategies.base import (
     STRATEGIES,
     BootstrapReport,
@@ -61,7 +61,31 @@ class SenseCrypt(Strategy):
         labels = cluster_clients(vectors)
         cluster_of = {r.client_id: int(k) for r, k in zip(reports, labels)}
         budgets, notes = self.budgets_for(reports, cluster_of, size=size, block_size=block_size)
-        return FleetPlan(cluster_of, budgets, budget_notes={"mode": self.options.budget_mode, "clusters": notes})
+        plan = FleetPlan(cluster_of, budgets, budget_notes={"mode": self.options.budget_mode, "clusters": notes})
+        if self.options.masks == "nested":
+            for k in plan.clusters:  # the cluster's one ranking: its members' mean sensitivity
+                rows = [r.sensitivity for r in reports if cluster_of[r.client_id] == k and r.sensitivity is not None]
+                plan.rankings[k] = np.abs(np.mean(rows, axis=0)) if rows else np.zeros(size)
+        return plan
+
+    def planned_mask(self, plan, client_id, members, *, size, block_size=1):  # type: ignore[no-untyped-def]
+        """Nested masks (``masks='nested'``): ``client_id``'s prefix of its cluster's ranking,
+        capped among the round's ``members`` (:func:`~senseshield.engine.masks.nested_block_masks`)."""
+        if self.options.masks != "nested":
+            return super().planned_mask(plan, client_id, members, size=size, block_size=block_size)
+        k = plan.cluster_of[client_id]
+        ids = sorted(set(members) | {client_id})
+        alphas = tuple(plan.budget_of[a] for a in ids)
+        key = (k, tuple(ids), alphas, block_size)
+        cache = self.__dict__.setdefault("_nested", {})
+        if key not in cache:
+            o = self.options
+            cache.clear()  # one round's cluster at a time
+            ranking = plan.rankings.get(k, np.zeros(size))
+            cache[key] = dict(zip(ids, nested_block_masks(
+                ranking, alphas, block_size=block_size, min_encryptors=o.min_encryptors,
+                c=o.security_c, b=o.security_b)))
+        return cache[key][client_id]
 
     def budgets_for(
         self, reports: Sequence[BootstrapReport], cluster_of: dict[str, int], *, size: int, block_size: int = 1
@@ -140,6 +164,9 @@ class SenseCrypt(Strategy):
         self, context: ClientContext, *, sensitivity: np.ndarray, weights: np.ndarray
     ) -> MaskChoice:
         o = self.options
+        if o.masks == "nested":
+            assert context.shared_mask is not None, "nested masks come with the round plan"
+            return MaskChoice(context.shared_mask.copy(), {"nested": True})
         solution = solve_block_mask(
             sensitivity,
             block_size=context.block_size,
