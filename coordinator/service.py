@@ -29,6 +29,7 @@ import numpy as np
 from senseshield.engine.aggregation import StreamingAggregate, aggregate_sealed
 from senseshield.errors import ConfigError, ProtocolError
 from senseshield.he import SCHEMES, PublicKey
+from senseshield.he.base import job_key
 from senseshield.runtime.protocol.envelope import DEFAULT_MAX_FRAME_BYTES
 from senseshield.runtime.protocol.messages import (
     Decline,
@@ -842,7 +843,8 @@ class Coordinator(Service):
 
     def _new_aggregate(self, k: int, r: int) -> StreamingAggregate:
         """Cluster ``k``'s running aggregate of round ``r`` (the job's k-encryptors rule)."""
-        return StreamingAggregate(self.public, size=self.size, round=r, cluster=k,
+        return StreamingAggregate(job_key(self.public, per_client_masks=self.strategy.per_client_masks),
+                                  size=self.size, round=r, cluster=k,
                                   min_encryptors=self.config.options.min_encryptors)
 
     @staticmethod

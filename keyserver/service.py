@@ -41,7 +41,7 @@ from senseshield import defaults
 from senseshield.engine.aggregation import decrypt_aggregate, thin_positions, thin_report
 from senseshield.errors import ConfigError, ProtocolError
 from senseshield.he import SCHEMES, PublicKey, SecretKey
-from senseshield.he.base import round_context
+from senseshield.he.base import job_key, round_context
 from senseshield.he.fingerprint import SEED_BYTES
 from senseshield.he.packed import STRUCTURES
 from senseshield.development import development_mode
@@ -214,7 +214,7 @@ class KeyServer(Service):
             raise ProtocolError(f"fleet/config from {item.sender!r}; only the coordinator may set it.")
         if msg.run_id == self.run_id:
             return
-        config, _, scheme = announced_run(msg.config)  # checked before anything changes
+        config, strategy, scheme = announced_run(msg.config)  # checked before anything changes
         if self._refuse_unsigned(msg):
             return
         self.run_id, self.config, self.initial = msg.run_id, config, msg.initial.copy()
@@ -227,7 +227,8 @@ class KeyServer(Service):
             announcement = PublicKeyAnnouncement(scheme="", key_id=NO_KEY_ID, key=b"", run_id=msg.run_id)
         else:
             self.secret = load_or_generate(self.key_dir, scheme, config.key_bits, self.key_structure)
-            self.public = self.secret.public_key
+            # per-client masks (sensecrypt) on the masked scheme: its key aggregates ragged masks
+            self.public = job_key(self.secret.public_key, per_client_masks=strategy.per_client_masks)
             announcement = PublicKeyAnnouncement(scheme=scheme, key_id=self.public.key_id, key=self.public.to_bytes(),
                                                  run_id=msg.run_id)
         self._restore()
@@ -301,8 +302,10 @@ class KeyServer(Service):
         self.reserved.setdefault(r, {}).update({a: k for a in distinct})
         run_id, secret, threads = self.run_id, self.secret, self.threads
         if aggregate.ciphertext is not None and self.public.needs_contributors:  # masked: remove exactly their pads
+            masks = msg.contributor_masks() if self.public.ragged_masks else {}  # checked against the receipts
             secret.bind_contributions(aggregate.ciphertext, [(self.boxes[r][a], weights[a]) for a in distinct],
-                                      round_context(self.fleet, self.run_id, r, k))
+                                      round_context(self.fleet, self.run_id, r, k),
+                                      masks=[masks[a] for a in distinct] if masks else None)
 
         def decrypt() -> tuple[np.ndarray, float]:  # a worker thread: pure computation
             t = time.perf_counter()
@@ -508,8 +511,9 @@ class KeyServer(Service):
             if other:
                 return (f"the receipts of {other} sign another mask than the aggregate's; a shared-mask "
                         "scheme's contributors all encrypt the same positions"), {}
+        if ciphertext is not None and self.public is not None and self.public.needs_contributors:
             unknown = sorted(a for a in names if a not in self.boxes.get(r, {}))
-            if unknown and self.public.needs_contributors:
+            if unknown:
                 return f"no box key for {unknown} in round {r}; their contributions cannot be unmasked", {}
         if ciphertext is not None and self.public is not None and self.public.ragged_masks:
             refusal = self._check_encryptors(r, k, msg, aggregate, receipts)
@@ -541,9 +545,11 @@ class KeyServer(Service):
         positions fewer than k encrypted stay sealed (``aggregate.thin_mask``), and an
         aggregate that does not leave exactly those to its plaintext senders is refused."""
         need = max(self.min_encryptors, self.config.options.min_encryptors if self.config is not None else 1)
-        if need <= 1:
+        if need <= 1 and not self.public.needs_contributors:  # masked: the masks say whose pads go where
             return None
         masks = msg.contributor_masks()
+        if not masks and need <= 1:
+            return "the aggregate carries no contributor masks; per-client masked pads are removed where each mask says"
         if not masks:
             return (f"the aggregate carries no contributor masks; this key server decrypts no position fewer than "
                     f"{need} agents encrypted (--min-encryptors {self.min_encryptors}) and counts them from the masks")

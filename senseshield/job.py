@@ -314,7 +314,7 @@ def effective_scheme(config: Job, strategy: Strategy) -> str | None:
     if strategy.scheme is None:
         return None
     scheme = config.scheme or strategy.scheme
-    if strategy.per_client_masks and not SCHEMES.get(scheme).ragged_masks:
+    if strategy.per_client_masks and not (SCHEMES.get(scheme).ragged_masks or SCHEMES.get(scheme).ragged_capable):
         raise ConfigError(
             f"Scheme {scheme!r} needs every client to encrypt the same positions, but strategy "
             f"{strategy.name!r} gives each client its own mask; use a Paillier scheme."

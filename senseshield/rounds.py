@@ -319,7 +319,7 @@ def protect_local(
     """
     t = time.perf_counter()
     choice = strategy.select_mask(context, sensitivity=local.sensitivity, weights=local.weights)
-    if (min_encrypted > 0 and public_key is not None and public_key.ragged_masks
+    if (min_encrypted > 0 and public_key is not None and public_key.for_masks(strategy.per_client_masks).ragged_masks
             and choice.mask.mean() < min_encrypted):
         before = float(choice.mask.mean())
         choice.mask = top_up_mask(choice.mask, local.sensitivity, fraction=min_encrypted,

@@ -49,7 +49,7 @@ from senseshield.rounds import (
     protect_local,
 )
 from senseshield.device_noise import SECRET, DeviceNoise
-from senseshield.he.base import round_context
+from senseshield.he.base import job_key, round_context
 from senseshield.runtime.identity import Identity
 from senseshield.strategies import BootstrapReport, ClientContext, FleetPlan, Strategy, build_strategy
 from senseshield.training import evaluate_model, layout_of, set_vector
@@ -139,6 +139,7 @@ def run_simulation(
     layout = layout_of(model)
     scheme = effective_scheme(config, strategy)
     public_key, secret_key = key_pair(scheme, config.key_bits)
+    public_key = job_key(public_key, per_client_masks=strategy.per_client_masks)  # masked: ragged for sensecrypt
 
     reports = bootstrap_reports(config, strategy, clients, model, initial, progress, noise=noise)
     # each client's box key, as a device's identity holds it (the masked scheme's pads)
@@ -239,7 +240,8 @@ def run_simulation(
                 weights = {u.client_id: u.n_samples for u in updates}
                 secret_key.bind_contributions(
                     aggregate.ciphertext, [(boxes[c].box_key, weights[c]) for c in aggregate.contributors],
-                    round_context("simulation", "", r, k))
+                    round_context("simulation", "", r, k),
+                    masks=[aggregate.masks[c] for c in aggregate.contributors] if aggregate.masks else None)
             mean = decrypt_aggregate(aggregate, secret_key)
             cohorts.append((len(members), len(aggregate.contributors)))
             tally.phases["decrypt"] += time.perf_counter() - t

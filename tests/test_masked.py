@@ -167,3 +167,36 @@ def test_the_key_server_and_the_agent_derive_the_same_pads_and_nobody_else_does(
     with pytest.raises(Exception, match="include_secret=True"):
         SECRET.to_bytes()
     assert SCHEMES.get("masked").secret_key_from_bytes(SECRET.to_bytes(include_secret=True)).public_key.key_id == PUBLIC.key_id
+
+
+@given(data=st.data(), n=st.integers(1, 30), agents=st.integers(1, 5), k=st.integers(1, 3))
+@settings(max_examples=60, deadline=None)
+def test_ragged_masks_with_the_k_rule_match_brute_force(data, n, agents, k):
+    """SenseCrypt over `masked` (issue 22): each agent masks its own positions and sends the
+    rest in plaintext; the coordinator's ragged sum, unmasked by the key server where at
+    least k agents masked, gives per position the weighted mean of every sender; where 1..k-1
+    masked, the plaintext senders' mean alone (0 if none): brute force, value by value."""
+    from senseshield.engine.aggregation import aggregate_updates, decrypt_aggregate, protect_update
+
+    key = PUBLIC.for_masks(True)
+    assert key.ragged_masks and not PUBLIC.ragged_masks
+    masks = [np.array(data.draw(st.lists(st.booleans(), min_size=n, max_size=n))) for _ in range(agents)]
+    xs = [np.array(data.draw(st.lists(st.floats(-100, 100, allow_nan=False), min_size=n, max_size=n)))
+          for _ in range(agents)]
+    weights = data.draw(st.lists(st.integers(1, 5000), min_size=agents, max_size=agents))
+    updates = [protect_update(xs[i], masks[i], key.for_contributor(AGENTS[i].exchange, CONTEXT), client_id=f"c{i}",
+                              round=3, cluster=0, n_samples=weights[i]) for i in range(agents)]
+    aggregate = aggregate_updates(updates, key, round=3, cluster=0, min_encryptors=k, streaming=data.draw(st.booleans()))
+    if aggregate.ciphertext is not None:
+        SECRET.bind_contributions(aggregate.ciphertext, [(AGENTS[i].box_key, weights[i]) for i in range(agents)],
+                                  CONTEXT, masks=[aggregate.masks[f"c{i}"] for i in range(agents)])
+    got = decrypt_aggregate(aggregate, SECRET)
+    for j in range(n):
+        maskers = [i for i in range(agents) if masks[i][j]]
+        plain = [i for i in range(agents) if not masks[i][j]]
+        senders = plain if 0 < len(maskers) < k else range(agents)
+        value = lambda i: (float(decode(encode(np.array([xs[i][j]])))[0]) if masks[i][j]  # noqa: E731
+                           else float(np.float32(xs[i][j])))
+        den = sum(weights[i] for i in senders)
+        want = sum(weights[i] * value(i) for i in senders) / den if den else 0.0
+        assert got[j] == pytest.approx(want, abs=1e-6), (j, maskers, k)

@@ -134,6 +134,9 @@ class PublicKey(ABC):
 
     scheme: ClassVar[str]
     ragged_masks: ClassVar[bool]
+    ragged_capable: ClassVar[bool] = False
+    """A shared-mask scheme that also aggregates per-client masks when the job's strategy gives
+    them (the masked scheme; :meth:`for_masks`)."""
     block_size: int = 1
     needs_contributors: ClassVar[bool] = False
     """Decryption needs the contributors' box keys and weights (:meth:`SecretKey.bind_contributions`):
@@ -199,6 +202,19 @@ class PublicKey(ABC):
         (``ragged_masks``) implement it; the others never need it."""
         raise ProtocolError(f"The {self.scheme} scheme cannot decrypt part of an aggregate.")
 
+    def for_masks(self, per_client: bool) -> "PublicKey":
+        """This key as a job uses it: with ``per_client`` masks (the strategy gives each client
+        its own) a ``ragged_capable`` scheme's key with ``ragged_masks = True`` (a copy), so
+        aggregation, the k rule and the key server treat its masks as per client; otherwise
+        the key itself."""
+        if not per_client or self.ragged_masks or not self.ragged_capable:
+            return self
+        import copy
+
+        ragged = copy.copy(self)
+        ragged.ragged_masks = True  # type: ignore[misc]
+        return ragged
+
     def for_contributor(self, exchange: Callable[[bytes], bytes], context: bytes) -> "PublicKey":
         """This key as one contributor encrypts with it in ``context`` (fleet/run/round/cluster).
         ``exchange``: X25519 with the contributor's own box key. Public-key schemes need
@@ -251,11 +267,12 @@ class SecretKey(ABC):
         (``threads``: decryption threads, where the scheme can use them)."""
 
     def bind_contributions(self, vector: EncryptedVector, contributions: Sequence[tuple[bytes, int]],
-                           context: bytes) -> None:
+                           context: bytes, masks: Sequence[np.ndarray] | None = None) -> None:
         """Name the verified contributors of aggregate ``vector`` before :meth:`decrypt`:
-        (box key, weight) each, from their signed receipts, and the context of the round.
+        (box key, weight) each, from their signed receipts, and the context of the round;
+        ``masks``: with per-client masks, each one's signed mask (np.packbits), in the same order.
         Public-key schemes decrypt without them (no-op); the masked scheme removes exactly
-        these contributors' pads."""
+        these contributors' pads (each only where it masked)."""
 
     def verify_aggregate(self, aggregate: EncryptedVector, seed: bytes,
                          contributions: Sequence[tuple[bytes, int]], plain: bytes) -> bool:
@@ -292,6 +309,7 @@ class Scheme(ABC):
 
     name: ClassVar[str]
     ragged_masks: ClassVar[bool]
+    ragged_capable: ClassVar[bool] = False  # per-client masks when the strategy asks (PublicKey.for_masks)
     description: ClassVar[str]
     defaults: ClassVar[dict[str, Any]] = {}  # generate() parameters and their defaults
     # decryption returns exactly what was encrypted (up to the fixed-point encoding); False
@@ -318,6 +336,11 @@ class Scheme(ABC):
 
 
 SCHEMES: Registry[type[Scheme]] = Registry("HE scheme", group="senseshield.schemes")
+
+
+def job_key(public_key: PublicKey | None, *, per_client_masks: bool) -> PublicKey | None:
+    """:meth:`PublicKey.for_masks` of a job's key (None: the job encrypts nothing)."""
+    return None if public_key is None else public_key.for_masks(per_client_masks)
 
 
 def ephemeral_exchange(peer_box: bytes) -> bytes:

@@ -60,7 +60,13 @@ multiples of ``2^(v)`` and is caught by the range check at unmasking (then refus
 
 Masks: ``ragged_masks = False``: every contributor masks the same positions (the key server
 removes each contributor's pad over the aggregate's positions and checks that each
-receipt signs that mask).
+receipt signs that mask). ``ragged_capable``: a job whose strategy gives each client its own
+mask (SenseCrypt) uses the key with ``ragged_masks = True`` (:meth:`PublicKey.for_masks`):
+each contributor masks its own positions, the coordinator sums, per union position, the
+words of the contributors that masked it and folds in the others' plaintext, and the key
+server removes each contributor's pads only at the positions its signed mask names
+(``bind_contributions(..., masks=)``); positions fewer than ``min_encryptors`` masked stay
+sealed (:meth:`select` takes the rest), as with packed Paillier.
 """
 
 from __future__ import annotations
@@ -88,6 +94,7 @@ from senseshield.he.base import (
     check_public_fields,
     check_values,
     check_weight,
+    select_units,
     short_hash,
 )
 
@@ -183,6 +190,7 @@ class MaskedPublicKey(PublicKey):
 
     scheme = SCHEME
     ragged_masks = False
+    ragged_capable = True
     needs_contributors = True
     block_size = 1
 
@@ -200,7 +208,9 @@ class MaskedPublicKey(PublicKey):
     def for_contributor(self, exchange: Exchange, context: bytes) -> "MaskedPublicKey":
         """This key bound to one contributor in one context: its :meth:`encrypt` masks with
         the pads only that contributor and the key server can compute."""
-        return MaskedPublicKey(self.box, pad=pad_key(exchange(self.box), context))
+        bound = MaskedPublicKey(self.box, pad=pad_key(exchange(self.box), context))
+        bound.ragged_masks = self.ragged_masks
+        return bound
 
     def encrypt(self, values: np.ndarray, positions: np.ndarray) -> EncryptedVector:
         if self._pad is None:
@@ -222,6 +232,21 @@ class MaskedPublicKey(PublicKey):
 
     def accumulator(self, size: int) -> "MaskedAccumulator":
         return MaskedAccumulator(self, size)
+
+    def select(self, vector: EncryptedVector, positions: np.ndarray) -> EncryptedVector | None:
+        """The aggregate at ``positions`` (ragged masks: the positions that are not sealed),
+        with its plaintext fold and the contributors bound to it."""
+        self.check(vector)
+        if len(positions) == 0:
+            return None
+        rows, _ = select_units(vector, positions, np.asarray(vector.positions, dtype=np.int64), 1)
+        positions = np.asarray(positions, dtype=np.int64).copy()
+        out = EncryptedVector(SCHEME, self._key_id, positions, np.asarray(vector.payload, dtype=np.uint64)[rows],
+                              self._nbytes(positions))
+        out.meta = {k: v for k, v in vector.meta.items() if k != "plain"}
+        if "plain" in vector.meta:
+            out.meta["plain"] = np.asarray(vector.meta["plain"], dtype=np.uint64)[rows]
+        return out
 
     # -- verification (see "Fingerprints" above) -------------------------------------
     verifiable = True
@@ -314,7 +339,11 @@ class MaskedPublicKey(PublicKey):
 
 
 class MaskedAccumulator(Accumulator):
-    """Running ``Σ w · y`` modulo 2^64 (exact: the order of arrival does not matter)."""
+    """Running ``Σ w · y`` modulo 2^64 (exact: the order of arrival does not matter).
+
+    Shared masks (``ragged_masks = False``): every part masks the aggregate's positions, a
+    part that does not is refused. Ragged masks: each part adds its words at its own
+    positions (one running word per model position) and the union is the aggregate."""
 
     def __init__(self, public_key: MaskedPublicKey, size: int) -> None:
         self.public_key = public_key
@@ -322,6 +351,8 @@ class MaskedAccumulator(Accumulator):
         self.positions: np.ndarray | None = None
         self.plain: list[tuple[np.ndarray, np.ndarray, int]] = []
         self.count = 0
+        self.ragged = bool(public_key.ragged_masks)
+        self.covered = np.zeros(0, dtype=bool)  # ragged: positions some part masked
 
     def add(self, part: CipherPart | PlainPart, key: str = "") -> None:
         index = self.count
@@ -335,6 +366,15 @@ class MaskedAccumulator(Accumulator):
             words = np.asarray(part.vector.payload, dtype=np.uint64)
             if words.shape != positions.shape:
                 raise ProtocolError(f"Part {index} has {words.size} words for {positions.size} positions.")
+            if self.ragged:
+                need = int(positions[-1]) + 1 if positions.size else 0
+                if need > self.total.size:
+                    self.total = np.concatenate([self.total, np.zeros(need - self.total.size, dtype=np.uint64)])
+                    self.covered = np.concatenate([self.covered, np.zeros(need - self.covered.size, dtype=bool)])
+                self.total[positions] += words * np.uint64(weight)  # modulo 2^64
+                self.covered[positions] = True
+                self.count += 1
+                return
             if self.positions is None:
                 self.positions, self.total = positions.copy(), np.zeros(positions.size, dtype=np.uint64)
             self.total += words * np.uint64(weight)  # modulo 2^64
@@ -346,6 +386,10 @@ class MaskedAccumulator(Accumulator):
 
     def result(self, positions: np.ndarray) -> EncryptedVector:
         positions = np.asarray(positions, dtype=np.int64)
+        if self.ragged:
+            if not np.array_equal(np.flatnonzero(self.covered), positions):
+                raise ProtocolError("A masked aggregate's positions must be exactly the union of its contributors' masks.")
+            self.positions, self.total = positions, self.total[positions]
         if self.positions is None or not np.array_equal(self.positions, positions):
             raise ProtocolError("A masked aggregate's positions must be exactly those its contributors masked.")
         fold = np.zeros(positions.size, dtype=np.uint64)
@@ -379,11 +423,16 @@ class MaskedSecretKey(SecretKey):
         return pad_key(self._private.exchange(X25519PublicKey.from_public_bytes(contributor_box)), context)
 
     def bind_contributions(self, vector: EncryptedVector, contributions: Sequence[tuple[bytes, int]],
-                           context: bytes) -> None:
+                           context: bytes, masks: Sequence[np.ndarray] | None = None) -> None:
         """Name the contributors of aggregate ``vector``: (box key, weight) from their signed
-        receipts, and the context their pads were made in; :meth:`decrypt` removes exactly these."""
+        receipts, and the context their pads were made in; :meth:`decrypt` removes exactly these.
+        ``masks`` (ragged masks): each contributor's signed mask (np.packbits over the model),
+        in the order of ``contributions``; its pads are removed only where it masked."""
+        if masks is not None and len(masks) != len(contributions):
+            raise ProtocolError(f"{len(masks)} masks for {len(contributions)} contributions.")
         vector.meta["contributions"] = [(bytes(box), int(w)) for box, w in contributions]
         vector.meta["context"] = bytes(context)
+        vector.meta["masks"] = None if masks is None else [np.asarray(m, dtype=np.uint8) for m in masks]
 
     def decrypt(self, vector: EncryptedVector, *, threads: int = 1) -> np.ndarray:
         self._public.check(vector)
@@ -396,12 +445,19 @@ class MaskedSecretKey(SecretKey):
             raise ProtocolError(f"The aggregate weighs {total_weight} samples; the masked encoding's head-room "
                                 f"allows fewer than {MAX_TOTAL_WEIGHT}.")
         words = np.asarray(vector.payload, dtype=np.uint64).copy()
-        for box, weight in contributions:
-            pad = pads(self.contributor_pad_key(box, vector.meta["context"]), vector.positions)
+        masks = vector.meta.get("masks")
+        for i, (box, weight) in enumerate(contributions):
+            rows = slice(None)
+            if masks is not None:  # ragged: this contributor's pads only where it masked
+                bits = np.unpackbits(masks[i])
+                if vector.positions.size and int(vector.positions[-1]) >= bits.size:
+                    raise ProtocolError("A contributor's mask is shorter than the aggregate.")
+                rows = np.flatnonzero(bits[vector.positions])
+            pad = pads(self.contributor_pad_key(box, vector.meta["context"]), vector.positions[rows])
             if weight == 1:
-                words -= pad
+                words[rows] -= pad
             else:
-                words -= pad * np.uint64(weight)
+                words[rows] -= pad * np.uint64(weight)
         signed = words.view(np.int64)
         # a genuine sum is below Σw · 2^12 · 2^24 in magnitude; a leftover pad is uniform on 2^64
         limit = float(total_weight) * VALUE_LIMIT * SCALE
@@ -424,9 +480,11 @@ class MaskedSecretKey(SecretKey):
 class MaskedScheme(Scheme):
     name = SCHEME
     ragged_masks = False
+    ragged_capable = True  # per-client masks when the job's strategy gives them (PublicKey.for_masks)
     exact = True
     description = (f"one-time pads agreed with the key server (X25519 + HKDF + ChaCha20), fixed point 2^-{FRACTION_BITS} "
-                   "modulo 2^64; 8 bytes per parameter; every parameter at about plaintext cost; shared masks only.")
+                   "modulo 2^64; 8 bytes per parameter; every parameter at about plaintext cost; shared masks, or each client's own under a per-client-mask "
+                   "strategy (SenseCrypt).")
     defaults: dict[str, Any] = {}
 
     @classmethod
