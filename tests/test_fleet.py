@@ -77,6 +77,13 @@ class Capture:
         # distributed DP on the masked sums (issue 22 item 7): each agent's noise share is secret
         # on devices, so both replay one test-only noise seed (development mode); equal weights
         ("masked-dp", "mlp", "categories:2", {"options": StrategyOptions(sigma=0.5, clip=0.5), "noise_seed": 7}),
+        # sensecrypt over `masked` (issue 22 item 2): each agent masks its own positions, the key
+        # server removes each one's pads where its signed mask says and seals the positions
+        # fewer than 2 masked (~45 s); nested masks: round plans carry each agent's prefix (make test-slow)
+        pytest.param("sensecrypt", "mlp", "categories:2", {"scheme": "masked"}, marks=pytest.mark.slow,
+                     id="sensecrypt-masked"),
+        pytest.param("sensecrypt", "mlp", "categories:2", {"scheme": "masked", "options": StrategyOptions(masks="nested")},
+                     marks=pytest.mark.slow, id="sensecrypt-masked-nested"),
         # the issue-16 hybrid: its plaintext noise is secret on devices, so both replay one
         # test-only noise seed (development mode) to compare bit for bit (make test-slow)
         pytest.param("sensecrypt", "mlp", "categories:2",
