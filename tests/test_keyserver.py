@@ -20,7 +20,8 @@ from senseshield.engine.aggregation import aggregate_updates, decrypt_aggregate,
 from senseshield.rounds import apply_mean
 from senseshield.errors import ConfigError
 from senseshield.he import SCHEMES
-from senseshield.he.base import round_context
+from senseshield.he.base import job_key, round_context
+from senseshield.strategies import STRATEGIES
 from senseshield.job import Job
 from senseshield.runtime.identity import Identity, Trust, unb64
 from senseshield.runtime.jobsig import sign_job
@@ -110,6 +111,8 @@ class Harness:
                                               initial=np.zeros(SIZE), submission=submission))
         announcement, _ = self.wait(PublicKeyAnnouncement)
         self.public = SCHEMES.get(announcement.scheme).public_key_from_bytes(announcement.key) if announcement.scheme else None
+        # as the coordinator aggregates: per-client masks on the masked scheme are ragged
+        self.public = job_key(self.public, per_client_masks=STRATEGIES.get(strategy).per_client_masks)
         return announcement
 
     def open_round(self, r: int, clusters: dict[int, list[str]]) -> None:
@@ -486,13 +489,15 @@ def test_a_key_directory_that_is_a_file_stops_the_key_server(tmp_path, mosquitto
         KeyServer(mosquitto.url, fleet=FLEET, key_dir=bad)
 
 
-def test_a_block_fewer_than_k_agents_encrypted_is_never_decrypted(harness, caplog):
+@pytest.mark.parametrize("scheme", ["packed-paillier", "masked"])
+def test_a_block_fewer_than_k_agents_encrypted_is_never_decrypted(harness, caplog, scheme):
     """Issue 22 item 2 on the real service: a and b share blocks 0-1, a alone encrypts
     block 2 (the budget-0 partner's leak: its sum with b's plaintext is a's value). The
     honest aggregate leaves block 2 sealed and is applied, block 2 then averaging b alone;
     a coordinator that asks for block 2 (the papers' k = 1), or forwards a mask other than
-    the signed one, is refused with the block and the agent named."""
-    harness.start_run()
+    the signed one, is refused with the block and the agent named. ``masked``: SenseCrypt's
+    per-client masks over pads (each agent's removed where its signed mask says)."""
+    harness.start_run(scheme=scheme)
     plan = {0: ["a", "b"]}
     B = harness.public.block_size
     for r, attack in ((1, "k1"), (2, "mask"), (3, None)):
