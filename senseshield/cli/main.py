@@ -93,7 +93,8 @@ def schemes() -> None:
 
     table = Table("scheme", "per-client masks", "description")
     for name, cls in SCHEMES.items():
-        table.add_row(name, "yes" if cls.ragged_masks else "no (shared mask)", cls.description)
+        ragged = "yes" if cls.ragged_masks else "with per-client-mask strategies" if cls.ragged_capable else "no (shared mask)"
+        table.add_row(name, ragged, cls.description)
     out.print(table)
 
 
