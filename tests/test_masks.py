@@ -496,14 +496,16 @@ def test_top_up_mask_adds_the_most_sensitive_whole_blocks_until_the_floor(n, blo
 )
 def test_nested_masks_are_prefixes_of_one_ranking_with_k_encryptors(values, alphas, block, k) -> None:
     """Issue 22: the nested masks of a cluster are prefixes of one ranking (block sums, ties
-    lower index first), each no longer than the solver's count at that budget, the k-1
-    largest capped at the k-th, so every encrypted block has at least k encryptors."""
+    lower index first), each the solver's count at that budget (at least one block for a
+    positive budget), the k-1 largest capped at the k-th, so every encrypted block has at
+    least k encryptors."""
     g = np.array(values)
     masks = nested_block_masks(g, alphas, block_size=block, min_encryptors=k)
     blocks = block_scores(g, block_size=block)
     order = sorted(range(blocks.size), key=lambda j: (-blocks[j], j))
-    solved = [int(solve_mask(blocks, alpha=a, eta_mi=None).count) for a in alphas]
+    solved = [max(int(solve_mask(blocks, alpha=a, eta_mi=None).count), int(a > 0)) for a in alphas]
     cap = sorted(solved, reverse=True)[k - 1] if len(solved) >= k else None
+    cap = cap or None  # fewer than k members with a budget: counts as solved (sealed by the k rule)
     per_block = []
     for m, n in zip(masks, solved):
         assert np.array_equal(m, expand_block_mask(m[::block].copy(), block_size=block, n=g.size))
@@ -512,5 +514,6 @@ def test_nested_masks_are_prefixes_of_one_ranking_with_k_encryptors(values, alph
         assert chosen == set(order[:want])  # the prefix of the one ranking
         per_block.append(m[::block])
     encryptors = np.sum(per_block, axis=0)
-    if len(alphas) >= k:
+    if cap is not None:
         assert np.all((encryptors == 0) | (encryptors >= k))  # nothing sealed
+    assert all(m.any() for m, a in zip(masks, alphas) if a > 0)  # a budget never encrypts nothing

@@ -789,23 +789,28 @@ def nested_block_masks(
     the members' budgets. Member ``i`` encrypts the ``n_i`` most sensitive blocks of that one
     ranking (block sums, ties lower index first: the canonical order of :func:`solve_mask`),
     with ``n_i`` the count :func:`solve_block_mask` picks on ``scores`` at ``alphas[i]`` (eqs.
-    4-7; eq. 8 needs a member's own weights and is left out). Prefixes of one order are
-    nested, so block ``j`` has as many encryptors as there are members with ``n_i > rank(j)``;
-    the ``min_encryptors - 1`` largest counts are capped at the ``min_encryptors``-th largest,
-    so no block is encrypted by fewer (none is sealed, no encryption is wasted). With fewer
-    members than ``min_encryptors`` the counts stay as solved (every encrypted block is then
-    sealed by the k rule). Returns one per-position mask per member, in ``alphas`` order.
+    4-7; eq. 8 needs a member's own weights and is left out), at least one block for a
+    positive budget (the coordinator's floor). Prefixes of one order are nested, so block
+    ``j`` has as many encryptors as there are members with ``n_i > rank(j)``; the
+    ``min_encryptors - 1`` largest counts are capped at the ``min_encryptors``-th largest, so
+    no block is encrypted by fewer (none is sealed, no encryption is wasted). With fewer
+    members than ``min_encryptors``, or fewer than that many with a positive budget, the
+    counts stay as solved (the blocks fewer encrypt are then sealed by the k rule: a device
+    with a budget is never asked to encrypt nothing). Returns one per-position mask per
+    member, in ``alphas`` order.
     """
     k = _positive_int("min_encryptors", min_encryptors)
     size = _positive_int("block_size", block_size)
     g = _score_vector("scores", scores, non_negative=True)
     per_block = block_scores(g, block_size=size)
     counts = [
-        int(solve_mask(per_block, alpha=a, c=c, b=b, eta_mi=None, unit="blocks").count) for a in alphas
+        max(int(solve_mask(per_block, alpha=a, c=c, b=b, eta_mi=None, unit="blocks").count), int(a > 0))
+        for a in alphas
     ]
-    if len(counts) >= k:
+    if len(counts) >= k and per_block.size:
         cap = sorted(counts, reverse=True)[k - 1]
-        counts = [min(n, cap) for n in counts]
+        if cap > 0:
+            counts = [min(n, cap) for n in counts]
     selector = _Selector(per_block) if per_block.size else None
     out = []
     for n in counts:
