@@ -20,7 +20,7 @@ from senseshield.errors import ProtocolError
 from senseshield.results import RoundTally
 from senseshield.runtime.identity import Trust, check_frame
 from senseshield.runtime.protocol.envelope import decode_frame
-from senseshield.runtime.protocol.messages import Hello, Receipt, from_frame
+from senseshield.runtime.protocol.messages import Hello, MaskDecision, Receipt, from_frame
 from senseshield.strategies import FleetPlan
 from senseshield.strategies.base import Strategy
 
@@ -50,6 +50,7 @@ class ClusterRound:
     deadline: float
     phase: str  # "proposals" | "updates" | "decrypting" | "done"
     proposals: dict[str, np.ndarray] = field(default_factory=dict)
+    decision: MaskDecision | None = None  # the consensus mask sent to the proposers (kept to re-send)
     expected: set[str] = field(default_factory=set)  # who must send an update
     # who sent an update, and what the round's report needs of it (the update itself is
     # folded into ``running`` on arrival and not kept)

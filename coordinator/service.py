@@ -404,6 +404,12 @@ class Coordinator(Service):
             known.online = True
         if self.plan is not None and agent_id in self.plan.cluster_of:  # a re-sent hello: repeat the assignment
             self._assign(agent_id)
+            # and the round in flight: after a broker restart the coordinator may have re-sent
+            # its plans before this agent was subscribed again, so they never reached it
+            for k, cr in self.clusters.items():
+                if cr.phase in ("proposals", "updates") and agent_id in cr.members and agent_id not in cr.updates:
+                    self.log.info("round %d cluster %d: %s said hello again; re-sending its plan", self.round, k, agent_id)
+                    self._resend_plans(k, [agent_id])
 
     def _on_status(self, item: Inbound) -> None:
         agent_id = check_sender(item)  # the last will is the agent's own frame, too
@@ -908,9 +914,9 @@ class Coordinator(Service):
                             [cr.proposals[a] for a in proposers], size=self.size,
                             block_size=self.block_size,
                         )
-                        decision = MaskDecision(cluster=k, size=self.size, shared_mask=pack_mask(shared))
+                        cr.decision = MaskDecision(cluster=k, size=self.size, shared_mask=pack_mask(shared))
                         for a in proposers:
-                            self.send(f"agents/{a}/inbox", decision, round=self.round)
+                            self.send(f"agents/{a}/inbox", cr.decision, round=self.round)
                     cr.expected = set(proposers)
                     cr.phase = "updates"
             if cr.phase == "updates":
@@ -1071,14 +1077,28 @@ class Coordinator(Service):
             self._assign(a)
         for k, cr in self.clusters.items():
             if cr.phase in ("proposals", "updates"):
+                if cr.offline:
+                    # a broker going down sends the last will of every client still connected
+                    # (Mosquitto does), so a will heard before the reconnect may be of a live
+                    # device that is reconnecting too: wait for it again, until it sends or
+                    # the deadline (its status, if it is back, arrives on the new connection)
+                    self.log.info("round %d cluster %d: waiting again for %s (their last will came with the "
+                                  "broker's loss)", self.round, k, sorted(cr.offline))
+                    cr.offline.clear()
                 pending = [a for a in cr.members if a not in cr.updates]
                 self.log.info("round %d cluster %d: re-sending plans to %s", self.round, k, pending)
                 self._resend_plans(k, pending)
         self._resend_requests("reconnected")
 
     def _resend_plans(self, k: int, agents: list[str]) -> None:
-        for a in agents:  # the plan is rebuilt exactly (same deadline, same everything)
+        """Round plans (and the consensus mask, once there is one) again to ``agents`` of
+        cluster ``k``: the plan is rebuilt exactly (same deadline, same everything), and an
+        agent that already sent its update answers a repeated plan by re-sending it."""
+        cr = self.clusters[k]
+        for a in agents:
             self.send(f"agents/{a}/inbox", self._round_plan(k, a), round=self.round)
+            if cr.decision is not None and a in cr.proposals:
+                self.send(f"agents/{a}/inbox", cr.decision, round=self.round)
 
     def _round_plan(self, k: int, agent: str) -> RoundPlan:
         """Agent ``agent``'s plan for cluster ``k`` in the current round."""

@@ -188,6 +188,7 @@ class EdgeAgent(Service):
         protocol: str = "5",
         kill_at_round: int | None = None,
         fail_at_round: int | None = None,
+        lose_plan_at_round: int | None = None,
         model_dir: Path | None = None,
         latency_repeats: int = 20,
         once: bool = False,
@@ -234,6 +235,7 @@ class EdgeAgent(Service):
         self.latency_repeats = latency_repeats
         self.kill_at_round = kill_at_round  # fault drills: SIGKILL itself when this round's plan arrives
         self.fail_at_round = fail_at_round  # ... or its training raises in this round
+        self.lose_plan_at_round = lose_plan_at_round  # ... or it loses this round's first plan
         self.bandwidth, self.cpu_speed = bandwidth, cpu_speed
         self.profile = profile or {}
         self.data_spec = data
@@ -348,6 +350,11 @@ class EdgeAgent(Service):
         if first != msg.cluster:
             raise ProtocolError(f"Round plan puts this agent in cluster {msg.cluster} in round {item.round}; "
                                 f"an earlier plan of that round said cluster {first}.")
+        if self.lose_plan_at_round == item.round:
+            self.lose_plan_at_round = None
+            self.log.warning("fault drill: dropping the plan of round %d and saying hello again", item.round)
+            self.on_reconnect()
+            return
         self.newest_plan = item.round
         self.plans.append((item.round, msg))
         self.plan_sent_at.setdefault(item.round, item.frame.sent_at)
