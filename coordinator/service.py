@@ -1174,13 +1174,14 @@ class Coordinator(Service):
 
     def _round_line(self, r: int) -> None:
         """The operator's line for a closed round (coordinator.report.round_line); the job
-        list's accuracy column and round."""
+        list's metric column and round."""
         out = len(self.plan.cluster_of) - len(self.sampled) if self.plan is not None else 0
         line, value = round_line(self.records[-1], rounds=self.config.rounds, out=out, metrics=self.metrics,
                                  metric_name=self.metric_name)
         self._event(line)
-        if value is not None and self.metric_name == "accuracy":  # job list's accuracy column
-            self.book.set(self.job, accuracy=value)
+        if value is not None:  # the job list's metric column
+            self.book.set(self.job, metric_name=self.metric_name, metric=value,
+                          accuracy=value if self.metric_name == "accuracy" else None)
         self.book.set(self.job, round=r, devices=len(self.active))
 
     # ---- results (coordinator.report) ---------------------------------------------------
@@ -1384,9 +1385,10 @@ class Coordinator(Service):
             if self.job_out is not None:
                 write_atomic(self.job_out / "report.json", json.dumps(report.model_dump(mode="json"), indent=2))
                 self.book.set(record, out=str(self.job_out))
-        final = report.final_accuracy if report is not None else None
-        self.book.set(record, state=state, reason=reason, accuracy=final if final is not None else record.accuracy,
-                      finished_at=time.time() if state != "running" else None)
+        final = report.final_metric if report is not None else None
+        self.book.set(record, state=state, reason=reason, metric=final if final is not None else record.metric,
+                      accuracy=report.final_accuracy if report is not None and report.final_accuracy is not None
+                      else record.accuracy, finished_at=time.time() if state != "running" else None)
         if state != "running":
             where = f"; report {self.job_out / 'report.json'}" if self.job_out is not None and report is not None else ""
             self._event(f"job {record.id} {state}" + (f": {reason}" if reason else "")
