@@ -15,8 +15,8 @@ the key server both compute
 and expand it with ChaCha20 into one 64-bit word per model position: the pad ``p_a[i]``.
 Nobody else can compute it (the coordinator holds neither secret).
 
-Encoding (all arithmetic modulo 2^64)
--------------------------------------
+Encoding (all arithmetic modulo 2^64; modulo 2^32 in the 32-bit ring, below)
+---------------------------------------------------------------------------
 An agent sends, for each masked position ``i``, ``y_a[i] = round(x_a[i] · 2^24) + p_a[i]``
 with ``|x| < 2^12`` (:data:`VALUE_LIMIT`; a larger value is refused at encryption). The
 coordinator, which sees only ``y`` (uniformly random words, independent of ``x``: a one-time
@@ -30,7 +30,7 @@ Invariant (property-tested)::
 
 exactly, in integers, whatever subset of agents contributes (dropouts need nothing).
 
-Head-room: ``Σ w · |enc(x)| < 2^26 · 2^12 · 2^24 = 2^62 < 2^63``, so the total weight of an
+Head-room (64-bit ring): ``Σ w · |enc(x)| < 2^26 · 2^12 · 2^24 = 2^62 < 2^63``, so the total weight of an
 aggregate must stay below 2^26 = 67 million samples (:data:`MAX_TOTAL_WEIGHT`; refused
 beyond). A sum outside the range a genuine aggregate can reach is refused at unmasking: an
 aggregate that is not the sum of exactly the named contributions (one left out, one added,
@@ -38,6 +38,27 @@ one altered) keeps a uniformly random pad, which lands inside that range with pr
 at most 2^-1 per position, so it is refused on any model of more than a few dozen
 parameters (the range is Σw · 2^36 of the 2^64 words, so the odds fall as the total weight
 falls). A forged subset therefore yields noise, never an individual value.
+
+The 32-bit ring (:data:`RING32`, 4 bytes per parameter)
+-------------------------------------------------------
+The same scheme modulo 2^32 with fixed point 2^-15 (step 3.05e-5, rounding error at most
+1.53e-5, half the packed Paillier key's 3.05e-5), values clipped to [-1, 1] (the packed
+key's clip; counted in one :class:`ClippingWarning`) and a total weight below 2^16 (the
+packed key's default ``max_total_weight``)::
+
+    |Σ w · enc(x)| <= (2^16 - 1) · 2^15 < 2^31
+
+so the signed 32-bit word reads back exactly. A part that would take the aggregate's total
+weight to 2^16 is refused alone (:class:`MaskedAccumulator`); the key server refuses named
+weights of 2^16 or more and any word beyond ``Σ w · 2^15`` (a leftover pad lands inside
+with probability ``Σ w · 2^-16`` per position, at most 1/2 as in the 64-bit ring). The ring
+is chosen per cluster and round (:func:`choose_ring`) from the job's ``ring_bits``
+(``auto``: 32 when the members' total weight is below 2^16 and the strategy adds no noise
+to what it masks, else 64), by the simulator and the coordinator from the same numbers;
+the round plan carries it to the agents and the vector's version byte to the key server.
+Pads are the ChaCha20 keystream read as 32-bit words; fingerprints hold modulo 2^32, so a
+difference ``D`` the coordinator adds passes with probability ``2^-(32 - v)`` (and a large
+one then fails the range check).
 
 What leaks: the positions (the mask), the count of values, the key id; to the key server,
 each aggregate's sum, as with every scheme. Fixed-point step 2^-24 ≈ 6e-8 (finer than the
