@@ -71,6 +71,7 @@ class ClusterRound:
     book: Contributions = field(default_factory=Contributions)
     refused: dict[str, str] = field(default_factory=dict)
     union_ratio: float | None = None  # of the aggregate sent (the share of encrypted positions)
+    ring_bits: int = 64  # the masked scheme's ring of this round (Strategy.ring_bits of the members)
     sealed: dict | None = None  # positions left sealed (too few encryptors), engine.aggregation.aggregate_sealed
 
     def record(self) -> dict:

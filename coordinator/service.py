@@ -602,7 +602,8 @@ class Coordinator(Service):
                 continue
             deadline = time.time() + self.round_deadline
             negotiating = self.strategy.negotiates
-            cr = ClusterRound(members, deadline, "proposals" if negotiating else "updates")
+            cr = ClusterRound(members, deadline, "proposals" if negotiating else "updates",
+                              ring_bits=self.strategy.ring_bits(self.agents[a].hello.n_samples for a in members))
             if not negotiating:
                 cr.expected = set(members)
             self.clusters[k] = cr
@@ -823,6 +824,10 @@ class Coordinator(Service):
         update = update_from_message(msg, self.public, client_id=agent_id, round=item.round, size=self.size)
         self._check_receipt(agent_id, item.round, msg)
         cr = self._cluster_round_of(agent_id, item.round, "update")
+        ring = update.ciphertext.meta.get("ring_bits") if update.ciphertext is not None else None
+        if ring is not None and ring != cr.ring_bits:
+            raise ProtocolError(f"Update of {agent_id!r} is masked modulo 2^{ring}; the round's plan asks for "
+                                f"2^{cr.ring_bits}.")
         if agent_id in cr.updates:
             if (msg.receipt != cr.updates[agent_id].receipt and cr.phase in ("updates", "decrypting")
                     and self.public is not None and self.public.verifiable):
@@ -1117,6 +1122,7 @@ class Coordinator(Service):
             noise_multiplier=self.sigma_user,
             record_noise=self.sigma_record.get(agent),
             local_steps=self.steps_of.get(agent),
+            ring_bits=cr.ring_bits,
             has_shared_mask=shared is not None,
             shared_mask=pack_mask(shared) if shared is not None else np.zeros(0, np.uint8),
         )

@@ -715,7 +715,8 @@ class EdgeAgent(Service):
             participants=plan.participants, noise_multiplier=plan.noise_multiplier,
         )
         # the masked scheme's pads are this device's and the key server's alone, for this round
-        key = (self.public.for_contributor(self.identity.exchange, round_context(self.fleet, run.run_id, r, plan.cluster))
+        key = (self.public.for_contributor(self.identity.exchange, round_context(self.fleet, run.run_id, r, plan.cluster),
+                                           ring_bits=plan.ring_bits)
                if self.public is not None else None)
         update, choice = protect_local(
             strategy, context, local, key, n_samples=run.data.n_train,
