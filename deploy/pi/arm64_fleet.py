@@ -44,13 +44,15 @@ def _stamp(line: str, day: datetime) -> float:
     return datetime.combine(day.date(), t).timestamp()
 
 
-def ready_seconds(log: Path, spawned: float) -> tuple[float, float]:
-    """Seconds from the process's start to its first log line, and to `connected to fleet`."""
+def ready_seconds(log: Path, spawned: float) -> tuple[float, float, float]:
+    """Seconds from the process's start to its first log line, to `connected to fleet`, and to
+    joining the job (torch and the training code load when it checks its first job)."""
     day = datetime.fromtimestamp(spawned)
     lines = log.read_text(errors="replace").splitlines()
     first = next(_stamp(x, day) for x in lines if re.match(r"\d\d:\d\d:\d\d\.\d{3} ", x))
     ready = next(_stamp(x, day) for x in lines if "connected to fleet" in x)
-    return first - spawned, ready - spawned
+    joined = next(_stamp(x, day) for x in lines if " joined job " in x)
+    return first - spawned, ready - spawned, joined - spawned
 
 
 def main() -> int:
