@@ -26,9 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
-from senseshield.engine.aggregation import StreamingAggregate, aggregate_sealed
+from senseshield.engine.aggregation import StreamingAggregate
 from senseshield.errors import ConfigError, ProtocolError
-from senseshield.he import SCHEMES, PublicKey
+from senseshield.he import PublicKey
 from senseshield.runtime.protocol.envelope import DEFAULT_MAX_FRAME_BYTES
 from senseshield.runtime.protocol.messages import (
     Decline,
@@ -52,7 +52,6 @@ from senseshield.runtime.protocol.messages import (
     RoundPlan,
     Status,
     UpdateMessage,
-    aggregate_to_message,
     pack_mask,
     unpack_mask,
     update_from_message,
@@ -68,7 +67,7 @@ from coordinator.roster import AgentInfo
 from coordinator.report import (  # noqa: F401 (FleetReport re-exported)
     FleetReport, RunView, agent_round_records, clock_offset, round_line, user_epsilons,
 )
-from coordinator.contributions import aggregate_of
+from coordinator.keylink import KeyLink
 from coordinator.rounds import (
     ClusterRound, UpdateNote, check_facts, check_receipt, floor_refusal, note_of, round_tally,
 )
@@ -166,7 +165,7 @@ class Coordinator(Service):
             self.on(cls, handler)
         self.watch("keyserver", self._on_keyserver_status)
         self.run_id = ""
-        self.key_refused = ""
+        self.keys = self._key_link(None)  # no job yet: announcements and verdicts are not for us
         self.plan: FleetPlan | None = None
         self.agents: dict[str, AgentInfo] = {}
         self.clusters: dict[int, ClusterRound] = {}
@@ -240,8 +239,8 @@ class Coordinator(Service):
             raise KeyboardInterrupt
         if self.job is not None and self.job.id in self.cancelled:
             raise JobCancelled(self.job.id)
-        if self.job is not None and self.key_refused:  # the key server will not serve this job
-            raise ConfigError(self.key_refused)
+        if self.job is not None and self.keys.refused:  # the key server will not serve this job
+            raise ConfigError(self.keys.refused)
 
     def _publish_board(self) -> None:
         if self.link.connected:
@@ -283,9 +282,7 @@ class Coordinator(Service):
         self.input_shape, self.num_classes = list(input_shape), num_classes
         self.run_id = record.id
         self.job_out = (self.out_dir if self.once else self.out_dir / "jobs" / record.id) if self.out_dir is not None else None
-        self.public: PublicKey | None = None
-        self.key_id: str | None = None
-        self.key_refused = ""  # the key server's one sentence if it refuses this job
+        self.keys = self._key_link(self.scheme)
         self.agents = {}
         self.refused: dict[str, str] = {}
         self.declined: dict[str, str] = {}
@@ -293,7 +290,6 @@ class Coordinator(Service):
         self.sigma_user: float | None = None
         self.sigma_record: dict[str, float] = {}
         self.model_round: dict[int, int] = {}
-        self.models: dict[int, tuple[int, np.ndarray]] = {}  # last published model per cluster
         self.round = 0
         self.round_open: RoundOpen | None = None
         self.completed = 0
@@ -314,25 +310,25 @@ class Coordinator(Service):
         self._resume()
 
     # ---- registry -----------------------------------------------------------------------
+    def _key_link(self, scheme: str | None) -> KeyLink:
+        return KeyLink(self.run_id, scheme, sign=lambda message, r: self.frame(message, round=r),
+                       publish=lambda frame: self.link.publish("keyserver/requests", frame), log=self.log)
+
+    @property
+    def public(self) -> PublicKey | None:
+        return self.keys.public
+
+    @property
+    def key_id(self) -> str | None:
+        return self.keys.key_id
+
     def _on_key(self, item: Inbound) -> None:
-        msg: PublicKeyAnnouncement = item.message  # type: ignore[assignment]
-        if item.sender != "keyserver":
-            raise ProtocolError(f"keys/public from {item.sender!r}; only the key server may announce keys.")
-        if self.job is None or (msg.run_id and msg.run_id != self.run_id):
-            return  # a key for another job (e.g. the previous job's, retained)
-        if msg.refused:  # e.g. not signed by a pinned operator: the job fails with this sentence
-            self.log.error("the key server refuses job %s: %s", self.run_id, msg.refused)
-            self.key_refused = msg.refused
+        if self.job is None:
+            if item.sender != "keyserver":
+                raise ProtocolError(f"keys/public from {item.sender!r}; only the key server may announce keys.")
             return
-        want = self.scheme or ""
-        if msg.scheme != want:
-            raise ProtocolError(f"The key server announces scheme {msg.scheme!r}; this run needs {want!r}.")
-        if msg.key_id == self.key_id:
-            return  # the same key again (retained message after a reconnect)
-        public = SCHEMES.get(msg.scheme).public_key_from_bytes(msg.key) if msg.scheme else None
-        if public is not None and public.key_id != msg.key_id:
-            raise ProtocolError(f"The announced key id {msg.key_id!r} is not the key's id {public.key_id!r}.")
-        self.public, self.key_id = public, msg.key_id
+        if not self.keys.on_key(item.sender, item.message):  # type: ignore[arg-type]
+            return
         for agent_id, info in list(self.agents.items()):
             self._check_key(agent_id, info.hello)
         self._resend_requests("the key server announced its key")  # e.g. it restarted
@@ -342,18 +338,10 @@ class Coordinator(Service):
             self._resend_requests("the key server is back online")
 
     def _resend_requests(self, why: str) -> None:
-        """Re-send the round's plan and every aggregate request still waiting for its verdict
-        (the key server answers a repeat with the verdict it gave, so duplicates are harmless)."""
+        """Re-send the round's plan and every aggregate request still waiting for its verdict."""
         if getattr(self, "round_open", None) is not None and self.round >= 1:
             self.send("keyserver/rounds", self.round_open, round=self.round)
-        for k, cr in self.clusters.items():
-            if cr.phase == "decrypting" and cr.request is not None:
-                self.log.info("round %d cluster %d: %s; re-sending the aggregate request", self.round, k, why)
-                self._send_request(cr)
-
-    def _send_request(self, cr: ClusterRound) -> None:
-        cr.sent_at = time.time()
-        self.link.publish("keyserver/requests", cr.request)
+        self.keys.resend(self.clusters, getattr(self, "round", 0), why)
 
     def _check_key(self, agent_id: str, hello: Hello) -> bool:
         if self.key_id is None or hello.key_id == self.key_id:
@@ -495,7 +483,7 @@ class Coordinator(Service):
     @property
     def block_size(self) -> int:
         """Mask granularity of the fleet's HE scheme (1 without HE)."""
-        return self.public.block_size if self.public is not None else 1
+        return self.keys.block_size
 
     def _online(self, agent_id: str) -> bool:
         return roster.online(self.agents, agent_id)
@@ -512,8 +500,7 @@ class Coordinator(Service):
         timeout = self.join_timeout
         end = None if timeout is None else time.monotonic() + timeout
         left = lambda: None if end is None else max(end - time.monotonic(), 0.0)  # noqa: E731
-        ready = lambda: self.public is not None or (self.key_id is not None and self.scheme is None)  # noqa: E731
-        if not self._wait(ready, left()):
+        if not self._wait(lambda: self.keys.ready, left()):
             raise ConfigError(f"No public key from the key server within {timeout:g} s; is `keyserver serve` running for fleet {self.fleet!r}?")
         need = self.config.min_devices
         count = lambda: (sum(self._ready(a) for a in self.agents), len(self.declined))  # noqa: E731
@@ -819,7 +806,7 @@ class Coordinator(Service):
         cr = self._cluster_round_of(agent_id, item.round, "update")
         if agent_id in cr.updates:
             if (msg.receipt != cr.updates[agent_id].receipt and cr.phase in ("updates", "decrypting")
-                    and self.public is not None and self.public.verifiable):
+                    and self.keys.verifiable):
                 # another update of the same device: kept aside, in case the key server finds
                 # the first one at fault (coordinator.contributions)
                 self.log.warning("round %d: a second, different update from %s kept aside", item.round, agent_id)
@@ -835,7 +822,7 @@ class Coordinator(Service):
         cr.running.add(update)  # a bad update is rejected here and changes nothing
         cr.timings["aggregate_streamed"] = cr.timings.get("aggregate_streamed", 0.0) + time.perf_counter() - t
         cr.updates[agent_id] = self._note(update, item, msg)
-        if self.public is not None and self.public.verifiable:  # a fingerprint refusal can be retried without it
+        if self.keys.verifiable:  # a fingerprint refusal can be retried without it
             cr.book.keep(agent_id, update, cr.updates[agent_id])
         self.agent_rounds[agent_id][item.round]["update_received"] = item.received
         self._advance()
@@ -854,7 +841,7 @@ class Coordinator(Service):
         (coordinator.rounds.check_receipt)."""
         check_receipt(self.trust, msg.receipt, agent_id=agent_id, r=r, run_id=self.run_id, cluster=msg.cluster,
                       n_samples=msg.n_samples, ciphertext=msg.ciphertext,
-                      verifiable=self.public is not None and self.public.verifiable)
+                      verifiable=self.keys.verifiable)
 
     def _check_floor(self, agent_id: str, r: int, he_ratio: float, cr: ClusterRound) -> None:
         """An update must encrypt what the device's budget asks for (coordinator.rounds.floor_refusal):
@@ -918,11 +905,8 @@ class Coordinator(Service):
                 if missing <= cr.offline | cr.failed.keys() or now >= cr.deadline:
                     self._straggle(k, cr, sorted(missing), "update", cr.deadline)
                     self._aggregate(k, cr)
-            # an online key server silent for this long lost the request; an offline one is
-            # waited for (the request is re-sent when it is back)
-            if (cr.phase == "decrypting" and self.peer_online("keyserver") is not False
-                    and now - cr.sent_at > self.round_deadline + 60):
-                cr.phase, cr.accepted, cr.reason = "done", False, "no answer from the key server"
+            if self.keys.give_up(cr, now=now, patience=self.round_deadline + 60,
+                                 keyserver_online=self.peer_online("keyserver")):
                 self.log.warning("round %d cluster %d: %s", self.round, k, cr.reason)
 
     def _straggle(self, k: int, cr: ClusterRound, missing: list[str], what: str, deadline: float) -> None:
@@ -954,75 +938,22 @@ class Coordinator(Service):
             self.log.warning("round %d cluster %d: %s", self.round, k, cr.reason)
             return
         cr.running = None  # the memory goes with it
-        self._request(cr, aggregate, t)
-
-    def _request(self, cr: ClusterRound, aggregate, t: float) -> None:  # noqa: ANN001
-        """Send cluster round ``cr``'s aggregate (of the updates in ``cr.updates``) to the key server."""
-        receipts = [cr.updates[a].receipt for a in sorted(cr.updates)]
-        request = aggregate_to_message(aggregate, self.public, run_id=self.run_id, receipts=receipts)
-        cr.timings["aggregate"] = cr.timings.get("aggregate", 0.0) + time.perf_counter() - t
-        cr.union_ratio = float(aggregate.union_mask.mean())
-        cr.sealed = aggregate_sealed(aggregate, self.public)
-        cr.request = self.frame(request, round=self.round)
-        cr.requested_at = time.time()
-        cr.timestamps["requested_at"] = cr.requested_at
-        cr.phase = "decrypting"
-        self._send_request(cr)
-
-    def _try_without_one(self, k: int, cr: ClusterRound) -> bool:
-        """After a refusal at the fingerprint check: send the next attempt (one device's update
-        left out or replaced by its later one, coordinator.contributions); False when none is left."""
-        while (attempt := cr.book.next_attempt()) is not None:
-            t = time.perf_counter()
-            try:
-                running = aggregate_of(attempt, lambda: self._new_aggregate(k, self.round))
-                aggregate = running.result()
-            except ProtocolError as exc:  # a spare that does not fold: the next attempt
-                self.log.warning("round %d cluster %d: an attempt does not aggregate (%s)", self.round, k, exc)
-                continue
-            cr.updates = {a: note for a, (_, note) in attempt.items()}
-            self.log.info("round %d cluster %d: aggregating again over %s", self.round, k, sorted(attempt))
-            self._request(cr, aggregate, t)
-            return True
-        return False
+        self.keys.request(cr, aggregate, t, r=self.round)
 
     def _on_result(self, item: Inbound) -> None:
-        if item.sender != "keyserver":
-            raise ProtocolError(f"Aggregate result from {item.sender!r}; only the key server answers.")
         msg: AggregateResult = item.message  # type: ignore[assignment]
-        if msg.run_id != self.run_id or item.round != self.round:
+        if item.sender == "keyserver" and (msg.run_id != self.run_id or item.round != self.round):
             return  # an answer to an earlier (re-sent) request
-        cr = self.clusters.get(msg.cluster)
-        if cr is None or cr.phase != "decrypting":
-            return
-        if msg.retry and not msg.accepted:
-            self.log.warning("round %d cluster %d: key server %s; looking for the update at fault",
-                             self.round, msg.cluster, msg.reason)
-            if self._try_without_one(msg.cluster, cr):
-                return
-        cr.refused.update(msg.excluded)
-        cr.book.clear()
-        cr.accepted, cr.reason, cr.phase = msg.accepted, msg.reason, "done"
-        cr.timings.update(msg.timings)
-        cr.timings["decrypt_roundtrip"] = time.time() - cr.requested_at
-        cr.timestamps["result_at"] = item.received
-        if msg.accepted:
+        if self.keys.on_result(item.sender, msg, self.clusters.get(msg.cluster), r=self.round, received=item.received,
+                               make=lambda: self._new_aggregate(msg.cluster, self.round)):
             self.model_round[msg.cluster] = self.round
-        else:
-            self.log.warning("round %d cluster %d: key server %s", self.round, msg.cluster, msg.reason)
 
     def _on_model(self, item: Inbound) -> None:
         msg: ClusterModel = item.message  # type: ignore[assignment]
-        if item.sender != "keyserver" or msg.run_id != self.run_id:
+        if not self.keys.on_model(item.sender, msg, r=item.round, nbytes=item.nbytes, size=self.size,
+                                  clusters=list(self.plan.clusters) if self.plan is not None else [],
+                                  current_round=self.round):
             return
-        if msg.weights.size != self.size:
-            raise ProtocolError(f"Cluster model of {msg.weights.size} parameters; the model has {self.size}.")
-        if self.plan is None or msg.cluster not in self.plan.clusters or not 1 <= item.round <= self.round:
-            raise ProtocolError(f"Cluster model of cluster {msg.cluster} for round {item.round}; the run is at round {self.round}.")
-        if item.round <= self.models.get(msg.cluster, (0, None))[0]:
-            return  # an older model or the same again (a repeat of a retained message): saved already
-        self.models[msg.cluster] = (item.round, msg.weights)
-        self.model_bytes = item.nbytes
         cr = self.clusters.get(msg.cluster)
         if cr is not None and item.round == self.round:
             cr.timestamps.setdefault("model_at", item.received)
@@ -1050,7 +981,7 @@ class Coordinator(Service):
         """Whether cluster ``k`` got a new model in round ``r`` (so far)."""
         if not 1 <= r <= self.round:
             return False
-        if self.model_round.get(k) == r or self.models.get(k, (0, None))[0] == r:
+        if self.model_round.get(k) == r or self.keys.model_round(k) == r:
             return True
         for rec in self.records:  # closed rounds (cluster keys are strings after a resume)
             if rec["round"] == r:
@@ -1109,7 +1040,7 @@ class Coordinator(Service):
             os.kill(os.getpid(), signal.SIGKILL)
         o = self.config.options
         tally = round_tally(r, self.clusters, work={a: self.agent_rounds.get(a, {}).get(r, {}) for a in sorted(self.sampled)},
-                            plan=self.plan, model_bytes=getattr(self, "model_bytes", self.size * 4),
+                            plan=self.plan, model_bytes=self.keys.model_bytes or self.size * 4,
                             min_encryptors=o.min_encryptors, notes=self.offline_notes)
         for cr in self.clusters.values():
             for a, note in cr.updates.items():
@@ -1329,7 +1260,7 @@ class Coordinator(Service):
             if self.plan is None:
                 self._bootstrap()
             else:
-                self._wait(lambda: self.public is not None or self.key_id is not None, self.join_timeout)
+                self._wait(lambda: self.keys.ready or self.keys.key_id is not None, self.join_timeout)
                 for a in self.plan.cluster_of:
                     self._assign(a)
                     self.send(f"agents/{a}/inbox", Notice(run_id=self.run_id, kind="resend-metrics"))

@@ -54,9 +54,9 @@ def test_the_front_door_exports_the_public_names_lazily():
 
 def test_the_coordinators_parts_do_not_touch_the_transport():
     """coordinator/service.py wires the parts to MQTT; each part (job book, roster, rounds and
-    their checks, reporter, checkpoint, metrics, contributions) imports neither the broker
+    their checks, key-server link, reporter, checkpoint, metrics, contributions) imports neither the broker
     client nor the service, nor torch (the report imports it only when it builds one)."""
-    parts = ("jobs", "contributions", "metrics", "checkpoint", "report", "roster", "rounds")
+    parts = ("jobs", "contributions", "keylink", "metrics", "checkpoint", "report", "roster", "rounds")
     code = (
         "import importlib, sys\n"
         f"for part in {parts!r}:\n"
