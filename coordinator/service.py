@@ -69,7 +69,7 @@ from coordinator.report import (  # noqa: F401 (FleetReport re-exported)
 )
 from coordinator.keylink import KeyLink
 from coordinator.rounds import (
-    ClusterRound, UpdateNote, check_facts, check_receipt, floor_refusal, note_of, round_tally,
+    Closed, ClusterRound, UpdateNote, advance, check_facts, check_receipt, floor_refusal, note_of, round_tally,
 )
 from coordinator.jobs import OPEN, JobBook, JobRecord
 from coordinator.metrics import METRICS_PORT_ENV, CoordinatorMetrics  # noqa: F401 (re-exported)
@@ -344,12 +344,9 @@ class Coordinator(Service):
         self.keys.resend(self.clusters, getattr(self, "round", 0), why)
 
     def _check_key(self, agent_id: str, hello: Hello) -> bool:
-        if self.key_id is None or hello.key_id == self.key_id:
+        reason = roster.key_refusal(agent_id, hello, self.key_id)
+        if reason is None:
             return True
-        reason = (
-            f"agent {agent_id!r} holds public key {hello.key_id!r}, not the fleet's key "
-            f"{self.key_id!r}; it is refused (re-fetch keys/public)"
-        )
         self.log.warning(reason)
         self.refused[agent_id] = reason
         self.agents.pop(agent_id, None)
@@ -367,29 +364,15 @@ class Coordinator(Service):
         if not self._check_key(agent_id, msg):
             return
         self.declined.pop(agent_id, None)
-        known = self.agents.get(agent_id)
-        if known is not None and self.plan is not None:
-            # the fleet was planned with the first hello: a repeat (reconnect, restart) must
-            # bring the same data facts, and the planned hello stays
-            first = known.hello
-            if (msg.n_samples, msg.index, msg.key_id) != (first.n_samples, first.index, first.key_id):
-                raise ProtocolError(
-                    f"Hello of {agent_id!r} claims {msg.n_samples} samples, shard {msg.index}, key {msg.key_id!r}; "
-                    f"it joined with {first.n_samples}, {first.index}, {first.key_id!r}."
-                )
+        joined = roster.greet(self.agents, agent_id, msg, planned=self.plan is not None)
         self._uplink(agent_id, item)
-        if known is None:
-            self.agents[agent_id] = AgentInfo(msg)
+        if joined:
             late = " (after the bootstrap: it takes part from the next round)" if self.plan is not None else ""
             self.log.info("agent %s joined (%d/%d): %d samples, %.1f MB/s, cpu %.1f%s",
                           agent_id, len(self.agents), self.config.min_devices, msg.n_samples, msg.bandwidth,
                           msg.cpu_speed, late)
             if self.plan is not None:
                 self._admit(agent_id)
-        elif self.plan is None:
-            known.hello, known.online = msg, True
-        else:
-            known.online = True
         if self.plan is not None and agent_id in self.plan.cluster_of:  # a re-sent hello: repeat the assignment
             self._assign(agent_id)
 
@@ -453,28 +436,25 @@ class Coordinator(Service):
         return roster.report_of(self.agents, agent_id)
 
     def _admit(self, agent_id: str) -> None:
-        """A device that joined after the bootstrap: once ready (bootstrap vector in), the
-        strategy assigns it a cluster (the nearest, for clustering strategies) and the
-        cluster's budgets are recomputed with it; it takes part from the next round."""
+        """A device that joined after the bootstrap (coordinator.roster.admit): planned into a
+        cluster once ready; it takes part from the next round."""
         assert self.plan is not None
-        if not self._ready(agent_id) or agent_id in self.plan.cluster_of:
+        admitted = roster.admit(self.agents, self.plan, self.strategy, agent_id, size=self.size,
+                                block_size=self.block_size)
+        if admitted is None:
             return
-        members = [a for a in sorted(self.plan.cluster_of) if a in self.agents]
-        reports = [self._report_of(a) for a in members]
-        before = dict(self.plan.budget_of)
-        self.plan = self.strategy.admit(reports, self.plan, self._report_of(agent_id), size=self.size,
-                                        block_size=self.block_size)
+        self.plan, assign = admitted
         _, record = noise_multipliers(self.config, self.strategy, {agent_id: self.agents[agent_id].hello.n_samples})
         self.sigma_record.update(record)
         k = self.plan.cluster_of[agent_id]
         self.model_round.setdefault(k, 0)
         self.admitted[agent_id] = self.round + 1
-        for a in sorted(self.plan.cluster_of):
-            if a == agent_id or before.get(a) != self.plan.budget_of[a]:
-                self._assign(a)
+        for a in assign:
+            self._assign(a)
         self._event(f"agent {agent_id} admitted to cluster {k} with budget {self.plan.budget_of[agent_id]:.3f}; "
                     f"it takes part from round {self.round + 1}")
         self._checkpoint()
+
     def _on_foreign_config(self, item: Inbound) -> None:
         msg: FleetConfig = item.message  # type: ignore[assignment]
         if msg.run_id != self.run_id:
@@ -882,63 +862,27 @@ class Coordinator(Service):
                 s["late_seconds"] = round(when - s["deadline"], 3)
 
     def _advance(self) -> None:
+        """Close what is due in the round's clusters (coordinator.rounds.advance): mask
+        decisions to the proposers, aggregates to the key server; give up on requests an
+        online key server left unanswered."""
         now = time.time()
+        advance(self.clusters, r=self.round, now=now, round_deadline=self.round_deadline, straggling=self.straggling,
+                consensus=lambda proposals: self.strategy.consensus(proposals, size=self.size,
+                                                                    block_size=self.block_size),
+                online=self._online, then=self._closed, log=self.log)
         for k, cr in self.clusters.items():
-            if cr.phase == "proposals":
-                half = cr.deadline - self.round_deadline / 2
-                missing = [a for a in cr.members if a not in cr.proposals]
-                if set(missing) <= cr.offline | cr.failed.keys() or now >= half:
-                    self._straggle(k, cr, missing, "proposal", half)
-                    proposers = sorted(cr.proposals)
-                    if proposers:
-                        shared = self.strategy.consensus(
-                            [cr.proposals[a] for a in proposers], size=self.size,
-                            block_size=self.block_size,
-                        )
-                        decision = MaskDecision(cluster=k, size=self.size, shared_mask=pack_mask(shared))
-                        for a in proposers:
-                            self.send(f"agents/{a}/inbox", decision, round=self.round)
-                    cr.expected = set(proposers)
-                    cr.phase = "updates"
-            if cr.phase == "updates":
-                missing = cr.expected - set(cr.updates)
-                if missing <= cr.offline | cr.failed.keys() or now >= cr.deadline:
-                    self._straggle(k, cr, sorted(missing), "update", cr.deadline)
-                    self._aggregate(k, cr)
             if self.keys.give_up(cr, now=now, patience=self.round_deadline + 60,
                                  keyserver_online=self.peer_online("keyserver")):
                 self.log.warning("round %d cluster %d: %s", self.round, k, cr.reason)
 
-    def _straggle(self, k: int, cr: ClusterRound, missing: list[str], what: str, deadline: float) -> None:
-        for a in missing:
-            cr.straggled.append(a)
-            gone = a in cr.offline
-            failed = cr.failed.get(a) if not gone else None
-            self.straggling.append({"round": self.round, "cluster": k, "agent": a,
-                                    "missing": "offline" if gone else "failed" if failed else what,
-                                    "deadline": deadline, "online": self._online(a),
-                                    "arrived_late": False})
-            if gone:
-                self.log.warning("round %d cluster %d: %s went offline (last will); closing without it", self.round, k, a)
-            elif failed:
-                self.log.warning("round %d cluster %d: %s failed its round; closing without it", self.round, k, a)
-            else:
-                self.log.warning("round %d cluster %d: no %s from %s by the deadline; closing without it", self.round, k, what, a)
-
-    def _aggregate(self, k: int, cr: ClusterRound) -> None:
-        if not cr.updates:
-            cr.phase, cr.accepted, cr.reason = "done", False, "no update arrived before the deadline"
-            return
-        cr.timestamps["closed_at"] = time.time()
-        t = time.perf_counter()
-        try:  # the updates are already in; closing costs the fold of the plaintext and one message
-            aggregate = cr.running.result()
-        except ProtocolError as exc:  # e.g. the key's weight head-room: the cluster's round fails alone
-            cr.phase, cr.accepted, cr.reason = "done", False, f"aggregation failed: {exc}"
-            self.log.warning("round %d cluster %d: %s", self.round, k, cr.reason)
-            return
-        cr.running = None  # the memory goes with it
-        self.keys.request(cr, aggregate, t, r=self.round)
+    def _closed(self, closed: Closed) -> None:
+        if closed.decision is not None:
+            proposers, shared = closed.decision
+            decision = MaskDecision(cluster=closed.k, size=self.size, shared_mask=pack_mask(shared))
+            for a in proposers:
+                self.send(f"agents/{a}/inbox", decision, round=self.round)
+        if closed.aggregate is not None:
+            self.keys.request(self.clusters[closed.k], closed.aggregate, closed.started, r=self.round)
 
     def _on_result(self, item: Inbound) -> None:
         msg: AggregateResult = item.message  # type: ignore[assignment]
