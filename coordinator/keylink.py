@@ -134,6 +134,29 @@ class KeyLink:
                              msg.reason)
             if self.retry(msg.cluster, cr, r=r, make=make):
                 return False
+            if time.time() < cr.deadline:  # a device's later update may still come: it is tried then
+                self.log.info("round %d cluster %d: every attempt refused; waiting until the deadline for a later "
+                              "update", r, msg.cluster)
+                cr.held = (msg, received)
+                return False
+        return self._record(cr, msg, r=r, received=received)
+
+    def on_spare(self, k: int, cr: ClusterRound, *, r: int, make: Callable[[], StreamingAggregate]) -> None:
+        """A device's later update arrived while every attempt was refused (the verdict held):
+        the attempts with it go out."""
+        if cr.phase == "decrypting" and cr.held is not None and self.retry(k, cr, r=r, make=make):
+            cr.held = None
+
+    def expire(self, cr: ClusterRound, *, r: int, now: float) -> bool:
+        """At the deadline a held refusal (no later update came) is the verdict (True)."""
+        if cr.phase != "decrypting" or cr.held is None or now < cr.deadline:
+            return False
+        msg, received = cr.held
+        cr.held = None
+        self._record(cr, msg, r=r, received=received)
+        return True
+
+    def _record(self, cr: ClusterRound, msg: AggregateResult, *, r: int, received: float) -> bool:
         cr.refused.update(msg.excluded)
         cr.book.clear()
         cr.accepted, cr.reason, cr.phase = msg.accepted, msg.reason, "done"

@@ -72,6 +72,7 @@ class ClusterRound:
     refused: dict[str, str] = field(default_factory=dict)
     union_ratio: float | None = None  # of the aggregate sent (the share of encrypted positions)
     sealed: dict | None = None  # positions left sealed (too few encryptors), engine.aggregation.aggregate_sealed
+    held: tuple | None = None  # (refusal, arrival) while every attempt was refused and a later update may come
 
     def record(self) -> dict:
         """The cluster's part of the round's record (report.json ``server[].clusters``)."""

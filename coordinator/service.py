@@ -784,13 +784,16 @@ class Coordinator(Service):
         update = update_from_message(msg, self.public, client_id=agent_id, round=item.round, size=self.size)
         self._check_receipt(agent_id, item.round, msg)
         cr = self._cluster_round_of(agent_id, item.round, "update")
-        if agent_id in cr.updates:
-            if (msg.receipt != cr.updates[agent_id].receipt and cr.phase in ("updates", "decrypting")
+        first = cr.book.first(agent_id) or cr.updates.get(agent_id)  # (an attempt in flight may leave it out)
+        if first is not None:
+            if (msg.receipt != first.receipt and cr.phase in ("updates", "decrypting")
                     and self.keys.verifiable):
                 # another update of the same device: kept aside, in case the key server finds
                 # the first one at fault (coordinator.contributions)
                 self.log.warning("round %d: a second, different update from %s kept aside", item.round, agent_id)
                 cr.book.spare(agent_id, update, self._note(update, item, msg))
+                self.keys.on_spare(self.plan.cluster_of[agent_id], cr, r=item.round,
+                                   make=lambda: self._new_aggregate(self.plan.cluster_of[agent_id], item.round))
             return  # else a re-sent duplicate
         self._check_floor(agent_id, item.round, update.he_ratio, cr)
         if cr.phase != "updates" or agent_id not in cr.expected:
@@ -871,6 +874,7 @@ class Coordinator(Service):
                                                                     block_size=self.block_size),
                 online=self._online, then=self._closed, log=self.log)
         for k, cr in self.clusters.items():
+            self.keys.expire(cr, r=self.round, now=now)
             if self.keys.give_up(cr, now=now, patience=self.round_deadline + 60,
                                  keyserver_online=self.peer_online("keyserver")):
                 self.log.warning("round %d cluster %d: %s", self.round, k, cr.reason)

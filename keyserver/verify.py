@@ -32,15 +32,19 @@ may try again without a contributor: nothing was decrypted or spent)."""
 def at_fault(failed: list[dict[str, str]], passed: dict[str, str], r: int) -> dict[str, str]:
     """The contributors at fault, once an attempt whose fingerprints are ``passed`` (agent ->
     fingerprint) verified after attempts ``failed`` did not: every update of a failed attempt
-    that the passing one left out or replaced (agent -> why)."""
+    that the passing one left out or replaced (agent -> why), all named in one verdict (an
+    attempt that left several out or replaced several names each, and the others with it)."""
     out: dict[str, str] = {}
     for prints in failed:
-        for a, fp in prints.items():
-            if passed.get(a) == fp or a in out:
+        changed = [a for a, fp in prints.items() if passed.get(a) != fp]
+        for a in changed:
+            if a in out:
                 continue
             fate = "left out" if a not in passed else "replaced by its later update"
+            others = sorted(set(changed) - {a})
+            also = f" (and {', '.join(others)} too)" if others else ""
             out[a] = (f"its round {r} update does not match the fingerprint it signed: the aggregate with it "
-                      f"failed the key server's check, the same aggregate with it {fate} passed")
+                      f"failed the key server's check, the same aggregate with it {fate}{also} passed")
     return out
 
 

@@ -122,3 +122,78 @@ def test_a_silent_key_server_and_the_models_it_announces(setup):
         link.on_model("keyserver", model, r=3, **args)
     assert link.on_model("keyserver", model, r=2, **args) and link.model_round(0) == 2 and link.model_bytes == 321
     assert not link.on_model("keyserver", model, r=1, **args)  # older than the one saved
+
+
+def test_two_devices_with_a_later_update_are_both_replaced_in_the_first_retry():
+    """coordinator.contributions: with spares from two devices, the first attempt puts both in
+    place (two bad updates sent before genuine ones are dropped in one retry); then one device
+    at a time, devices with a spare first."""
+    from coordinator.contributions import Contributions
+
+    book = Contributions()
+    for a in "abcd":
+        book.keep(a, f"first-{a}", None)
+    book.spare("d", "later-d", None)
+    book.spare("b", "later-b", None)
+    attempts = []
+    while (attempt := book.next_attempt()) is not None:
+        attempts.append({a: u for a, (u, _) in attempt.items()})
+    assert attempts[0] == {"a": "first-a", "b": "later-b", "c": "first-c", "d": "later-d"}
+    assert attempts[1] == {"a": "first-a", "b": "later-b", "c": "first-c", "d": "first-d"}
+    assert attempts[2] == {"a": "first-a", "b": "first-b", "c": "first-c", "d": "later-d"}
+    assert [sorted(x) for x in attempts[3:]] == [["b", "c", "d"], ["a", "b", "d"]]
+    assert len(attempts) == 5  # with the first request: members + 2, the key server's limit per round
+    one = Contributions()
+    for a in "ab":
+        one.keep(a, f"first-{a}", None)
+    one.spare("b", "later-b", None)  # one spare: no all-spares attempt (the next one is the same)
+    assert {a: u for a, (u, _) in one.next_attempt().items()} == {"a": "first-a", "b": "later-b"}
+
+
+def test_a_spare_arriving_during_the_search_lists_the_attempts_again_without_repeats():
+    from coordinator.contributions import Contributions
+
+    book = Contributions()
+    for a in "abc":
+        book.keep(a, f"first-{a}", f"note-{a}")
+    book.spare("b", "later-b", None)
+    assert {a: u for a, (u, _) in book.next_attempt().items()} == {"a": "first-a", "b": "later-b", "c": "first-c"}
+    assert sorted(book.next_attempt()) == ["b", "c"]  # a left out
+    book.spare("c", "later-c", None)  # c's genuine update arrives now
+    assert {a: u for a, (u, _) in book.next_attempt().items()} == {"a": "first-a", "b": "later-b", "c": "later-c"}
+    rest = []
+    while (attempt := book.next_attempt()) is not None:
+        rest.append({a: u for a, (u, _) in attempt.items()})
+    assert rest == [{"a": "first-a", "b": "first-b", "c": "later-c"}]  # the two attempts sent are not repeated
+    assert book.first("c") == "note-c" and book.first("z") is None
+
+
+def test_when_every_attempt_is_refused_the_verdict_waits_for_a_later_update_until_the_deadline(setup):
+    """Every attempt refused before the deadline: the refusal is held; a device's later update
+    arriving then is tried at once; at the deadline a held refusal is the verdict."""
+    import time
+
+    secret, ids = setup
+    sent: list[bytes] = []
+    link = _link(ids, sent)
+    link.on_key("keyserver", _announce(secret))
+    make = lambda: StreamingAggregate(link.public, size=SIZE, round=1, cluster=0, min_encryptors=1)  # noqa: E731
+    updates = _updates(secret, ids)
+    cr = ClusterRound(["a", "b"], deadline=time.time() + 600, phase="updates")
+    cr.running = make()
+    for a in "ab":
+        cr.running.add(updates[a][0])
+        cr.updates[a] = updates[a][1]
+        cr.book.keep(a, *updates[a])
+    link.request(cr, cr.running.result(), 0.0, r=1)
+    refusal = AggregateResult(run_id=RUN, cluster=0, accepted=False, retry=True, reason="refused: not the product")
+    while not link.on_result("keyserver", refusal, cr, r=1, received=1.0, make=make) and cr.held is None:
+        pass  # each leave-one-out attempt refused in turn
+    assert len(sent) == 3 and cr.phase == "decrypting" and cr.held is not None
+    assert not link.expire(cr, r=1, now=time.time())  # before the deadline: held
+    cr.book.spare("b", *updates["c"])  # b's later update (another update object)
+    link.on_spare(0, cr, r=1, make=make)
+    assert len(sent) == 4 and cr.held is None  # the attempt with it went out
+    assert not link.on_result("keyserver", refusal, cr, r=1, received=2.0, make=make) and cr.held is not None
+    assert link.expire(cr, r=1, now=cr.deadline) and cr.phase == "done" and cr.accepted is False
+    assert cr.reason == "refused: not the product"

@@ -108,8 +108,8 @@ def test_two_bad_fingerprints_are_refused_at_the_check_and_both_named_by_the_att
     refusal, _, _ = verify(_checks(world), R, 0, *_request(world, [honest["a"], honest["c"]]), passed)
     assert refusal is None
     named = at_fault([failed], passed, R)
-    assert sorted(named) == ["b", "d"] and all("left out passed" in why for why in named.values())
+    assert sorted(named) == ["b", "d"] and "left out (and d too) passed" in named["b"]
     passed = {}
     assert verify(_checks(world), R, 0, *_request(world, list(honest.values())), passed)[0] is None
     named = at_fault([failed], passed, R)  # their later genuine updates in place
-    assert sorted(named) == ["b", "d"] and all("replaced by its later update" in why for why in named.values())
+    assert sorted(named) == ["b", "d"] and "replaced by its later update (and b too) passed" in named["d"]
