@@ -21,7 +21,7 @@ from senseshield.errors import ProtocolError
 from senseshield.results import RoundTally
 from senseshield.runtime.identity import Trust, check_frame
 from senseshield.runtime.protocol.envelope import decode_frame
-from senseshield.runtime.protocol.messages import Hello, Receipt, from_frame
+from senseshield.runtime.protocol.messages import Hello, MaskDecision, Receipt, from_frame
 from senseshield.strategies import FleetPlan
 from senseshield.strategies.base import Strategy
 
@@ -51,6 +51,7 @@ class ClusterRound:
     deadline: float
     phase: str  # "proposals" | "updates" | "decrypting" | "done"
     proposals: dict[str, np.ndarray] = field(default_factory=dict)
+    decision: MaskDecision | None = None  # the consensus mask sent to the proposers (kept to re-send)
     expected: set[str] = field(default_factory=set)  # who must send an update
     # who sent an update, and what the round's report needs of it (the update itself is
     # folded into ``running`` on arrival and not kept)
@@ -71,6 +72,7 @@ class ClusterRound:
     book: Contributions = field(default_factory=Contributions)
     refused: dict[str, str] = field(default_factory=dict)
     union_ratio: float | None = None  # of the aggregate sent (the share of encrypted positions)
+    ring_bits: int = 64  # the masked scheme's ring of this round (Strategy.ring_bits of the members)
     sealed: dict | None = None  # positions left sealed (too few encryptors), engine.aggregation.aggregate_sealed
     held: tuple | None = None  # (refusal, arrival) while every attempt was refused and a later update may come
 

@@ -375,6 +375,12 @@ class Coordinator(Service):
                 self._admit(agent_id)
         if self.plan is not None and agent_id in self.plan.cluster_of:  # a re-sent hello: repeat the assignment
             self._assign(agent_id)
+            # and the round in flight: after a broker restart the coordinator may have re-sent
+            # its plans before this agent was subscribed again, so they never reached it
+            for k, cr in self.clusters.items():
+                if cr.phase in ("proposals", "updates") and agent_id in cr.members and agent_id not in cr.updates:
+                    self.log.info("round %d cluster %d: %s said hello again; re-sending its plan", self.round, k, agent_id)
+                    self._resend_plans(k, [agent_id])
 
     def _on_status(self, item: Inbound) -> None:
         agent_id = check_sender(item)  # the last will is the agent's own frame, too
@@ -563,7 +569,8 @@ class Coordinator(Service):
                 continue
             deadline = time.time() + self.round_deadline
             negotiating = self.strategy.negotiates
-            cr = ClusterRound(members, deadline, "proposals" if negotiating else "updates")
+            cr = ClusterRound(members, deadline, "proposals" if negotiating else "updates",
+                              ring_bits=self.strategy.ring_bits(self.agents[a].hello.n_samples for a in members))
             if not negotiating:
                 cr.expected = set(members)
             self.clusters[k] = cr
@@ -784,6 +791,10 @@ class Coordinator(Service):
         update = update_from_message(msg, self.public, client_id=agent_id, round=item.round, size=self.size)
         self._check_receipt(agent_id, item.round, msg)
         cr = self._cluster_round_of(agent_id, item.round, "update")
+        ring = update.ciphertext.meta.get("ring_bits") if update.ciphertext is not None else None
+        if ring is not None and ring != cr.ring_bits:
+            raise ProtocolError(f"Update of {agent_id!r} is masked modulo 2^{ring}; the round's plan asks for "
+                                f"2^{cr.ring_bits}.")
         first = cr.book.first(agent_id) or cr.updates.get(agent_id)  # (an attempt in flight may leave it out)
         if first is not None:
             if (msg.receipt != first.receipt and cr.phase in ("updates", "decrypting")
@@ -883,6 +894,7 @@ class Coordinator(Service):
         if closed.decision is not None:
             proposers, shared = closed.decision
             decision = MaskDecision(cluster=closed.k, size=self.size, shared_mask=pack_mask(shared))
+            self.clusters[closed.k].decision = decision  # kept to re-send (a reconnect, a repeated hello)
             for a in proposers:
                 self.send(f"agents/{a}/inbox", decision, round=self.round)
         if closed.aggregate is not None:
@@ -950,14 +962,28 @@ class Coordinator(Service):
             self._assign(a)
         for k, cr in self.clusters.items():
             if cr.phase in ("proposals", "updates"):
+                if cr.offline:
+                    # a broker going down sends the last will of every client still connected
+                    # (Mosquitto does), so a will heard before the reconnect may be of a live
+                    # device that is reconnecting too: wait for it again, until it sends or
+                    # the deadline (its status, if it is back, arrives on the new connection)
+                    self.log.info("round %d cluster %d: waiting again for %s (their last will came with the "
+                                  "broker's loss)", self.round, k, sorted(cr.offline))
+                    cr.offline.clear()
                 pending = [a for a in cr.members if a not in cr.updates]
                 self.log.info("round %d cluster %d: re-sending plans to %s", self.round, k, pending)
                 self._resend_plans(k, pending)
         self._resend_requests("reconnected")
 
     def _resend_plans(self, k: int, agents: list[str]) -> None:
-        for a in agents:  # the plan is rebuilt exactly (same deadline, same everything)
+        """Round plans (and the consensus mask, once there is one) again to ``agents`` of
+        cluster ``k``: the plan is rebuilt exactly (same deadline, same everything), and an
+        agent that already sent its update answers a repeated plan by re-sending it."""
+        cr = self.clusters[k]
+        for a in agents:
             self.send(f"agents/{a}/inbox", self._round_plan(k, a), round=self.round)
+            if cr.decision is not None and a in cr.proposals:
+                self.send(f"agents/{a}/inbox", cr.decision, round=self.round)
 
     def _round_plan(self, k: int, agent: str) -> RoundPlan:
         """Agent ``agent``'s plan for cluster ``k`` in the current round."""
@@ -976,6 +1002,7 @@ class Coordinator(Service):
             noise_multiplier=self.sigma_user,
             record_noise=self.sigma_record.get(agent),
             local_steps=self.steps_of.get(agent),
+            ring_bits=cr.ring_bits,
             has_shared_mask=shared is not None,
             shared_mask=pack_mask(shared) if shared is not None else np.zeros(0, np.uint8),
         )
@@ -1033,13 +1060,14 @@ class Coordinator(Service):
 
     def _round_line(self, r: int) -> None:
         """The operator's line for a closed round (coordinator.report.round_line); the job
-        list's accuracy column and round."""
+        list's metric column and round."""
         out = len(self.plan.cluster_of) - len(self.sampled) if self.plan is not None else 0
         line, value = round_line(self.records[-1], rounds=self.config.rounds, out=out, metrics=self.metrics,
                                  metric_name=self.metric_name)
         self._event(line)
-        if value is not None and self.metric_name == "accuracy":  # job list's accuracy column
-            self.book.set(self.job, accuracy=value)
+        if value is not None:  # the job list's metric column
+            self.book.set(self.job, metric_name=self.metric_name, metric=value,
+                          accuracy=value if self.metric_name == "accuracy" else None)
         self.book.set(self.job, round=r, devices=len(self.active))
 
     # ---- results (coordinator.report) ---------------------------------------------------
@@ -1243,9 +1271,10 @@ class Coordinator(Service):
             if self.job_out is not None:
                 write_atomic(self.job_out / "report.json", json.dumps(report.model_dump(mode="json"), indent=2))
                 self.book.set(record, out=str(self.job_out))
-        final = report.final_accuracy if report is not None else None
-        self.book.set(record, state=state, reason=reason, accuracy=final if final is not None else record.accuracy,
-                      finished_at=time.time() if state != "running" else None)
+        final = report.final_metric if report is not None else None
+        self.book.set(record, state=state, reason=reason, metric=final if final is not None else record.metric,
+                      accuracy=report.final_accuracy if report is not None and report.final_accuracy is not None
+                      else record.accuracy, finished_at=time.time() if state != "running" else None)
         if state != "running":
             where = f"; report {self.job_out / 'report.json'}" if self.job_out is not None and report is not None else ""
             self._event(f"job {record.id} {state}" + (f": {reason}" if reason else "")

@@ -145,6 +145,7 @@ class EdgeAgent(Service):
         protocol: str = "5",
         kill_at_round: int | None = None,
         fail_at_round: int | None = None,
+        lose_plan_at_round: int | None = None,
         model_dir: Path | None = None,
         latency_repeats: int = 20,
         once: bool = False,
@@ -191,6 +192,7 @@ class EdgeAgent(Service):
         self.latency_repeats = latency_repeats
         self.kill_at_round = kill_at_round  # fault drills: SIGKILL itself when this round's plan arrives
         self.fail_at_round = fail_at_round  # ... or its training raises in this round
+        self.lose_plan_at_round = lose_plan_at_round  # ... or it loses this round's first plan
         self.bandwidth, self.cpu_speed = bandwidth, cpu_speed
         self.profile = profile or {}
         self.data_spec = data
@@ -305,6 +307,11 @@ class EdgeAgent(Service):
         if first != msg.cluster:
             raise ProtocolError(f"Round plan puts this agent in cluster {msg.cluster} in round {item.round}; "
                                 f"an earlier plan of that round said cluster {first}.")
+        if self.lose_plan_at_round == item.round:
+            self.lose_plan_at_round = None
+            self.log.warning("fault drill: dropping the plan of round %d and saying hello again", item.round)
+            self.on_reconnect()
+            return
         self.newest_plan = item.round
         self.plans.append((item.round, msg))
         self.plan_sent_at.setdefault(item.round, item.frame.sent_at)
@@ -665,7 +672,8 @@ class EdgeAgent(Service):
             participants=plan.participants, noise_multiplier=plan.noise_multiplier,
         )
         # the masked scheme's pads are this device's and the key server's alone, for this round
-        key = (self.public.for_contributor(self.identity.exchange, round_context(self.fleet, run.run_id, r, plan.cluster))
+        key = (self.public.for_contributor(self.identity.exchange, round_context(self.fleet, run.run_id, r, plan.cluster),
+                                           ring_bits=plan.ring_bits)
                if self.public is not None else None)
         update, choice = protect_local(
             strategy, context, local, key, n_samples=run.data.n_train,
