@@ -9,7 +9,10 @@ cluster of one device is refused by the minimum of contributors, attack or not),
 whose notes name
 c002, the mean round seconds, and the final accuracy next to the simulator's.
 
-    python benchmarks/bench_bad_contribution.py [--rounds 5] [--agents 4] [--strategies masked sensecrypt]
+``--bad c001 c002``: two bad devices at once (in one cluster for ``masked``; the rounds lost
+and named are then counted for each).
+
+    python benchmarks/bench_bad_contribution.py [--rounds 5] [--agents 4] [--strategies masked sensecrypt] [--bad c002]
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--agents", type=int, default=4)
     parser.add_argument("--strategies", nargs="+", default=["masked", "sensecrypt"])
+    parser.add_argument("--bad", nargs="+", default=["c002"], help="the devices sending a bad update every round")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bad-contribution-"))
     (tmp / "broker").mkdir()
@@ -45,14 +49,18 @@ def main() -> None:
             t0 = time.time()
             with Fleet(config, options) as fleet:
                 fleet.start()
-                bad = BadDevice(broker.url, f"bad-{strategy}", "c002", fleet.out / "identities" / "c002.key")
+                bad = [BadDevice(broker.url, f"bad-{strategy}", d, fleet.out / "identities" / f"{d}.key")
+                       for d in args.bad]
                 try:
                     report = fleet.wait(timeout=900)
                 finally:
-                    bad.stop()
+                    for device in bad:
+                        device.stop()
             figures = {
-                "strategy": strategy, "agents": args.agents, "rounds": args.rounds, "attacked": bad.sent,
-                "rounds_lost": rounds_lost(report, "c002"), "rounds_lost_any_cluster": rounds_lost(report), "named_in_rounds": named(report, "c002"),
+                "strategy": strategy, "agents": args.agents, "rounds": args.rounds, "bad": args.bad,
+                "attacked": {d.device: d.sent for d in bad},
+                "rounds_lost": {d: rounds_lost(report, d) for d in args.bad}, "rounds_lost_any_cluster": rounds_lost(report),
+                "named_in_rounds": {d: named(report, d) for d in args.bad},
                 "mean_round_s": round(sum(r["seconds"] for r in report["rounds"]) / len(report["rounds"]), 2),
                 "final_accuracy": round(report["final_accuracy"], 4),
                 "simulator_accuracy": round(run_simulation(config).final_accuracy, 4),

@@ -1,7 +1,10 @@
 """The masked scheme measured (issue 22): parameters per second at each step, bytes per parameter.
 
-    .venv/bin/python benchmarks/bench_masked.py [--sizes 50826,1000000] [--contributors 6]
+    .venv/bin/python benchmarks/bench_masked.py [--sizes 50826,1000000] [--rings 32,64] [--contributors 6]
         [--repeats 7] [--out benchmarks/results/masked.json]
+
+Each size is measured in each ring (``ring_bits``: 32, 4 bytes per parameter, values in
+[-1, 1]; 64, 8 bytes); the updates are N(0, 0.01), inside both rings' range.
 
 One core (numpy and OpenSSL single-threaded). For each model size: an agent masks its
 update (pads from ChaCha20 + fixed-point encoding, ``encrypt``), the coordinator folds
@@ -36,7 +39,7 @@ from senseshield.he.base import CipherPart, round_context  # noqa: E402
 from senseshield.runtime.identity import Identity  # noqa: E402
 
 
-def measure(size: int, contributors: int, repeats: int) -> dict[str, Any]:
+def measure(size: int, contributors: int, repeats: int, ring_bits: int = 64) -> dict[str, Any]:
     secret = generate_keys("masked")
     public = secret.public_key
     agents = [Identity.generate(f"c{i:03d}") for i in range(contributors)]
@@ -44,7 +47,7 @@ def measure(size: int, contributors: int, repeats: int) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     positions = np.arange(size)
     updates = [rng.normal(0, 0.01, size) for _ in range(contributors)]
-    keys = [public.for_contributor(a.exchange, context) for a in agents]
+    keys = [public.for_contributor(a.exchange, context, ring_bits=ring_bits) for a in agents]
     t_mask = best(lambda: keys[0].encrypt(updates[0], positions), repeats)
     vectors = [k.encrypt(u, positions) for k, u in zip(keys, updates)]
     weights = [100 + i for i in range(contributors)]
@@ -63,7 +66,7 @@ def measure(size: int, contributors: int, repeats: int) -> dict[str, Any]:
     expected = sum(w * u for w, u in zip(weights, updates))
     wire = len(public.ciphertext_bytes(vectors[0]))
     return {
-        "size": size, "contributors": contributors,
+        "size": size, "ring_bits": ring_bits, "contributors": contributors,
         "mask_params_per_s": size / t_mask,
         "fold_params_per_s": size / t_fold,
         "unmask_params_per_s_per_contributor": size * contributors / t_unmask,
@@ -84,15 +87,17 @@ def packed_bytes_per_param(size: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", type=numbers(int, minimum=1), default="50826,1000000")
+    parser.add_argument("--rings", type=numbers(int, minimum=32), default="32,64")
     parser.add_argument("--contributors", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "masked.json")
     args = parser.parse_args()
     rows = []
-    for size in args.sizes:
-        row = measure(size, args.contributors, args.repeats)
+    for size, bits in [(size, bits) for size in args.sizes for bits in args.rings]:
+        row = measure(size, args.contributors, args.repeats, bits)
         rows.append(row)
-        print(f"{size:>9,d} params: mask {row['mask_params_per_s'] / 1e6:6.1f} M/s, fold {row['fold_params_per_s'] / 1e6:6.1f} M/s, "
+        print(f"{size:>9,d} params, {bits}-bit ring: mask {row['mask_params_per_s'] / 1e6:6.1f} M/s, "
+              f"fold {row['fold_params_per_s'] / 1e6:6.1f} M/s, "
               f"unmask {row['unmask_params_per_s_per_contributor'] / 1e6:6.1f} M/s per contributor, end to end "
               f"{row['end_to_end_params_per_s'] / 1e6:6.1f} M/s; {row['bytes_per_param']:.3f} B/param; "
               f"max error {row['max_error']:.1e}", flush=True)

@@ -259,7 +259,8 @@ class LoadGenerator:
         if key not in self.cache:  # encrypt this template's update once; every agent replays it
             context = ClientContext(f"template-{t}", 1, plan.cluster, plan.encryption_budget, shared, plan.block_size,
                                     participants=plan.participants, noise_multiplier=plan.noise_multiplier)
-            public = (self.public.for_contributor(self.ids[agent].exchange, round_context(self.name, self.run_id, r, plan.cluster))
+            public = (self.public.for_contributor(self.ids[agent].exchange, round_context(self.name, self.run_id, r, plan.cluster),
+                                                    ring_bits=plan.ring_bits)
                       if own else self.public)
             update, choice = protect_local(self.strategy, context, self.local[t], public,
                                            n_samples=self.samples(t), rng=DeviceNoise().generator("protect", round=1, index=t))

@@ -1,5 +1,5 @@
 """The updates of one cluster's round, kept until the key server's verdict, and the search
-for the one whose fingerprint does not match its ciphertext.
+for the ones whose fingerprint does not match their ciphertext.
 
 The key server checks an aggregate against the contributors' signed fingerprints before it
 decrypts anything (:mod:`senseshield.he.fingerprint`, and the masked scheme's own). When the
@@ -8,14 +8,19 @@ coordinator may send the round's aggregate again over another set of the same up
 :class:`Contributions` keeps every update the round folded in, and per device the latest
 *other* update it sent in the round (a device that sent a bad update first and its genuine
 one after: the genuine one is a spare instead of a dropped duplicate), and lists the
-attempts to try, one at a time: for each device, the aggregate with its spare in place of
-its first update (devices with a spare first), or without it. The first attempt the key
-server accepts is decrypted; the key server names the device whose update the accepted
-attempt left out or replaced. Verifying an attempt reveals nothing (no pad is removed, no
-ciphertext decrypted), so trying several costs only their verification.
+attempts to try, one at a time: when two or more devices sent a spare, first the aggregate
+with every spare in place of its device's first update (several devices sending a bad update
+before their genuine one are all dropped in one retry); then for each device, the aggregate
+with its spare in place of its first update (devices with a spare first), or without it.
+The first attempt the key server accepts is decrypted; the key server names every device
+whose update the accepted attempt left out or replaced, in one verdict. Verifying an attempt
+reveals nothing (no pad is removed, no ciphertext decrypted), so trying several costs only
+their verification.
 
-One bad update per cluster and round is found this way; with two, every leave-one-out
-attempt fails and the cluster's round is lost (docs/security.md).
+The key server sees aggregates only, never one device's ciphertext, so it cannot check a
+single contributor's fingerprint: two bad updates per cluster and round are found when both
+devices also sent a genuine one (the spares attempt); two bad updates without later genuine
+ones still fail every leave-one-out attempt, and the cluster's round is lost (docs/security.md).
 """
 
 from __future__ import annotations
@@ -34,14 +39,23 @@ class Contributions:
 
     kept: dict[str, Entry] = field(default_factory=dict)  # the update each device sent first
     spares: dict[str, Entry] = field(default_factory=dict)  # a later, different update of a device
-    queue: list[dict[str, Entry]] | None = None  # attempts still to try (None: not searching yet)
+    queue: list[dict[str, Entry]] | None = None  # attempts still to try (None: to be listed)
     chosen: dict[str, Entry] | None = None  # the attempt in flight
+    tried: set[frozenset] = field(default_factory=set)  # the attempts sent
 
     def keep(self, agent: str, update: Any, note: Any) -> None:
         self.kept[agent] = (update, note)
 
+    def first(self, agent: str) -> Any:
+        """The note of the update ``agent`` sent first in the round (None: none kept)."""
+        entry = self.kept.get(agent)
+        return entry[1] if entry is not None else None
+
     def spare(self, agent: str, update: Any, note: Any) -> None:
+        """A later, different update of ``agent``; one arriving during the search lists the
+        attempts again (those already sent are not repeated)."""
         self.spares[agent] = (update, note)
+        self.queue = None
 
     def next_attempt(self) -> dict[str, Entry] | None:
         """The next set of updates to aggregate after a refusal at the fingerprint check, or
@@ -49,18 +63,28 @@ class Contributions:
         if self.queue is None:
             first = sorted(self.spares) + sorted(a for a in self.kept if a not in self.spares)
             self.queue = []
+            if len(self.spares) >= 2:  # every spare in place at once
+                self.queue.append({**self.kept, **{a: e for a, e in self.spares.items() if a in self.kept}})
             for suspect in first:
                 attempt = {a: e for a, e in self.kept.items() if a != suspect}
                 if suspect in self.spares:
                     attempt[suspect] = self.spares[suspect]
                 if attempt:
                     self.queue.append(attempt)
+            self.queue = [attempt for attempt in self.queue if _signature(attempt) not in self.tried]
         self.chosen = self.queue.pop(0) if self.queue else None
+        if self.chosen is not None:
+            self.tried.add(_signature(self.chosen))
         return self.chosen
 
     def clear(self) -> None:
         """The round's verdict is in: the updates go (memory)."""
-        self.kept, self.spares, self.queue = {}, {}, None
+        self.kept, self.spares, self.queue, self.tried = {}, {}, None, set()
+
+
+def _signature(attempt: dict[str, Entry]) -> frozenset:
+    """Which update of which device an attempt aggregates (the same objects: the same attempt)."""
+    return frozenset((agent, id(update)) for agent, (update, _) in attempt.items())
 
 
 def aggregate_of(attempt: dict[str, Entry], make: Callable[[], StreamingAggregate]) -> StreamingAggregate:

@@ -40,7 +40,9 @@ class JobRecord:
     finished_at: float | None = None
     round: int = 0
     rounds: int = 0
-    accuracy: float | None = None
+    accuracy: float | None = None  # the job's metric when it is accuracy (older books: only this)
+    metric_name: str = "accuracy"  # the job's metric (accuracy, mse, ...) and its latest value
+    metric: float | None = None
     devices: int = 0
     out: str | None = None  # where its report.json is (on the coordinator's host)
     reason: str = ""

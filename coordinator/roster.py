@@ -1,6 +1,9 @@
 """Who is in the coordinator's job: each agent's hello, whether its last will says it is
 online, and its bootstrap vector (:class:`AgentInfo`); whether an agent can take part
-(:func:`online`, :func:`ready`) and what the strategy is told of it (:func:`report_of`)."""
+(:func:`online`, :func:`ready`) and what the strategy is told of it (:func:`report_of`);
+admission: a hello checked against the fleet's key (:func:`key_refusal`) and against the
+agent's first (:func:`greet`), and a device that joins after the bootstrap planned into a
+cluster (:func:`admit`)."""
 
 from __future__ import annotations
 
@@ -9,9 +12,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from senseshield.errors import ProtocolError
 from senseshield.runtime.protocol.messages import Hello
-from senseshield.strategies import BootstrapReport
-from senseshield.strategies.base import EncryptionRate, RoundCosts, measured_intervals
+from senseshield.strategies import BootstrapReport, FleetPlan
+from senseshield.strategies.base import EncryptionRate, RoundCosts, Strategy, measured_intervals
 
 
 @dataclass
@@ -41,3 +45,50 @@ def report_of(agents: dict[str, AgentInfo], agent_id: str) -> BootstrapReport:
     return BootstrapReport(agent_id, info.hello.n_samples, info.hello.bandwidth, info.hello.cpu_speed, info.vector,
                            RoundCosts.from_profile(info.hello.profile), measured_intervals(info.hello.profile),
                            EncryptionRate.from_profile(info.hello.profile))
+
+
+def key_refusal(agent_id: str, hello: Hello, key_id: str | None) -> str | None:
+    """Why ``agent_id``, whose hello names public key ``hello.key_id``, is refused while the
+    fleet's key is ``key_id`` (None: no key yet, or the same key)."""
+    if key_id is None or hello.key_id == key_id:
+        return None
+    return (f"agent {agent_id!r} holds public key {hello.key_id!r}, not the fleet's key "
+            f"{key_id!r}; it is refused (re-fetch keys/public)")
+
+
+def greet(agents: dict[str, AgentInfo], agent_id: str, hello: Hello, *, planned: bool) -> bool:
+    """``agent_id``'s ``hello`` in this job (its key checked): True when it joins now. A
+    repeat (reconnect, restart) marks it online; before the fleet is ``planned`` the latest
+    hello counts, after it the first stays and a repeat must bring the same data facts
+    (ProtocolError, one sentence, otherwise)."""
+    known = agents.get(agent_id)
+    if known is None:
+        agents[agent_id] = AgentInfo(hello)
+        return True
+    if planned:
+        first = known.hello
+        if (hello.n_samples, hello.index, hello.key_id) != (first.n_samples, first.index, first.key_id):
+            raise ProtocolError(
+                f"Hello of {agent_id!r} claims {hello.n_samples} samples, shard {hello.index}, key {hello.key_id!r}; "
+                f"it joined with {first.n_samples}, {first.index}, {first.key_id!r}."
+            )
+    else:
+        known.hello = hello
+    known.online = True
+    return False
+
+
+def admit(agents: dict[str, AgentInfo], plan: FleetPlan, strategy: Strategy, agent_id: str, *, size: int,
+          block_size: int) -> tuple[FleetPlan, list[str]] | None:
+    """A device that joined after the bootstrap, once ready (bootstrap vector in, if the
+    strategy needs it): the strategy assigns it a cluster (the nearest, for clustering
+    strategies) and recomputes the cluster's budgets with it. Returns the new plan and the
+    devices to send an assignment (it, and those whose budget changed); None if it is not
+    ready or already planned."""
+    if not ready(agents, agent_id, needs_vector=strategy.needs_bootstrap_sensitivity) or agent_id in plan.cluster_of:
+        return None
+    members = [a for a in sorted(plan.cluster_of) if a in agents]
+    before = dict(plan.budget_of)
+    plan = strategy.admit([report_of(agents, a) for a in members], plan, report_of(agents, agent_id), size=size,
+                          block_size=block_size)
+    return plan, [a for a in sorted(plan.cluster_of) if a == agent_id or before.get(a) != plan.budget_of[a]]

@@ -8,6 +8,7 @@ and its encryption floor (:func:`floor_refusal`)."""
 from __future__ import annotations
 
 import hashlib
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,7 +21,7 @@ from senseshield.errors import ProtocolError
 from senseshield.results import RoundTally
 from senseshield.runtime.identity import Trust, check_frame
 from senseshield.runtime.protocol.envelope import decode_frame
-from senseshield.runtime.protocol.messages import Hello, Receipt, from_frame
+from senseshield.runtime.protocol.messages import Hello, MaskDecision, Receipt, from_frame
 from senseshield.strategies import FleetPlan
 from senseshield.strategies.base import Strategy
 
@@ -50,6 +51,7 @@ class ClusterRound:
     deadline: float
     phase: str  # "proposals" | "updates" | "decrypting" | "done"
     proposals: dict[str, np.ndarray] = field(default_factory=dict)
+    decision: MaskDecision | None = None  # the consensus mask sent to the proposers (kept to re-send)
     expected: set[str] = field(default_factory=set)  # who must send an update
     # who sent an update, and what the round's report needs of it (the update itself is
     # folded into ``running`` on arrival and not kept)
@@ -70,7 +72,9 @@ class ClusterRound:
     book: Contributions = field(default_factory=Contributions)
     refused: dict[str, str] = field(default_factory=dict)
     union_ratio: float | None = None  # of the aggregate sent (the share of encrypted positions)
+    ring_bits: int = 64  # the masked scheme's ring of this round (Strategy.ring_bits of the members)
     sealed: dict | None = None  # positions left sealed (too few encryptors), engine.aggregation.aggregate_sealed
+    held: tuple | None = None  # (refusal, arrival) while every attempt was refused and a later update may come
 
     def record(self) -> dict:
         """The cluster's part of the round's record (report.json ``server[].clusters``)."""
@@ -164,3 +168,88 @@ def round_tally(r: int, clusters: dict[int, ClusterRound], *, work: dict[str, di
             if who:
                 tally.notes.append(f"round {r} cluster {k}: closed without {', '.join(sorted(who))} ({why})")
     return tally
+
+
+@dataclass
+class Closed:
+    """What closing a phase of cluster ``k``'s round asks of the service (:func:`advance`):
+    ``decision``: the proposers and the consensus mask to send them (proposals closed);
+    ``aggregate`` and ``started`` (its fold's ``perf_counter`` start): the aggregate to
+    request the key server's verdict on (updates closed)."""
+
+    k: int
+    decision: tuple[list[str], np.ndarray] | None = None
+    aggregate: object | None = None
+    started: float = 0.0
+
+
+def advance(clusters: dict[int, ClusterRound], *, r: int, now: float, round_deadline: float, straggling: list[dict],
+            consensus, online, then, log) -> None:  # noqa: ANN001
+    # consensus(proposals) -> mask, online(agent) -> bool, then(Closed) -> None
+    """Close what is due in round ``r``'s cluster rounds at time ``now``: the proposals at half
+    the deadline, or as soon as every member missing went offline (last will) or failed its
+    round (the consensus of the proposals in, ``consensus``, is then what the proposers are
+    sent, and they are the members expected to update); the updates at the deadline, or as
+    soon as every expected member missing went offline or failed (the running aggregate is
+    then closed, or the round is done when none arrived or it does not close). Each missing
+    member is recorded as straggling (``straggling``, with ``online(agent)`` at that time).
+    What a closed phase asks of the service goes to ``then`` at once (a :class:`Closed`)."""
+    for k, cr in clusters.items():
+        if cr.phase == "proposals":
+            half = cr.deadline - round_deadline / 2
+            missing = [a for a in cr.members if a not in cr.proposals]
+            if set(missing) <= cr.offline | cr.failed.keys() or now >= half:
+                straggle(cr, missing, "proposal", half, r=r, k=k, straggling=straggling, online=online, log=log)
+                proposers = sorted(cr.proposals)
+                closed = Closed(k)
+                if proposers:
+                    closed.decision = (proposers, consensus([cr.proposals[a] for a in proposers]))
+                    then(closed)
+                cr.expected = set(proposers)
+                cr.phase = "updates"
+        if cr.phase == "updates":
+            missing = cr.expected - set(cr.updates)
+            if missing <= cr.offline | cr.failed.keys() or now >= cr.deadline:
+                straggle(cr, sorted(missing), "update", cr.deadline, r=r, k=k, straggling=straggling, online=online,
+                         log=log)
+                closed = close_updates(cr, r=r, k=k, log=log)
+                if closed is not None:
+                    then(closed)
+
+
+def straggle(cr: ClusterRound, missing: list[str], what: str, deadline: float, *, r: int, k: int,
+             straggling: list[dict], online, log) -> None:  # noqa: ANN001
+    """Cluster ``k``'s round ``r`` closes its ``what`` phase (due at ``deadline``) without
+    ``missing``: each is recorded as straggled, offline (last will) or failed (its round)."""
+    for a in missing:
+        cr.straggled.append(a)
+        gone = a in cr.offline
+        failed = cr.failed.get(a) if not gone else None
+        straggling.append({"round": r, "cluster": k, "agent": a,
+                           "missing": "offline" if gone else "failed" if failed else what,
+                           "deadline": deadline, "online": online(a), "arrived_late": False})
+        if gone:
+            log.warning("round %d cluster %d: %s went offline (last will); closing without it", r, k, a)
+        elif failed:
+            log.warning("round %d cluster %d: %s failed its round; closing without it", r, k, a)
+        else:
+            log.warning("round %d cluster %d: no %s from %s by the deadline; closing without it", r, k, what, a)
+
+
+def close_updates(cr: ClusterRound, *, r: int, k: int, log) -> Closed | None:  # noqa: ANN001
+    """The running aggregate of cluster ``k``'s round, closed (the updates are already in;
+    closing costs the fold of the plaintext); None, and the round done, when no update arrived
+    or it does not close (e.g. the key's weight head-room: the cluster's round fails alone)."""
+    if not cr.updates:
+        cr.phase, cr.accepted, cr.reason = "done", False, "no update arrived before the deadline"
+        return None
+    cr.timestamps["closed_at"] = time.time()
+    t = time.perf_counter()
+    try:
+        aggregate = cr.running.result()
+    except ProtocolError as exc:
+        cr.phase, cr.accepted, cr.reason = "done", False, f"aggregation failed: {exc}"
+        log.warning("round %d cluster %d: %s", r, k, cr.reason)
+        return None
+    cr.running = None  # the memory goes with it
+    return Closed(k, aggregate=aggregate, started=t)

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
-from senseshield.engine.aggregation import StreamingAggregate, aggregate_sealed
+from senseshield.engine.aggregation import StreamingAggregate
 from senseshield.errors import ConfigError, ProtocolError
-from senseshield.he import SCHEMES, PublicKey
+from senseshield.he import PublicKey
 from senseshield.he.base import job_key
 from senseshield.runtime.protocol.envelope import DEFAULT_MAX_FRAME_BYTES
 from senseshield.runtime.protocol.messages import (
@@ -53,7 +53,6 @@ from senseshield.runtime.protocol.messages import (
     RoundPlan,
     Status,
     UpdateMessage,
-    aggregate_to_message,
     pack_mask,
     unpack_mask,
     update_from_message,
@@ -69,9 +68,9 @@ from coordinator.roster import AgentInfo
 from coordinator.report import (  # noqa: F401 (FleetReport re-exported)
     FleetReport, RunView, agent_round_records, clock_offset, round_line, user_epsilons,
 )
-from coordinator.contributions import aggregate_of
+from coordinator.keylink import KeyLink
 from coordinator.rounds import (
-    ClusterRound, UpdateNote, check_facts, check_receipt, floor_refusal, note_of, round_tally,
+    Closed, ClusterRound, UpdateNote, advance, check_facts, check_receipt, floor_refusal, note_of, round_tally,
 )
 from coordinator.jobs import OPEN, JobBook, JobRecord
 from coordinator.metrics import METRICS_PORT_ENV, CoordinatorMetrics  # noqa: F401 (re-exported)
@@ -167,7 +166,7 @@ class Coordinator(Service):
             self.on(cls, handler)
         self.watch("keyserver", self._on_keyserver_status)
         self.run_id = ""
-        self.key_refused = ""
+        self.keys = self._key_link(None)  # no job yet: announcements and verdicts are not for us
         self.plan: FleetPlan | None = None
         self.agents: dict[str, AgentInfo] = {}
         self.clusters: dict[int, ClusterRound] = {}
@@ -241,8 +240,8 @@ class Coordinator(Service):
             raise KeyboardInterrupt
         if self.job is not None and self.job.id in self.cancelled:
             raise JobCancelled(self.job.id)
-        if self.job is not None and self.key_refused:  # the key server will not serve this job
-            raise ConfigError(self.key_refused)
+        if self.job is not None and self.keys.refused:  # the key server will not serve this job
+            raise ConfigError(self.keys.refused)
 
     def _publish_board(self) -> None:
         if self.link.connected:
@@ -284,9 +283,7 @@ class Coordinator(Service):
         self.input_shape, self.num_classes = list(input_shape), num_classes
         self.run_id = record.id
         self.job_out = (self.out_dir if self.once else self.out_dir / "jobs" / record.id) if self.out_dir is not None else None
-        self.public: PublicKey | None = None
-        self.key_id: str | None = None
-        self.key_refused = ""  # the key server's one sentence if it refuses this job
+        self.keys = self._key_link(self.scheme)
         self.agents = {}
         self.refused: dict[str, str] = {}
         self.declined: dict[str, str] = {}
@@ -294,7 +291,6 @@ class Coordinator(Service):
         self.sigma_user: float | None = None
         self.sigma_record: dict[str, float] = {}
         self.model_round: dict[int, int] = {}
-        self.models: dict[int, tuple[int, np.ndarray]] = {}  # last published model per cluster
         self.round = 0
         self.round_open: RoundOpen | None = None
         self.completed = 0
@@ -315,25 +311,25 @@ class Coordinator(Service):
         self._resume()
 
     # ---- registry -----------------------------------------------------------------------
+    def _key_link(self, scheme: str | None) -> KeyLink:
+        return KeyLink(self.run_id, scheme, sign=lambda message, r: self.frame(message, round=r),
+                       publish=lambda frame: self.link.publish("keyserver/requests", frame), log=self.log)
+
+    @property
+    def public(self) -> PublicKey | None:
+        return self.keys.public
+
+    @property
+    def key_id(self) -> str | None:
+        return self.keys.key_id
+
     def _on_key(self, item: Inbound) -> None:
-        msg: PublicKeyAnnouncement = item.message  # type: ignore[assignment]
-        if item.sender != "keyserver":
-            raise ProtocolError(f"keys/public from {item.sender!r}; only the key server may announce keys.")
-        if self.job is None or (msg.run_id and msg.run_id != self.run_id):
-            return  # a key for another job (e.g. the previous job's, retained)
-        if msg.refused:  # e.g. not signed by a pinned operator: the job fails with this sentence
-            self.log.error("the key server refuses job %s: %s", self.run_id, msg.refused)
-            self.key_refused = msg.refused
+        if self.job is None:
+            if item.sender != "keyserver":
+                raise ProtocolError(f"keys/public from {item.sender!r}; only the key server may announce keys.")
             return
-        want = self.scheme or ""
-        if msg.scheme != want:
-            raise ProtocolError(f"The key server announces scheme {msg.scheme!r}; this run needs {want!r}.")
-        if msg.key_id == self.key_id:
-            return  # the same key again (retained message after a reconnect)
-        public = SCHEMES.get(msg.scheme).public_key_from_bytes(msg.key) if msg.scheme else None
-        if public is not None and public.key_id != msg.key_id:
-            raise ProtocolError(f"The announced key id {msg.key_id!r} is not the key's id {public.key_id!r}.")
-        self.public, self.key_id = public, msg.key_id
+        if not self.keys.on_key(item.sender, item.message):  # type: ignore[arg-type]
+            return
         for agent_id, info in list(self.agents.items()):
             self._check_key(agent_id, info.hello)
         self._resend_requests("the key server announced its key")  # e.g. it restarted
@@ -343,26 +339,15 @@ class Coordinator(Service):
             self._resend_requests("the key server is back online")
 
     def _resend_requests(self, why: str) -> None:
-        """Re-send the round's plan and every aggregate request still waiting for its verdict
-        (the key server answers a repeat with the verdict it gave, so duplicates are harmless)."""
+        """Re-send the round's plan and every aggregate request still waiting for its verdict."""
         if getattr(self, "round_open", None) is not None and self.round >= 1:
             self.send("keyserver/rounds", self.round_open, round=self.round)
-        for k, cr in self.clusters.items():
-            if cr.phase == "decrypting" and cr.request is not None:
-                self.log.info("round %d cluster %d: %s; re-sending the aggregate request", self.round, k, why)
-                self._send_request(cr)
-
-    def _send_request(self, cr: ClusterRound) -> None:
-        cr.sent_at = time.time()
-        self.link.publish("keyserver/requests", cr.request)
+        self.keys.resend(self.clusters, getattr(self, "round", 0), why)
 
     def _check_key(self, agent_id: str, hello: Hello) -> bool:
-        if self.key_id is None or hello.key_id == self.key_id:
+        reason = roster.key_refusal(agent_id, hello, self.key_id)
+        if reason is None:
             return True
-        reason = (
-            f"agent {agent_id!r} holds public key {hello.key_id!r}, not the fleet's key "
-            f"{self.key_id!r}; it is refused (re-fetch keys/public)"
-        )
         self.log.warning(reason)
         self.refused[agent_id] = reason
         self.agents.pop(agent_id, None)
@@ -380,31 +365,23 @@ class Coordinator(Service):
         if not self._check_key(agent_id, msg):
             return
         self.declined.pop(agent_id, None)
-        known = self.agents.get(agent_id)
-        if known is not None and self.plan is not None:
-            # the fleet was planned with the first hello: a repeat (reconnect, restart) must
-            # bring the same data facts, and the planned hello stays
-            first = known.hello
-            if (msg.n_samples, msg.index, msg.key_id) != (first.n_samples, first.index, first.key_id):
-                raise ProtocolError(
-                    f"Hello of {agent_id!r} claims {msg.n_samples} samples, shard {msg.index}, key {msg.key_id!r}; "
-                    f"it joined with {first.n_samples}, {first.index}, {first.key_id!r}."
-                )
+        joined = roster.greet(self.agents, agent_id, msg, planned=self.plan is not None)
         self._uplink(agent_id, item)
-        if known is None:
-            self.agents[agent_id] = AgentInfo(msg)
+        if joined:
             late = " (after the bootstrap: it takes part from the next round)" if self.plan is not None else ""
             self.log.info("agent %s joined (%d/%d): %d samples, %.1f MB/s, cpu %.1f%s",
                           agent_id, len(self.agents), self.config.min_devices, msg.n_samples, msg.bandwidth,
                           msg.cpu_speed, late)
             if self.plan is not None:
                 self._admit(agent_id)
-        elif self.plan is None:
-            known.hello, known.online = msg, True
-        else:
-            known.online = True
         if self.plan is not None and agent_id in self.plan.cluster_of:  # a re-sent hello: repeat the assignment
             self._assign(agent_id)
+            # and the round in flight: after a broker restart the coordinator may have re-sent
+            # its plans before this agent was subscribed again, so they never reached it
+            for k, cr in self.clusters.items():
+                if cr.phase in ("proposals", "updates") and agent_id in cr.members and agent_id not in cr.updates:
+                    self.log.info("round %d cluster %d: %s said hello again; re-sending its plan", self.round, k, agent_id)
+                    self._resend_plans(k, [agent_id])
 
     def _on_status(self, item: Inbound) -> None:
         agent_id = check_sender(item)  # the last will is the agent's own frame, too
@@ -466,28 +443,25 @@ class Coordinator(Service):
         return roster.report_of(self.agents, agent_id)
 
     def _admit(self, agent_id: str) -> None:
-        """A device that joined after the bootstrap: once ready (bootstrap vector in), the
-        strategy assigns it a cluster (the nearest, for clustering strategies) and the
-        cluster's budgets are recomputed with it; it takes part from the next round."""
+        """A device that joined after the bootstrap (coordinator.roster.admit): planned into a
+        cluster once ready; it takes part from the next round."""
         assert self.plan is not None
-        if not self._ready(agent_id) or agent_id in self.plan.cluster_of:
+        admitted = roster.admit(self.agents, self.plan, self.strategy, agent_id, size=self.size,
+                                block_size=self.block_size)
+        if admitted is None:
             return
-        members = [a for a in sorted(self.plan.cluster_of) if a in self.agents]
-        reports = [self._report_of(a) for a in members]
-        before = dict(self.plan.budget_of)
-        self.plan = self.strategy.admit(reports, self.plan, self._report_of(agent_id), size=self.size,
-                                        block_size=self.block_size)
+        self.plan, assign = admitted
         _, record = noise_multipliers(self.config, self.strategy, {agent_id: self.agents[agent_id].hello.n_samples})
         self.sigma_record.update(record)
         k = self.plan.cluster_of[agent_id]
         self.model_round.setdefault(k, 0)
         self.admitted[agent_id] = self.round + 1
-        for a in sorted(self.plan.cluster_of):
-            if a == agent_id or before.get(a) != self.plan.budget_of[a]:
-                self._assign(a)
+        for a in assign:
+            self._assign(a)
         self._event(f"agent {agent_id} admitted to cluster {k} with budget {self.plan.budget_of[agent_id]:.3f}; "
                     f"it takes part from round {self.round + 1}")
         self._checkpoint()
+
     def _on_foreign_config(self, item: Inbound) -> None:
         msg: FleetConfig = item.message  # type: ignore[assignment]
         if msg.run_id != self.run_id:
@@ -496,7 +470,7 @@ class Coordinator(Service):
     @property
     def block_size(self) -> int:
         """Mask granularity of the fleet's HE scheme (1 without HE)."""
-        return self.public.block_size if self.public is not None else 1
+        return self.keys.block_size
 
     def _online(self, agent_id: str) -> bool:
         return roster.online(self.agents, agent_id)
@@ -513,8 +487,7 @@ class Coordinator(Service):
         timeout = self.join_timeout
         end = None if timeout is None else time.monotonic() + timeout
         left = lambda: None if end is None else max(end - time.monotonic(), 0.0)  # noqa: E731
-        ready = lambda: self.public is not None or (self.key_id is not None and self.scheme is None)  # noqa: E731
-        if not self._wait(ready, left()):
+        if not self._wait(lambda: self.keys.ready, left()):
             raise ConfigError(f"No public key from the key server within {timeout:g} s; is `keyserver serve` running for fleet {self.fleet!r}?")
         need = self.config.min_devices
         count = lambda: (sum(self._ready(a) for a in self.agents), len(self.declined))  # noqa: E731
@@ -597,7 +570,8 @@ class Coordinator(Service):
                 continue
             deadline = time.time() + self.round_deadline
             negotiating = self.strategy.negotiates
-            cr = ClusterRound(members, deadline, "proposals" if negotiating else "updates")
+            cr = ClusterRound(members, deadline, "proposals" if negotiating else "updates",
+                              ring_bits=self.strategy.ring_bits(self.agents[a].hello.n_samples for a in members))
             if not negotiating:
                 cr.expected = set(members)
             self.clusters[k] = cr
@@ -818,13 +792,20 @@ class Coordinator(Service):
         update = update_from_message(msg, self.public, client_id=agent_id, round=item.round, size=self.size)
         self._check_receipt(agent_id, item.round, msg)
         cr = self._cluster_round_of(agent_id, item.round, "update")
-        if agent_id in cr.updates:
-            if (msg.receipt != cr.updates[agent_id].receipt and cr.phase in ("updates", "decrypting")
-                    and self.public is not None and self.public.verifiable):
+        ring = update.ciphertext.meta.get("ring_bits") if update.ciphertext is not None else None
+        if ring is not None and ring != cr.ring_bits:
+            raise ProtocolError(f"Update of {agent_id!r} is masked modulo 2^{ring}; the round's plan asks for "
+                                f"2^{cr.ring_bits}.")
+        first = cr.book.first(agent_id) or cr.updates.get(agent_id)  # (an attempt in flight may leave it out)
+        if first is not None:
+            if (msg.receipt != first.receipt and cr.phase in ("updates", "decrypting")
+                    and self.keys.verifiable):
                 # another update of the same device: kept aside, in case the key server finds
                 # the first one at fault (coordinator.contributions)
                 self.log.warning("round %d: a second, different update from %s kept aside", item.round, agent_id)
                 cr.book.spare(agent_id, update, self._note(update, item, msg))
+                self.keys.on_spare(self.plan.cluster_of[agent_id], cr, r=item.round,
+                                   make=lambda: self._new_aggregate(self.plan.cluster_of[agent_id], item.round))
             return  # else a re-sent duplicate
         self._check_floor(agent_id, item.round, update.he_ratio, cr)
         if cr.phase != "updates" or agent_id not in cr.expected:
@@ -836,7 +817,7 @@ class Coordinator(Service):
         cr.running.add(update)  # a bad update is rejected here and changes nothing
         cr.timings["aggregate_streamed"] = cr.timings.get("aggregate_streamed", 0.0) + time.perf_counter() - t
         cr.updates[agent_id] = self._note(update, item, msg)
-        if self.public is not None and self.public.verifiable:  # a fingerprint refusal can be retried without it
+        if self.keys.verifiable:  # a fingerprint refusal can be retried without it
             cr.book.keep(agent_id, update, cr.updates[agent_id])
         self.agent_rounds[agent_id][item.round]["update_received"] = item.received
         self._advance()
@@ -856,7 +837,7 @@ class Coordinator(Service):
         (coordinator.rounds.check_receipt)."""
         check_receipt(self.trust, msg.receipt, agent_id=agent_id, r=r, run_id=self.run_id, cluster=msg.cluster,
                       n_samples=msg.n_samples, ciphertext=msg.ciphertext,
-                      verifiable=self.public is not None and self.public.verifiable)
+                      verifiable=self.keys.verifiable)
 
     def _check_floor(self, agent_id: str, r: int, he_ratio: float, cr: ClusterRound) -> None:
         """An update must encrypt what the device's budget asks for (coordinator.rounds.floor_refusal):
@@ -897,134 +878,44 @@ class Coordinator(Service):
                 s["late_seconds"] = round(when - s["deadline"], 3)
 
     def _advance(self) -> None:
+        """Close what is due in the round's clusters (coordinator.rounds.advance): mask
+        decisions to the proposers, aggregates to the key server; give up on requests an
+        online key server left unanswered."""
         now = time.time()
+        advance(self.clusters, r=self.round, now=now, round_deadline=self.round_deadline, straggling=self.straggling,
+                consensus=lambda proposals: self.strategy.consensus(proposals, size=self.size,
+                                                                    block_size=self.block_size),
+                online=self._online, then=self._closed, log=self.log)
         for k, cr in self.clusters.items():
-            if cr.phase == "proposals":
-                half = cr.deadline - self.round_deadline / 2
-                missing = [a for a in cr.members if a not in cr.proposals]
-                if set(missing) <= cr.offline | cr.failed.keys() or now >= half:
-                    self._straggle(k, cr, missing, "proposal", half)
-                    proposers = sorted(cr.proposals)
-                    if proposers:
-                        shared = self.strategy.consensus(
-                            [cr.proposals[a] for a in proposers], size=self.size,
-                            block_size=self.block_size,
-                        )
-                        decision = MaskDecision(cluster=k, size=self.size, shared_mask=pack_mask(shared))
-                        for a in proposers:
-                            self.send(f"agents/{a}/inbox", decision, round=self.round)
-                    cr.expected = set(proposers)
-                    cr.phase = "updates"
-            if cr.phase == "updates":
-                missing = cr.expected - set(cr.updates)
-                if missing <= cr.offline | cr.failed.keys() or now >= cr.deadline:
-                    self._straggle(k, cr, sorted(missing), "update", cr.deadline)
-                    self._aggregate(k, cr)
-            # an online key server silent for this long lost the request; an offline one is
-            # waited for (the request is re-sent when it is back)
-            if (cr.phase == "decrypting" and self.peer_online("keyserver") is not False
-                    and now - cr.sent_at > self.round_deadline + 60):
-                cr.phase, cr.accepted, cr.reason = "done", False, "no answer from the key server"
+            self.keys.expire(cr, r=self.round, now=now)
+            if self.keys.give_up(cr, now=now, patience=self.round_deadline + 60,
+                                 keyserver_online=self.peer_online("keyserver")):
                 self.log.warning("round %d cluster %d: %s", self.round, k, cr.reason)
 
-    def _straggle(self, k: int, cr: ClusterRound, missing: list[str], what: str, deadline: float) -> None:
-        for a in missing:
-            cr.straggled.append(a)
-            gone = a in cr.offline
-            failed = cr.failed.get(a) if not gone else None
-            self.straggling.append({"round": self.round, "cluster": k, "agent": a,
-                                    "missing": "offline" if gone else "failed" if failed else what,
-                                    "deadline": deadline, "online": self._online(a),
-                                    "arrived_late": False})
-            if gone:
-                self.log.warning("round %d cluster %d: %s went offline (last will); closing without it", self.round, k, a)
-            elif failed:
-                self.log.warning("round %d cluster %d: %s failed its round; closing without it", self.round, k, a)
-            else:
-                self.log.warning("round %d cluster %d: no %s from %s by the deadline; closing without it", self.round, k, what, a)
-
-    def _aggregate(self, k: int, cr: ClusterRound) -> None:
-        if not cr.updates:
-            cr.phase, cr.accepted, cr.reason = "done", False, "no update arrived before the deadline"
-            return
-        cr.timestamps["closed_at"] = time.time()
-        t = time.perf_counter()
-        try:  # the updates are already in; closing costs the fold of the plaintext and one message
-            aggregate = cr.running.result()
-        except ProtocolError as exc:  # e.g. the key's weight head-room: the cluster's round fails alone
-            cr.phase, cr.accepted, cr.reason = "done", False, f"aggregation failed: {exc}"
-            self.log.warning("round %d cluster %d: %s", self.round, k, cr.reason)
-            return
-        cr.running = None  # the memory goes with it
-        self._request(cr, aggregate, t)
-
-    def _request(self, cr: ClusterRound, aggregate, t: float) -> None:  # noqa: ANN001
-        """Send cluster round ``cr``'s aggregate (of the updates in ``cr.updates``) to the key server."""
-        receipts = [cr.updates[a].receipt for a in sorted(cr.updates)]
-        request = aggregate_to_message(aggregate, self.public, run_id=self.run_id, receipts=receipts)
-        cr.timings["aggregate"] = cr.timings.get("aggregate", 0.0) + time.perf_counter() - t
-        cr.union_ratio = float(aggregate.union_mask.mean())
-        cr.sealed = aggregate_sealed(aggregate, self.public)
-        cr.request = self.frame(request, round=self.round)
-        cr.requested_at = time.time()
-        cr.timestamps["requested_at"] = cr.requested_at
-        cr.phase = "decrypting"
-        self._send_request(cr)
-
-    def _try_without_one(self, k: int, cr: ClusterRound) -> bool:
-        """After a refusal at the fingerprint check: send the next attempt (one device's update
-        left out or replaced by its later one, coordinator.contributions); False when none is left."""
-        while (attempt := cr.book.next_attempt()) is not None:
-            t = time.perf_counter()
-            try:
-                running = aggregate_of(attempt, lambda: self._new_aggregate(k, self.round))
-                aggregate = running.result()
-            except ProtocolError as exc:  # a spare that does not fold: the next attempt
-                self.log.warning("round %d cluster %d: an attempt does not aggregate (%s)", self.round, k, exc)
-                continue
-            cr.updates = {a: note for a, (_, note) in attempt.items()}
-            self.log.info("round %d cluster %d: aggregating again over %s", self.round, k, sorted(attempt))
-            self._request(cr, aggregate, t)
-            return True
-        return False
+    def _closed(self, closed: Closed) -> None:
+        if closed.decision is not None:
+            proposers, shared = closed.decision
+            decision = MaskDecision(cluster=closed.k, size=self.size, shared_mask=pack_mask(shared))
+            self.clusters[closed.k].decision = decision  # kept to re-send (a reconnect, a repeated hello)
+            for a in proposers:
+                self.send(f"agents/{a}/inbox", decision, round=self.round)
+        if closed.aggregate is not None:
+            self.keys.request(self.clusters[closed.k], closed.aggregate, closed.started, r=self.round)
 
     def _on_result(self, item: Inbound) -> None:
-        if item.sender != "keyserver":
-            raise ProtocolError(f"Aggregate result from {item.sender!r}; only the key server answers.")
         msg: AggregateResult = item.message  # type: ignore[assignment]
-        if msg.run_id != self.run_id or item.round != self.round:
+        if item.sender == "keyserver" and (msg.run_id != self.run_id or item.round != self.round):
             return  # an answer to an earlier (re-sent) request
-        cr = self.clusters.get(msg.cluster)
-        if cr is None or cr.phase != "decrypting":
-            return
-        if msg.retry and not msg.accepted:
-            self.log.warning("round %d cluster %d: key server %s; looking for the update at fault",
-                             self.round, msg.cluster, msg.reason)
-            if self._try_without_one(msg.cluster, cr):
-                return
-        cr.refused.update(msg.excluded)
-        cr.book.clear()
-        cr.accepted, cr.reason, cr.phase = msg.accepted, msg.reason, "done"
-        cr.timings.update(msg.timings)
-        cr.timings["decrypt_roundtrip"] = time.time() - cr.requested_at
-        cr.timestamps["result_at"] = item.received
-        if msg.accepted:
+        if self.keys.on_result(item.sender, msg, self.clusters.get(msg.cluster), r=self.round, received=item.received,
+                               make=lambda: self._new_aggregate(msg.cluster, self.round)):
             self.model_round[msg.cluster] = self.round
-        else:
-            self.log.warning("round %d cluster %d: key server %s", self.round, msg.cluster, msg.reason)
 
     def _on_model(self, item: Inbound) -> None:
         msg: ClusterModel = item.message  # type: ignore[assignment]
-        if item.sender != "keyserver" or msg.run_id != self.run_id:
+        if not self.keys.on_model(item.sender, msg, r=item.round, nbytes=item.nbytes, size=self.size,
+                                  clusters=list(self.plan.clusters) if self.plan is not None else [],
+                                  current_round=self.round):
             return
-        if msg.weights.size != self.size:
-            raise ProtocolError(f"Cluster model of {msg.weights.size} parameters; the model has {self.size}.")
-        if self.plan is None or msg.cluster not in self.plan.clusters or not 1 <= item.round <= self.round:
-            raise ProtocolError(f"Cluster model of cluster {msg.cluster} for round {item.round}; the run is at round {self.round}.")
-        if item.round <= self.models.get(msg.cluster, (0, None))[0]:
-            return  # an older model or the same again (a repeat of a retained message): saved already
-        self.models[msg.cluster] = (item.round, msg.weights)
-        self.model_bytes = item.nbytes
         cr = self.clusters.get(msg.cluster)
         if cr is not None and item.round == self.round:
             cr.timestamps.setdefault("model_at", item.received)
@@ -1052,7 +943,7 @@ class Coordinator(Service):
         """Whether cluster ``k`` got a new model in round ``r`` (so far)."""
         if not 1 <= r <= self.round:
             return False
-        if self.model_round.get(k) == r or self.models.get(k, (0, None))[0] == r:
+        if self.model_round.get(k) == r or self.keys.model_round(k) == r:
             return True
         for rec in self.records:  # closed rounds (cluster keys are strings after a resume)
             if rec["round"] == r:
@@ -1073,14 +964,28 @@ class Coordinator(Service):
             self._assign(a)
         for k, cr in self.clusters.items():
             if cr.phase in ("proposals", "updates"):
+                if cr.offline:
+                    # a broker going down sends the last will of every client still connected
+                    # (Mosquitto does), so a will heard before the reconnect may be of a live
+                    # device that is reconnecting too: wait for it again, until it sends or
+                    # the deadline (its status, if it is back, arrives on the new connection)
+                    self.log.info("round %d cluster %d: waiting again for %s (their last will came with the "
+                                  "broker's loss)", self.round, k, sorted(cr.offline))
+                    cr.offline.clear()
                 pending = [a for a in cr.members if a not in cr.updates]
                 self.log.info("round %d cluster %d: re-sending plans to %s", self.round, k, pending)
                 self._resend_plans(k, pending)
         self._resend_requests("reconnected")
 
     def _resend_plans(self, k: int, agents: list[str]) -> None:
-        for a in agents:  # the plan is rebuilt exactly (same deadline, same everything)
+        """Round plans (and the consensus mask, once there is one) again to ``agents`` of
+        cluster ``k``: the plan is rebuilt exactly (same deadline, same everything), and an
+        agent that already sent its update answers a repeated plan by re-sending it."""
+        cr = self.clusters[k]
+        for a in agents:
             self.send(f"agents/{a}/inbox", self._round_plan(k, a), round=self.round)
+            if cr.decision is not None and a in cr.proposals:
+                self.send(f"agents/{a}/inbox", cr.decision, round=self.round)
 
     def _round_plan(self, k: int, agent: str) -> RoundPlan:
         """Agent ``agent``'s plan for cluster ``k`` in the current round."""
@@ -1100,6 +1005,7 @@ class Coordinator(Service):
             noise_multiplier=self.sigma_user,
             record_noise=self.sigma_record.get(agent),
             local_steps=self.steps_of.get(agent),
+            ring_bits=cr.ring_bits,
             has_shared_mask=shared is not None,
             shared_mask=pack_mask(shared) if shared is not None else np.zeros(0, np.uint8),
         )
@@ -1112,7 +1018,7 @@ class Coordinator(Service):
             os.kill(os.getpid(), signal.SIGKILL)
         o = self.config.options
         tally = round_tally(r, self.clusters, work={a: self.agent_rounds.get(a, {}).get(r, {}) for a in sorted(self.sampled)},
-                            plan=self.plan, model_bytes=getattr(self, "model_bytes", self.size * 4),
+                            plan=self.plan, model_bytes=self.keys.model_bytes or self.size * 4,
                             min_encryptors=o.min_encryptors, notes=self.offline_notes)
         for cr in self.clusters.values():
             for a, note in cr.updates.items():
@@ -1157,13 +1063,14 @@ class Coordinator(Service):
 
     def _round_line(self, r: int) -> None:
         """The operator's line for a closed round (coordinator.report.round_line); the job
-        list's accuracy column and round."""
+        list's metric column and round."""
         out = len(self.plan.cluster_of) - len(self.sampled) if self.plan is not None else 0
         line, value = round_line(self.records[-1], rounds=self.config.rounds, out=out, metrics=self.metrics,
                                  metric_name=self.metric_name)
         self._event(line)
-        if value is not None and self.metric_name == "accuracy":  # job list's accuracy column
-            self.book.set(self.job, accuracy=value)
+        if value is not None:  # the job list's metric column
+            self.book.set(self.job, metric_name=self.metric_name, metric=value,
+                          accuracy=value if self.metric_name == "accuracy" else None)
         self.book.set(self.job, round=r, devices=len(self.active))
 
     # ---- results (coordinator.report) ---------------------------------------------------
@@ -1332,7 +1239,7 @@ class Coordinator(Service):
             if self.plan is None:
                 self._bootstrap()
             else:
-                self._wait(lambda: self.public is not None or self.key_id is not None, self.join_timeout)
+                self._wait(lambda: self.keys.ready or self.keys.key_id is not None, self.join_timeout)
                 for a in self.plan.cluster_of:
                     self._assign(a)
                     self.send(f"agents/{a}/inbox", Notice(run_id=self.run_id, kind="resend-metrics"))
@@ -1367,9 +1274,10 @@ class Coordinator(Service):
             if self.job_out is not None:
                 write_atomic(self.job_out / "report.json", json.dumps(report.model_dump(mode="json"), indent=2))
                 self.book.set(record, out=str(self.job_out))
-        final = report.final_accuracy if report is not None else None
-        self.book.set(record, state=state, reason=reason, accuracy=final if final is not None else record.accuracy,
-                      finished_at=time.time() if state != "running" else None)
+        final = report.final_metric if report is not None else None
+        self.book.set(record, state=state, reason=reason, metric=final if final is not None else record.metric,
+                      accuracy=report.final_accuracy if report is not None and report.final_accuracy is not None
+                      else record.accuracy, finished_at=time.time() if state != "running" else None)
         if state != "running":
             where = f"; report {self.job_out / 'report.json'}" if self.job_out is not None and report is not None else ""
             self._event(f"job {record.id} {state}" + (f": {reason}" if reason else "")

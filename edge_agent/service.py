@@ -68,6 +68,7 @@ from senseshield.rounds import (
 from senseshield.accounting import Accountant
 from senseshield.runtime.identity import SEALED_SEED_BYTES, Identity, Trust, b64, unb64
 from senseshield.runtime.service import Inbound, Service, Stopped, WaitNote
+from edge_agent.dataspec import DataSpec  # noqa: F401 (re-exported: edge_agent.cli, callers)
 from senseshield.data.shards import shards
 from senseshield.data.local import check_source, describe_data, load_local_data
 from senseshield.job import Job, announced_run, build_job_model, device_index, train_config
@@ -86,50 +87,6 @@ class AgentExit(Exception):
     def __init__(self, code: int, reason: str) -> None:
         super().__init__(reason)
         self.code = code
-
-
-@dataclass(frozen=True)
-class DataSpec:
-    """Where the agent's data comes from: its own files (``sources``: name -> path or
-    ``python:`` loader, see :mod:`senseshield.data.local`), else a built-in dataset,
-    optionally one shard of a partition (simulations and controlled trials)."""
-
-    dataset: str | None = None  # None: the run's dataset
-    shard: tuple[int, int] | None = None  # (index, count)
-    partition: str | None = None  # None: the run's partition
-    sources: dict[str, str] = field(default_factory=dict)  # --data [NAME=]PATH
-    index: int | None = None  # seed index; default: the shard's, else a hash of the agent id
-
-    @staticmethod
-    def parse_sources(items: list[str] | None) -> dict[str, str]:
-        """``--data [NAME=]PATH`` values -> {name: path}; an unnamed source is ``default``.
-        A path that does not exist is refused here, with its name."""
-        sources: dict[str, str] = {}
-        for item in items or []:
-            name, sep, path = item.partition("=")
-            if not sep or item.startswith(("python:", "/", ".")) or "/" in name:
-                name, path = "default", item
-            name = name.strip()
-            if not name.replace("-", "_").isidentifier():
-                raise ConfigError(f"--data {item!r} is not allowed; use PATH or NAME=PATH with a name of letters, digits, '-' or '_'.")
-            if name in sources:
-                raise ConfigError(f"--data names source {name!r} twice; give each source once (NAME=PATH).")
-            if not path.startswith("python:") and not Path(path).exists():
-                raise ConfigError(f"--data {item!r}: {path!r} does not exist; give a .npz, .csv, image folder or python:module:function.")
-            sources[name] = path
-        return sources
-
-    @staticmethod
-    def parse_shard(text: str | None) -> tuple[int, int] | None:
-        if text is None:
-            return None
-        try:
-            i, n = (int(v) for v in text.split("/"))
-        except ValueError:
-            raise ConfigError(f"--shard {text!r} is not allowed; use I/N with 0 <= I < N, e.g. 3/20.") from None
-        if not 0 <= i < n:
-            raise ConfigError(f"--shard {text!r} is not allowed; use I/N with 0 <= I < N, e.g. 3/20.")
-        return i, n
 
 
 @dataclass(frozen=True)
@@ -188,6 +145,7 @@ class EdgeAgent(Service):
         protocol: str = "5",
         kill_at_round: int | None = None,
         fail_at_round: int | None = None,
+        lose_plan_at_round: int | None = None,
         model_dir: Path | None = None,
         latency_repeats: int = 20,
         once: bool = False,
@@ -234,6 +192,7 @@ class EdgeAgent(Service):
         self.latency_repeats = latency_repeats
         self.kill_at_round = kill_at_round  # fault drills: SIGKILL itself when this round's plan arrives
         self.fail_at_round = fail_at_round  # ... or its training raises in this round
+        self.lose_plan_at_round = lose_plan_at_round  # ... or it loses this round's first plan
         self.bandwidth, self.cpu_speed = bandwidth, cpu_speed
         self.profile = profile or {}
         self.data_spec = data
@@ -348,6 +307,11 @@ class EdgeAgent(Service):
         if first != msg.cluster:
             raise ProtocolError(f"Round plan puts this agent in cluster {msg.cluster} in round {item.round}; "
                                 f"an earlier plan of that round said cluster {first}.")
+        if self.lose_plan_at_round == item.round:
+            self.lose_plan_at_round = None
+            self.log.warning("fault drill: dropping the plan of round %d and saying hello again", item.round)
+            self.on_reconnect()
+            return
         self.newest_plan = item.round
         self.plans.append((item.round, msg))
         self.plan_sent_at.setdefault(item.round, item.frame.sent_at)
@@ -708,7 +672,8 @@ class EdgeAgent(Service):
             participants=plan.participants, noise_multiplier=plan.noise_multiplier,
         )
         # the masked scheme's pads are this device's and the key server's alone, for this round
-        key = (self.public.for_contributor(self.identity.exchange, round_context(self.fleet, run.run_id, r, plan.cluster))
+        key = (self.public.for_contributor(self.identity.exchange, round_context(self.fleet, run.run_id, r, plan.cluster),
+                                           ring_bits=plan.ring_bits)
                if self.public is not None else None)
         update, choice = protect_local(
             strategy, context, local, key, n_samples=run.data.n_train,

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import logging
 import os
 import time
@@ -38,35 +37,31 @@ from pathlib import Path
 import numpy as np
 
 from senseshield import defaults
-from senseshield.engine.aggregation import decrypt_aggregate, thin_positions, thin_report
+from senseshield.engine.aggregation import decrypt_aggregate
 from senseshield.errors import ConfigError, ProtocolError
 from senseshield.he import SCHEMES, PublicKey, SecretKey
 from senseshield.he.base import job_key, round_context
 from senseshield.he.fingerprint import SEED_BYTES
 from senseshield.he.packed import STRUCTURES
 from senseshield.development import development_mode
-from senseshield.runtime.identity import b64, check_frame, unb64
+from senseshield.runtime.identity import b64, unb64
 from senseshield.runtime.jobsig import job_refusal
-from senseshield.runtime.protocol.envelope import decode_frame
 from senseshield.runtime.protocol.messages import (
     AggregateRequest,
     AggregateResult,
     Challenge,
-    Receipt,
     RoundOpen,
-    from_frame,
-    unpack_frames,
     ClusterModel,
     FleetConfig,
     PublicKeyAnnouncement,
     aggregate_from_message,
-    pack_mask,
 )
 from senseshield.rounds import apply_mean
 from senseshield.runtime.identity import Identity, Trust
 from senseshield.runtime.files import npz_bytes, write_atomic
 from senseshield.runtime.keyfiles import check_private, secure_dir, write_secret
 from senseshield.runtime.service import Inbound, Service
+from keyserver.verify import FINGERPRINT_MISMATCH, Checks, at_fault, verify  # noqa: F401 (re-exported)
 from senseshield.job import Job, announced_run
 
 log = logging.getLogger("senseshield.keyserver")
@@ -103,26 +98,6 @@ def load_or_generate(key_dir: Path, scheme: str, key_bits: int, structure: str =
 def _structure(secret: SecretKey) -> str:
     structure = getattr(secret, "structure", None)
     return f" ({structure} key)" if structure else ""
-
-
-FINGERPRINT_MISMATCH = "the aggregate is not the product of the signed contributions"
-"""How a refusal at the fingerprint check begins (the one refusal after which the coordinator
-may try again without a contributor: nothing was decrypted or spent)."""
-
-
-def at_fault(failed: list[dict[str, str]], passed: dict[str, str], r: int) -> dict[str, str]:
-    """The contributors at fault, once an attempt whose fingerprints are ``passed`` (agent ->
-    fingerprint) verified after attempts ``failed`` did not: every update of a failed attempt
-    that the passing one left out or replaced (agent -> why)."""
-    out: dict[str, str] = {}
-    for prints in failed:
-        for a, fp in prints.items():
-            if passed.get(a) == fp or a in out:
-                continue
-            fate = "left out" if a not in passed else "replaced by its later update"
-            out[a] = (f"its round {r} update does not match the fingerprint it signed: the aggregate with it "
-                      f"failed the key server's check, the same aggregate with it {fate} passed")
-    return out
 
 
 class KeyServer(Service):
@@ -440,141 +415,20 @@ class KeyServer(Service):
 
     def _verify(self, r: int, k: int, msg: AggregateRequest, aggregate,  # noqa: ANN001
                 prints: dict[str, str]) -> tuple[str | None, dict[str, int]]:
-        """``(None, {contributor: weight})`` if round ``r``'s aggregate of cluster ``k`` may be
-        decrypted, else ``(reason, {})``: the plan, every receipt's signature, round, run,
-        cluster and membership, no contribution used twice in the round, the minimum of
-        contributors, the weights, (shared-mask schemes) every receipt signs the aggregate's
-        mask, (verifiable schemes) the fingerprint equation, and (the masked scheme) a box
-        key for every contributor. ``prints`` receives each contributor's signed fingerprint (hex)."""
-        ciphertext = aggregate.ciphertext
-        plan = self.plans.get(r)
-        if plan is None:
-            return f"round {r} was never opened (no round plan); nothing of it is decrypted", {}
-        if k not in plan:
-            return f"cluster {k} is not in round {r}'s plan (clusters {sorted(plan)})", {}
-        receipts: dict[str, Receipt] = {}
-        for raw in unpack_frames(msg.receipts):
-            frame = decode_frame(raw)
-            check_frame(self.trust, frame)  # signed by the agent it names, with its pinned key
-            receipt = from_frame(frame)
-            if not isinstance(receipt, Receipt):
-                return f"a receipt of {frame.sender!r} is a {frame.schema!r} message", {}
-            if frame.round != r or receipt.run_id != self.run_id:
-                return f"the receipt of {frame.sender!r} is for round {frame.round} of run {receipt.run_id!r}", {}
-            if receipt.cluster != k or frame.sender not in plan[k]:
-                return f"{frame.sender!r} signed for cluster {receipt.cluster}, and is not a member of cluster {k}", {}
-            if frame.sender in receipts:
-                return f"two receipts of {frame.sender!r}", {}
-            receipts[frame.sender] = receipt
-        names = sorted(receipts)
-        if sorted(set(msg.contributors)) != names or len(msg.contributors) != len(names):
-            return (f"the contributor list {sorted(msg.contributors)} is not the signed receipts' "
-                    f"{names}; decrypting would reveal an individual update"), {}
-        taken = {**self.spent.get(r, {}), **self.reserved.get(r, {})}
-        used = {a: taken.get(a) for a in names}
-        reused = sorted(a for a, c in used.items() if c is not None)
-        if reused:
-            return (f"the contributions of {reused} in round {r} were already decrypted in cluster "
-                    f"{used[reused[0]]}'s aggregate; each enters one aggregate per round"), {}
-        need = max(self.min_contributors, math.ceil(self.min_fraction * len(plan[k]) - 1e-9))
-        if len(names) < need:
-            return (f"{len(names)} distinct contributor(s) {names}, fewer than the minimum {need} "
-                    f"(--min-contributors {self.min_contributors}, --min-fraction {self.min_fraction:g} of "
-                    f"{len(plan[k])}); decrypting would reveal an individual update"), {}
-        shares = max((rc.shares for rc in receipts.values()), default=0)
-        if shares > len(names):  # distributed DP: each share is sized for this many contributors
-            return (f"{len(names)} contributor(s) {names}, fewer than the {shares} the noise shares of their receipts "
-                    "are sized for; the sum would carry less than the job's DP noise (a job may allow dropouts "
-                    "with dp_quorum below 1)"), {}
-        weight = sum(rc.n_samples for rc in receipts.values())
-        if weight != msg.total_weight:
-            return f"the aggregate weighs {msg.total_weight} samples; the receipts sign {weight}", {}
-        if ciphertext is not None and self.public is not None and not self.public.verifiable \
-                and not self.allow_unverifiable:
-            return (f"{self.public.scheme} aggregates cannot be checked against the contributors' fingerprints, so "
-                    "this key server does not decrypt them (start it with --allow-unverifiable to trust the "
-                    "coordinator to sum honestly, or run the job on a Paillier or masked scheme)"), {}
-        if ciphertext is not None and self.public is not None and self.public.verifiable:
-            missing = [a for a, rc in receipts.items() if rc.key_id != self.public.key_id]
-            if missing:
-                return f"the receipts of {missing} are not under the current key", {}
-            # (a scheme whose encryptors fold their weight in: each contribution enters once)
-            parts = [(rc.fingerprint, 1 if self.public.prefolds_weight else rc.n_samples)
-                     for rc in receipts.values() if rc.fingerprint]
-            prints.update({a: rc.fingerprint.hex() for a, rc in receipts.items()})
-            if not self.secret.verify_aggregate(ciphertext, self.seeds[r], parts, msg.plain_fold):
-                return (f"{FINGERPRINT_MISMATCH} under round {r}'s challenge (forged, altered or from "
-                        "another round, or one contributor's update does not match the fingerprint it signed)"), {}
-        if ciphertext is not None and self.public is not None and not self.public.ragged_masks:
-            union = hashlib.sha256(pack_mask(aggregate.union_mask).tobytes()).hexdigest()
-            other = sorted(a for a, rc in receipts.items() if rc.mask_digest != union)
-            if other:
-                return (f"the receipts of {other} sign another mask than the aggregate's; a shared-mask "
-                        "scheme's contributors all encrypt the same positions"), {}
-        if ciphertext is not None and self.public is not None and self.public.needs_contributors:
-            unknown = sorted(a for a in names if a not in self.boxes.get(r, {}))
-            if unknown:
-                return f"no box key for {unknown} in round {r}; their contributions cannot be unmasked", {}
-        if ciphertext is not None and self.public is not None and self.public.ragged_masks:
-            refusal = self._check_encryptors(r, k, msg, aggregate, receipts)
-            if refusal is not None:
-                return refusal, {}
-        if ciphertext is not None and self.public is not None:
-            # across jobs: one (key, agent, starting model) enters one decrypted aggregate, so a
-            # re-run job cannot difference sums of the same updates in other pairings
-            entries = {a: f"{self.public.key_id}|{a}|{receipts[a].start_digest}" for a in names}
-            unsigned = sorted(a for a in names if not receipts[a].start_digest)
-            if unsigned:
-                return f"the receipts of {unsigned} do not sign the model they trained from", {}
-            # (within a job the round's own ledger applies: a later round trains anew, even from
-            # the same model after a refused round)
-            used = sorted((a, self.ledger[e]) for a, e in entries.items()
-                          if e in self.ledger and self.ledger[e].rsplit("/", 2)[0] != self.run_id)
-            if used:
-                a, where = used[0]
-                run, rr, kk = where.rsplit("/", 2)
-                return (f"the contribution of {a!r} from this starting model was already decrypted in job {run} "
-                        f"(round {rr}, cluster {kk}); a contribution enters one aggregate across jobs, so "
-                        "run the job from another initial model (another seed)"), {}
+        """keyserver.verify.verify over this round's bookkeeping; the ledger entries of an
+        aggregate that may be decrypted are kept until it is spent."""
+        checks = Checks(
+            trust=self.trust, run_id=self.run_id, plan=self.plans.get(r),
+            taken={**self.spent.get(r, {}), **self.reserved.get(r, {})}, public=self.public, secret=self.secret,
+            seed=self.seeds.get(r), boxes=self.boxes.get(r, {}), ledger=self.ledger,
+            min_contributors=self.min_contributors, min_fraction=self.min_fraction,
+            min_encryptors=self.min_encryptors,
+            job_min_encryptors=self.config.options.min_encryptors if self.config is not None else 1,
+            allow_unverifiable=self.allow_unverifiable, log=self.log)
+        refusal, weights, entries = verify(checks, r, k, msg, aggregate, prints)
+        if refusal is None and entries:
             self._ledger_keys[(r, k)] = entries
-        return None, {a: receipts[a].n_samples for a in names}
-
-    def _check_encryptors(self, r: int, k: int, msg: AggregateRequest, aggregate, receipts: dict) -> str | None:  # noqa: ANN001
-        """Never a sum of fewer than k (per-client-mask schemes): count the encryptors of every
-        union position from the contributors' masks, each checked against its signed receipt;
-        positions fewer than k encrypted stay sealed (``aggregate.thin_mask``), and an
-        aggregate that does not leave exactly those to its plaintext senders is refused."""
-        need = max(self.min_encryptors, self.config.options.min_encryptors if self.config is not None else 1)
-        if need <= 1 and not self.public.needs_contributors:  # masked: the masks say whose pads go where
-            return None
-        masks = msg.contributor_masks()
-        if not masks and need <= 1:
-            return "the aggregate carries no contributor masks; per-client masked pads are removed where each mask says"
-        if not masks:
-            return (f"the aggregate carries no contributor masks; this key server decrypts no position fewer than "
-                    f"{need} agents encrypted (--min-encryptors {self.min_encryptors}) and counts them from the masks")
-        wrong = sorted(a for a, m in masks.items() if hashlib.sha256(m.tobytes()).hexdigest() != receipts[a].mask_digest)
-        if wrong:
-            return f"the masks of {wrong} are not the ones their receipts sign"
-        union = aggregate.union_mask
-        if not np.array_equal(np.bitwise_or.reduce(np.stack(list(masks.values()))), pack_mask(union)):
-            return "the aggregate's union mask is not the union of its contributors' signed masks"
-        thin = thin_positions(list(masks.values()), union, need)
-        said = thin_report(masks, thin, block_size=self.public.block_size, limit=3)
-        if int(thin.sum()) != msg.thin_sum.size:
-            first = said["blocks"][0] if said["blocks"] else None
-            example = f" (block {first[0]} encrypted only by {first[1]})" if first else ""
-            return (f"{said['positions']} union positions{example} were encrypted by fewer than {need} agents, but "
-                    f"the aggregate leaves {msg.thin_sum.size} sealed; a sum of fewer than {need} encryptors is "
-                    "never decrypted (start the key server with --min-encryptors 1 for the papers' rule)")
-        if thin.any():
-            if aggregate.position_weight is None:
-                return "an aggregate with sealed positions must give the plaintext senders' weights"
-            aggregate.thin_mask, aggregate.thin_sum = thin, msg.thin_sum
-            self.log.info("round %d cluster %d: %d position(s) in %d block(s) encrypted by fewer than %d agents stay "
-                          "sealed (first: %s)", r, k, said["positions"], said["blocks_total"], need,
-                          "; ".join(f"block {b} by {a}" for b, a in said["blocks"]))
-        return None
+        return refusal, weights
 
     def _answer(self, r: int, k: int, result: AggregateResult) -> None:
         """Record the verdict with the model it produced (one checkpoint: a restart never

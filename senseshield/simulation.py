@@ -213,6 +213,7 @@ def run_simulation(
                 shared = negotiate(strategy, sens, size=layout.size, block_size=block_size)
                 tally.phases["mask"] += time.perf_counter() - t
             updates: list[ProtectedUpdate] = []
+            ring_bits = strategy.ring_bits(c.data.n_train for c in members)  # as the coordinator plans it
             for client in members:
                 planned = (shared if strategy.negotiates else strategy.planned_mask(
                     plan, client.id, [c.id for c in members], size=layout.size, block_size=block_size))
@@ -220,7 +221,8 @@ def run_simulation(
                     client.id, r, k, plan.budget_of[client.id], planned, block_size,
                     participants=len(members), noise_multiplier=sigma_user,
                 )
-                key = (public_key.for_contributor(boxes[client.id].exchange, round_context("simulation", "", r, k))
+                key = (public_key.for_contributor(boxes[client.id].exchange, round_context("simulation", "", r, k),
+                                                  ring_bits=ring_bits)
                        if public_key is not None else None)
                 update, choice = protect_local(
                     strategy, context, local[client.id], key, n_samples=client.data.n_train,

@@ -54,15 +54,18 @@ def test_the_front_door_exports_the_public_names_lazily():
 
 def test_the_coordinators_parts_do_not_touch_the_transport():
     """coordinator/service.py wires the parts to MQTT; each part (job book, roster, rounds and
-    their checks, reporter, checkpoint, metrics, contributions) imports neither the broker
-    client nor the service, nor torch (the report imports it only when it builds one)."""
-    parts = ("jobs", "contributions", "metrics", "checkpoint", "report", "roster", "rounds")
+    their checks, key-server link, reporter, checkpoint, metrics, contributions) imports neither the broker
+    client nor the service, nor torch (the report imports it only when it builds one); nor
+    do the key server's and the agent's first parts (keyserver.verify, edge_agent.dataspec)."""
+    parts = tuple(f"coordinator.{p}" for p in ("jobs", "contributions", "keylink", "metrics", "checkpoint", "report",
+                                                 "roster", "rounds")) + ("keyserver.verify", "edge_agent.dataspec")
     code = (
         "import importlib, sys\n"
         f"for part in {parts!r}:\n"
-        "    importlib.import_module('coordinator.' + part)\n"
+        "    importlib.import_module(part)\n"
         "print(' '.join(m for m in ('paho', 'senseshield.runtime.service', 'senseshield.runtime.transport',\n"
-        "                           'coordinator.service', 'torch', 'senseshield.simulation') if m in sys.modules))\n"
+        "                           'coordinator.service', 'keyserver.service', 'torch', 'senseshield.simulation')\n"
+        "               if m in sys.modules))\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.split() == []

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import hashlib
 
+import numpy as np
 import pytest
 
 from coordinator.roster import AgentInfo
-from coordinator.rounds import ClusterRound, UpdateNote, check_facts, check_receipt, floor_refusal, round_tally
+from coordinator.rounds import (
+    ClusterRound, UpdateNote, advance, check_facts, check_receipt, floor_refusal, note_of, round_tally,
+)
 from senseshield.errors import ProtocolError
 from senseshield.runtime.identity import Identity, Trust
 from senseshield.runtime.protocol.messages import Hello, Receipt, to_frame
@@ -105,3 +108,37 @@ def test_a_rounds_tally_and_notes():
         "round 4 cluster 1: closed without b2 (failed)",
     ]
     assert ok.record()["updates"] == ["a0", "a1"] and note(7).facts()["bytes_up"] == 7
+
+
+def test_a_round_closes_its_phases_when_due():
+    """coordinator.rounds.advance: proposals close at half the deadline (or once the missing
+    went offline or failed), with the consensus of the proposals in sent to the proposers; the
+    updates close at the deadline (or once the missing went offline or failed) with the
+    running aggregate; each member missing is recorded as straggling."""
+    import logging
+
+    from senseshield.engine.aggregation import StreamingAggregate, protect_update
+
+    log = logging.getLogger("test.advance")
+    mask = np.zeros(10, bool)
+    neg = ClusterRound(["a0", "a1", "a2"], deadline=100.0, phase="proposals", offline={"a2"})
+    neg.proposals = {"a0": mask, "a1": mask}
+    lone = ClusterRound(["b0", "b1"], deadline=100.0, phase="updates", expected={"b0", "b1"}, failed={"b1": "oom"})
+    lone.running = StreamingAggregate(None, size=10, round=2, cluster=1, min_encryptors=1)
+    update = protect_update(np.ones(10), mask, None, client_id="b0", round=2, cluster=1, n_samples=5)
+    lone.running.add(update)
+    lone.updates["b0"] = note_of(update, 10, {}, b"r")
+    late = ClusterRound(["c0"], deadline=100.0, phase="updates", expected={"c0"})
+    closed, straggling = [], []
+    args = dict(r=2, round_deadline=60.0, straggling=straggling, consensus=lambda ps: ps[0] | True,
+                online=lambda a: a != "a2", then=closed.append, log=log)
+    advance({0: neg, 1: lone, 2: late}, now=10.0, **args)
+    assert [(c.k, c.decision is not None, c.aggregate is not None) for c in closed] == [(0, True, False), (1, False, True)]
+    assert closed[0].decision[0] == ["a0", "a1"] and closed[0].decision[1].all()
+    assert neg.phase == "updates" and neg.expected == {"a0", "a1"} and lone.running is None
+    assert late.phase == "updates"  # nothing due before its deadline
+    assert [(s["agent"], s["missing"], s["online"]) for s in straggling] == [("a2", "offline", False),
+                                                                             ("b1", "failed", True)]
+    advance({0: neg, 2: late}, now=100.0, **args)  # the deadline: closed without who is missing
+    assert late.phase == "done" and not late.accepted and late.reason == "no update arrived before the deadline"
+    assert neg.phase == "done" and [s["missing"] for s in straggling[2:]] == ["update", "update", "update"]

@@ -214,10 +214,14 @@ def test_an_agent_whose_training_raises_is_not_waited_for(mosquitto, tmp_path):
     (``agents/<id>/failure``), which closes round 2 without it at once instead of waiting for
     the deadline (600 s here: the run could not end within the wait's timeout otherwise);
     the agent stays in the job and contributes again in round 3. A crashed agent (SIGKILL
-    mid-round) is seen by its last will: test_faults_are_rejected_and_a_killed_agent_does_not_delay_its_round."""
+    mid-round) is seen by its last will: test_faults_are_rejected_and_a_killed_agent_does_not_delay_its_round.
+    In the same run c001 loses its round-3 plan and says hello again, as an agent does when a
+    broker restart lost the plan (CI saw the coordinator re-send its plans before the agent
+    was subscribed again): the hello brings the plan again, and round 3 has all three."""
     config = Job(strategy="plaintext", model="linear", clients=3, rounds=3)
     options = FleetOptions(agents=3, out=tmp_path, broker=mosquitto.url, fleet="fails", round_deadline=600,
-                           min_contributors=1, extra_agent_args={"c002": ["--fail-at-round", "2"]})
+                           min_contributors=1, extra_agent_args={"c002": ["--fail-at-round", "2"],
+                                                                 "c001": ["--lose-plan-at-round", "3"]})
     with Fleet(config, options) as fleet:
         fleet.start()
         report = fleet.wait(timeout=240)
@@ -227,6 +231,8 @@ def test_an_agent_whose_training_raises_is_not_waited_for(mosquitto, tmp_path):
     log = (tmp_path / "logs" / "coordinator.log").read_text()
     assert "agent c002 failed its round: round 2 failed on this device: RuntimeError: fault drill: training raised in round 2" in log
     assert fleet.exit_codes["c002"] == 0
+    assert "fault drill: dropping the plan of round 3" in (tmp_path / "logs" / "c001.log").read_text()
+    assert "round 3 cluster 0: c001 said hello again; re-sending its plan" in log
 
 
 def test_a_broker_restart_mid_run_is_survived(mosquitto, tmp_path):

@@ -684,14 +684,17 @@ def test_a_participating_device_never_appears_under_declined(mosquitto, tmp_path
     assert "Decline of job" in log and "from 'c000', which takes part in it; ignored" in log
 
 
-@pytest.mark.parametrize("strategy", ["masked", pytest.param("sensecrypt", marks=pytest.mark.slow)])
-def test_a_device_sending_a_bad_fingerprint_every_round_costs_only_itself(mosquitto, tmp_path, strategy):
-    """Issue 23 item 1 on a real fleet: c002 (its genuine key, senseshield_checks.bad_contribution)
-    sends before its real update of every round from 2 on its previous round's update re-signed
-    for the round (the fingerprint of another challenge). No round is lost: the key server
-    refuses the aggregate at the fingerprint check, the coordinator aggregates again without
-    c002's bad update (with its later genuine one in its place, or without c002), the key
-    server names c002, and the round's notes say so."""
+@pytest.mark.parametrize("strategy,bad_devices", [("masked", ["c001", "c002"]),
+                                                  pytest.param("sensecrypt", ["c002"], marks=pytest.mark.slow)])
+def test_devices_sending_a_bad_fingerprint_every_round_cost_only_themselves(mosquitto, tmp_path, strategy,
+                                                                            bad_devices):
+    """Issue 23 item 1 on a real fleet: each bad device (its genuine key,
+    senseshield_checks.bad_contribution) sends before its real update of every round from 2 on
+    its previous round's update re-signed for the round (the fingerprint of another challenge).
+    No round is lost: the key server refuses the aggregate at the fingerprint check, the
+    coordinator aggregates again with the bad devices' later genuine updates in place (two in
+    one retry), or without them, the key server names every bad device in its verdict, and the
+    round's notes say so."""
     from senseshield_checks.bad_contribution import BadDevice, named, rounds_lost
 
     config = Job(strategy=strategy, model="linear", clients=3, rounds=3, key_bits=1024)
@@ -699,18 +702,21 @@ def test_a_device_sending_a_bad_fingerprint_every_round_costs_only_itself(mosqui
                            min_contributors=1)
     with Fleet(config, options) as fleet:
         fleet.start()
-        bad = BadDevice(mosquitto.url, "badfp", "c002", fleet.out / "identities" / "c002.key")
+        bad = [BadDevice(mosquitto.url, "badfp", d, fleet.out / "identities" / f"{d}.key") for d in bad_devices]
         try:
             report = fleet.wait(timeout=300)
         finally:
-            bad.stop()
-    assert bad.sent == [2, 3]
-    assert rounds_lost(report) == 0, [r["notes"] for r in report["rounds"]]
-    assert named(report, "c002"), [r["notes"] for r in report["rounds"]]
-    note = next(n for r in report["rounds"] for n in r["notes"] if "refused the update of c002" in n)
-    assert "does not match the fingerprint it signed" in note
+            for device in bad:
+                device.stop()
+    assert all(device.sent == [2, 3] for device in bad), [device.sent for device in bad]
+    notes = [r["notes"] for r in report["rounds"]]
+    assert rounds_lost(report) == 0, notes
+    for device in bad_devices:
+        assert named(report, device) == [2, 3], notes
+        note = next(n for r in report["rounds"] for n in r["notes"] if f"refused the update of {device}" in n)
+        assert "does not match the fingerprint it signed" in note
     server = {rec["round"]: rec for rec in report["server"]}
     assert all(c["accepted"] for rec in server.values() for c in rec["clusters"].values())
     assert fleet.exit_codes == {name: 0 for name in fleet.exit_codes}
     keyserver_log = (tmp_path / "logs" / "keyserver.log").read_text()
-    assert "c002's update refused" in keyserver_log and "Traceback" not in keyserver_log
+    assert all(f"{d}'s update refused" in keyserver_log for d in bad_devices) and "Traceback" not in keyserver_log

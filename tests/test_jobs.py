@@ -232,3 +232,17 @@ def test_job_submit_with_an_operator_the_trust_file_does_not_pin_says_so_at_once
         assert result.exit_code == 2, text
         assert f"The trust file of fleet 'pins' {needle}, so the coordinator ignores jobs signed" in text, text
         assert "No answer" not in text and "No online status" not in text and "Traceback" not in text
+
+
+def test_the_job_lists_metric_column_names_the_jobs_metric():
+    """`job list`/`job status` show the job's own metric (a regression job's mse, not an empty
+    accuracy column); a book written before the column has only ``accuracy``."""
+    from coordinator.jobs import JobBook
+    from senseshield.cli.job import _metric
+
+    book = JobBook(None)
+    record = book.add(Job(strategy="plaintext", model="linear", rounds=2))
+    assert _metric(book.board()[0]) == ""
+    book.set(record, metric_name="mse", metric=0.03125)
+    assert _metric(book.board()[0]) == "mse 0.03125"
+    assert _metric({"accuracy": 0.91234}) == "accuracy 0.912"

@@ -127,6 +127,9 @@ cp "$work/wheel/$whl" "$root/tmp/"
 start=$(date +%s)
 arm cortex-a72 "$venv/bin/python" -m pip install --no-cache-dir --progress-bar off "/tmp/$whl" \
     | grep -v '^ *\(Downloading\|━\)'
+# pip keeps an installed agent of the same version ("Requirement already satisfied"): replace
+# it with this checkout's build, as the Ansible role does
+arm cortex-a72 "$venv/bin/python" -m pip install -q --no-cache-dir --no-deps --force-reinstall "/tmp/$whl"
 echo "pip install of the agent took $(($(date +%s) - start)) s under emulation"
 arm cortex-a72 "$venv/bin/python" -m pip list --format=freeze > "$work/pip-list-agent.txt"
 if grep -qi '^nvidia-\|^triton' "$work/pip-list-agent.txt"; then

@@ -105,6 +105,15 @@ def sign(
     console.print(f"job {job.label} signed by {name} for fleet {fleet!r}: {out_file}")
 
 
+def _metric(j: dict) -> str:
+    """``accuracy 0.912`` / ``mse 0.0312``: a board entry's latest metric ("" before any;
+    books written before the metric column have only ``accuracy``)."""
+    value = j.get("metric")
+    if value is None and j.get("accuracy") is not None:
+        return f"accuracy {j['accuracy']:.3f}"
+    return f"{j.get('metric_name') or 'accuracy'} {value:.4g}" if value is not None else ""
+
+
 @job_app.command("list")
 def list_jobs(
     broker: Broker = defaults.BROKER,
@@ -116,18 +125,17 @@ def list_jobs(
     identity: IdentityFile = None,
     trust: TrustFile = None,
 ) -> None:
-    """The coordinator's jobs, oldest first: state, progress, accuracy, devices."""
+    """The coordinator's jobs, oldest first: state, progress, the job's metric (accuracy, mse, ...), devices."""
     try:
         with _client(broker, fleet, mqtt, ca_file, username, password_file, identity, trust) as client:
             jobs = client.board()
     except (ConfigError, ConnectionError) as exc:
         fail(str(exc))
     table = Table()
-    for name in ("id", "name", "state", "round", "accuracy", "devices", "submitted", "finished"):
+    for name in ("id", "name", "state", "round", "metric", "devices", "submitted", "finished"):
         table.add_column(name, no_wrap=name in ("id", "state"), overflow="fold")
     for j in jobs:
-        acc = f"{j['accuracy']:.3f}" if j.get("accuracy") is not None else "-"
-        table.add_row(j["id"], j["name"], j["state"], f"{j['round']}/{j['rounds']}", acc, str(j["devices"]),
+        table.add_row(j["id"], j["name"], j["state"], f"{j['round']}/{j['rounds']}", _metric(j) or "-", str(j["devices"]),
                       _when(j["submitted_at"]), _when(j["finished_at"]))
     out.print(table)
     if not jobs:
@@ -146,7 +154,7 @@ def status(
     identity: IdentityFile = None,
     trust: TrustFile = None,
 ) -> None:
-    """One job: state, progress, accuracy, where its report is, and its latest events."""
+    """One job: state, progress, its metric, where its report is, and its latest events."""
     try:
         with _client(broker, fleet, mqtt, ca_file, username, password_file, identity, trust) as client:
             j = client.record(job_id)
@@ -156,7 +164,7 @@ def status(
     out.print(f"job {j['id']}: {j['name']} ({spec['strategy']}, model {spec['model']})", highlight=False)
     out.print(f"state {j['state']}" + (f" ({j['reason']})" if j.get("reason") else "")
               + f"; round {j['round']}/{j['rounds']}; devices {j['devices']}"
-              + (f"; accuracy {j['accuracy']:.3f}" if j.get("accuracy") is not None else ""), highlight=False)
+              + (f"; {_metric(j)}" if _metric(j) else ""), highlight=False)
     out.print(f"submitted {_when(j['submitted_at'])}, started {_when(j['started_at'])}, "
               f"finished {_when(j['finished_at'])}", highlight=False)
     if j.get("out"):

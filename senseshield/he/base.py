@@ -215,10 +215,12 @@ class PublicKey(ABC):
         ragged.ragged_masks = True  # type: ignore[misc]
         return ragged
 
-    def for_contributor(self, exchange: Callable[[bytes], bytes], context: bytes) -> "PublicKey":
+    def for_contributor(self, exchange: Callable[[bytes], bytes], context: bytes, *,
+                        ring_bits: int = 64) -> "PublicKey":
         """This key as one contributor encrypts with it in ``context`` (fleet/run/round/cluster).
-        ``exchange``: X25519 with the contributor's own box key. Public-key schemes need
-        neither and return the key itself; the masked scheme derives the contributor's pads."""
+        ``exchange``: X25519 with the contributor's own box key; ``ring_bits``: the round's
+        ring (``RoundPlan.ring_bits``). Public-key schemes need none of them and return the key
+        itself; the masked scheme derives the contributor's pads and masks in that ring."""
         return self
 
     @abstractmethod

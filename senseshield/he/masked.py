@@ -15,8 +15,8 @@ the key server both compute
 and expand it with ChaCha20 into one 64-bit word per model position: the pad ``p_a[i]``.
 Nobody else can compute it (the coordinator holds neither secret).
 
-Encoding (all arithmetic modulo 2^64)
--------------------------------------
+Encoding (all arithmetic modulo 2^64; modulo 2^32 in the 32-bit ring, below)
+---------------------------------------------------------------------------
 An agent sends, for each masked position ``i``, ``y_a[i] = round(x_a[i] · 2^24) + p_a[i]``
 with ``|x| < 2^12`` (:data:`VALUE_LIMIT`; a larger value is refused at encryption). The
 coordinator, which sees only ``y`` (uniformly random words, independent of ``x``: a one-time
@@ -30,7 +30,7 @@ Invariant (property-tested)::
 
 exactly, in integers, whatever subset of agents contributes (dropouts need nothing).
 
-Head-room: ``Σ w · |enc(x)| < 2^26 · 2^12 · 2^24 = 2^62 < 2^63``, so the total weight of an
+Head-room (64-bit ring): ``Σ w · |enc(x)| < 2^26 · 2^12 · 2^24 = 2^62 < 2^63``, so the total weight of an
 aggregate must stay below 2^26 = 67 million samples (:data:`MAX_TOTAL_WEIGHT`; refused
 beyond). A sum outside the range a genuine aggregate can reach is refused at unmasking: an
 aggregate that is not the sum of exactly the named contributions (one left out, one added,
@@ -38,6 +38,27 @@ one altered) keeps a uniformly random pad, which lands inside that range with pr
 at most 2^-1 per position, so it is refused on any model of more than a few dozen
 parameters (the range is Σw · 2^36 of the 2^64 words, so the odds fall as the total weight
 falls). A forged subset therefore yields noise, never an individual value.
+
+The 32-bit ring (:data:`RING32`, 4 bytes per parameter)
+-------------------------------------------------------
+The same scheme modulo 2^32 with fixed point 2^-15 (step 3.05e-5, rounding error at most
+1.53e-5, half the packed Paillier key's 3.05e-5), values clipped to [-1, 1] (the packed
+key's clip; counted in one :class:`ClippingWarning`) and a total weight below 2^16 (the
+packed key's default ``max_total_weight``)::
+
+    |Σ w · enc(x)| <= (2^16 - 1) · 2^15 < 2^31
+
+so the signed 32-bit word reads back exactly. A part that would take the aggregate's total
+weight to 2^16 is refused alone (:class:`MaskedAccumulator`); the key server refuses named
+weights of 2^16 or more and any word beyond ``Σ w · 2^15`` (a leftover pad lands inside
+with probability ``Σ w · 2^-16`` per position, at most 1/2 as in the 64-bit ring). The ring
+is chosen per cluster and round (:func:`choose_ring`) from the job's ``ring_bits``
+(``auto``: 32 when the members' total weight is below 2^16 and the strategy adds no noise
+to what it masks, else 64), by the simulator and the coordinator from the same numbers;
+the round plan carries it to the agents and the vector's version byte to the key server.
+Pads are the ChaCha20 keystream read as 32-bit words; fingerprints hold modulo 2^32, so a
+difference ``D`` the coordinator adds passes with probability ``2^-(32 - v)`` (and a large
+one then fails the range check).
 
 What leaks: the positions (the mask), the count of values, the key id; to the key server,
 each aggregate's sum, as with every scheme. Fixed-point step 2^-24 ≈ 6e-8 (finer than the
@@ -72,7 +93,9 @@ sealed (:meth:`select` takes the rest), as with packed Paillier.
 from __future__ import annotations
 
 import struct
+import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -97,16 +120,100 @@ from senseshield.he.base import (
     select_units,
     short_hash,
 )
+from senseshield.he.packed import ClippingWarning
 
 SCHEME = "masked"
 FRACTION_BITS = 24
 SCALE = float(1 << FRACTION_BITS)
 VALUE_LIMIT = float(1 << 12)  # |x| < 2^12 per value
 MAX_TOTAL_WEIGHT = 1 << 26  # Σ w < 2^26 keeps Σ w |enc(x)| < 2^62
-_MAGIC, _VERSION = b"SSMK", 1
-_HEADER = struct.Struct(">4sB8sQI")  # magic, version, key id, count, position runs
+_MAGIC = b"SSMK"
+_HEADER = struct.Struct(">4sB8sQI")  # magic, version (the ring), key id, count, position runs
 _RUN = struct.Struct(">qq")  # a run of positions: start, length
 _RAW = serialization.Encoding.Raw, serialization.PublicFormat.Raw
+
+
+@dataclass(frozen=True)
+class Ring:
+    """One encoding of the scheme: words modulo ``2^bits``, fixed point ``2^-fraction_bits``.
+
+    A genuine weighted sum stays below ``max_total_weight · word_limit`` in magnitude, which
+    is below ``2^(bits - 1)``: the signed word reads back exactly (see "Head-room" above).
+    ``clips``: values beyond ``value_limit`` are clipped to it (counted, :class:`ClippingWarning`)
+    instead of refused.
+    """
+
+    bits: int
+    version: int  # the wire format's version byte
+    fraction_bits: int
+    value_limit: float
+    clips: bool
+    max_total_weight: int  # Σ w must stay below this
+
+    @property
+    def dtype(self) -> type:
+        return np.uint64 if self.bits == 64 else np.uint32
+
+    @property
+    def scale(self) -> float:
+        return float(1 << self.fraction_bits)
+
+    @property
+    def word_limit(self) -> int:
+        """The largest ``|enc(x)|`` of one value (64: ``< 2^36``; 32, clipped: ``<= 2^15``)."""
+        return int(self.value_limit * self.scale)
+
+    @property
+    def word_bytes(self) -> int:
+        return self.bits // 8
+
+
+RING64 = Ring(64, 1, FRACTION_BITS, VALUE_LIMIT, False, MAX_TOTAL_WEIGHT)
+RING32 = Ring(32, 2, 15, 1.0, True, 1 << 16)
+RINGS = {64: RING64, 32: RING32}
+_BY_VERSION = {r.version: r for r in RINGS.values()}
+RING_OPTIONS = ("auto", 32, 64)
+
+
+def ring_option(value: Any) -> str | int:
+    """A job's ``ring_bits`` option: ``"auto"``, 32 or 64 (``"32"`` is read as 32)."""
+    if isinstance(value, str) and value.strip() in ("32", "64"):
+        value = int(value)
+    if isinstance(value, bool) or value not in RING_OPTIONS:
+        raise ConfigError(f"ring_bits={value!r} is not allowed; use auto, 32 or 64.")
+    return value
+
+
+def choose_ring(option: Any, total_weight: int, *, bounded: bool = True) -> int:
+    """The ring of one cluster's round: ``option`` (the job's ``ring_bits``), the cluster's
+    planned total weight ``Σ w`` and whether the strategy's sent values may be clipped to
+    ±1 without breaking its guarantee (``bounded``: not for noise shares, masked-dp).
+    ``auto`` takes 32 bits when ``bounded`` and ``Σ w < 2^16`` (the 32-bit head-room), else 64.
+    The simulator and the coordinator call it with the same numbers: the same choice."""
+    option = ring_option(option)
+    if option == 32 and not bounded:
+        raise ConfigError("ring_bits=32 is not allowed for a strategy that adds noise to what it masks "
+                          "(the 32-bit ring clips values to ±1); use 64 or auto.")
+    if option == "auto":
+        return 32 if bounded and int(total_weight) < RING32.max_total_weight else 64
+    return int(option)
+
+
+def ring_of(bits: Any) -> Ring:
+    if isinstance(bits, bool) or bits not in RINGS:
+        raise ConfigError(f"ring_bits={bits!r} is not allowed; the masked scheme has rings of 32 and 64 bits.")
+    return RINGS[bits]
+
+
+def ring_of_words(words: np.ndarray) -> Ring:
+    """The ring of masked words, from their dtype (uint32 or uint64)."""
+    dtype = np.asarray(words).dtype
+    if dtype == np.uint64:
+        return RING64
+    if dtype == np.uint32:
+        return RING32
+    raise ProtocolError(f"Masked words must be uint32 or uint64, got {dtype}.")
+
 
 Exchange = Callable[[bytes], bytes]
 """X25519 with the contributor's own private key: peer public key -> shared secret."""
@@ -118,15 +225,17 @@ def pad_key(shared: bytes, context: bytes) -> bytes:
                 info=b"senseshield-mask\0" + context).derive(shared)
 
 
-def pads(key: bytes, positions: np.ndarray) -> np.ndarray:
-    """The pad words (uint64) at ``positions``: word ``i`` of the ChaCha20 keystream of ``key``."""
+def pads(key: bytes, positions: np.ndarray, ring: Ring = RING64) -> np.ndarray:
+    """The pad words (``ring.dtype``) at ``positions``: word ``i`` of the ChaCha20 keystream
+    of ``key`` read as ``ring.bits``-bit words."""
     positions = np.asarray(positions, dtype=np.int64)
     if positions.size == 0:
-        return np.zeros(0, dtype=np.uint64)
+        return np.zeros(0, dtype=ring.dtype)
     n = int(positions[-1]) + 1
-    buffer = bytearray(8 * n + 15)  # update_into wants room for a block more than it writes
-    Cipher(algorithms.ChaCha20(key, b"\x00" * 16), mode=None).encryptor().update_into(_zeros(8 * n), buffer)
-    words = np.frombuffer(buffer, dtype="<u8", count=n)
+    size = ring.word_bytes * n
+    buffer = bytearray(size + 15)  # update_into wants room for a block more than it writes
+    Cipher(algorithms.ChaCha20(key, b"\x00" * 16), mode=None).encryptor().update_into(_zeros(size), buffer)
+    words = np.frombuffer(buffer, dtype=f"<u{ring.word_bytes}", count=n)
     if positions.size == n:  # every position up to the last: the whole stream
         return words
     return words[positions]
@@ -142,34 +251,48 @@ def _zeros(nbytes: int) -> memoryview:
     return memoryview(_ZERO_CACHE[0])[:nbytes]
 
 
-def challenge_words(seed: bytes, positions: np.ndarray) -> np.ndarray:
-    """The round's challenge word (uint64) of every position, from the sealed seed."""
+def challenge_words(seed: bytes, positions: np.ndarray, ring: Ring = RING64) -> np.ndarray:
+    """The round's challenge word (``ring.dtype``) of every position, from the sealed seed."""
     key = HKDF(algorithm=hashes.SHA256(), length=32, salt=None,
                info=b"senseshield-masked-challenge").derive(bytes(seed))
-    return pads(key, positions)
+    return pads(key, positions, ring)
 
 
-def _dot(a: np.ndarray, words: np.ndarray) -> int:
-    """``Σ a[i] · words[i] mod 2^64`` (uint64 arithmetic wraps)."""
+def _dot(a: np.ndarray, words: np.ndarray, ring: Ring = RING64) -> int:
+    """``Σ a[i] · words[i] mod 2^ring.bits`` (uint64 arithmetic wraps modulo 2^64, a multiple)."""
     with np.errstate(over="ignore"):
-        return int((np.asarray(a, dtype=np.uint64) * np.asarray(words, dtype=np.uint64)).sum(dtype=np.uint64))
+        total = int((np.asarray(a, dtype=np.uint64) * np.asarray(words, dtype=np.uint64)).sum(dtype=np.uint64))
+    return total % (1 << ring.bits)
 
 
-def encode(values: np.ndarray) -> np.ndarray:
-    """Fixed-point ``round(x · 2^24)`` as uint64 (two's complement); |x| < 2^12 or ValueError."""
+def encode(values: np.ndarray, ring: Ring = RING64) -> np.ndarray:
+    """Fixed-point ``round(x · 2^f)`` as ``ring.dtype`` (two's complement). The 64-bit ring
+    refuses ``|x| >= 2^12`` (ValueError); the 32-bit ring clips to [-1, 1], counted in one
+    :class:`ClippingWarning`."""
     values = np.asarray(values, dtype=np.float64)
-    if values.size and (values.max() >= VALUE_LIMIT or values.min() <= -VALUE_LIMIT):
-        too_big = np.flatnonzero(np.abs(values) >= VALUE_LIMIT)
-        raise ValueError(f"Value {float(values[too_big[0]])!r} at index {int(too_big[0])} is outside the masked "
-                         f"encoding's range |x| < {VALUE_LIMIT:g}; clip the update.")
-    scaled = values * SCALE
+    limit = ring.value_limit
+    if values.size and (values.max() >= limit or values.min() <= -limit):
+        if ring.clips:
+            outside = int(np.count_nonzero(np.abs(values) > limit))
+            if outside:
+                warnings.warn(f"{outside} of {values.size} values were outside the 32-bit masked ring's range "
+                              f"[-{limit:g}, {limit:g}] and were clipped.", ClippingWarning, stacklevel=2)
+                values = np.clip(values, -limit, limit)
+        else:
+            too_big = np.flatnonzero(np.abs(values) >= limit)
+            raise ValueError(f"Value {float(values[too_big[0]])!r} at index {int(too_big[0])} is outside the masked "
+                             f"encoding's range |x| < {limit:g}; clip the update.")
+    scaled = values * ring.scale
     np.rint(scaled, out=scaled)
-    return scaled.astype(np.int64).view(np.uint64)
+    signed = np.int64 if ring.bits == 64 else np.int32
+    return scaled.astype(signed).view(ring.dtype)
 
 
 def decode(words: np.ndarray) -> np.ndarray:
-    """Signed 64-bit words read as fixed-point sums (float64)."""
-    return np.asarray(words, dtype=np.uint64).view(np.int64).astype(np.float64) / SCALE
+    """Signed words (uint64 or uint32, the ring) read as fixed-point sums (float64)."""
+    ring = ring_of_words(words)
+    signed = np.int64 if ring.bits == 64 else np.int32
+    return np.asarray(words).view(signed).astype(np.float64) / ring.scale
 
 
 def _runs(positions: np.ndarray) -> np.ndarray:
@@ -194,21 +317,23 @@ class MaskedPublicKey(PublicKey):
     needs_contributors = True
     block_size = 1
 
-    def __init__(self, box: bytes, *, pad: bytes | None = None) -> None:
+    def __init__(self, box: bytes, *, pad: bytes | None = None, ring: Ring = RING64) -> None:
         if len(box) != 32:
             raise ProtocolError(f"A masked scheme key is a 32-byte X25519 key, got {len(box)} bytes.")
         self.box = bytes(box)
         self._key_id = short_hash(b"masked-v1", self.box)
         self._pad = pad
+        self.ring = ring  # what a bound key masks in (an unbound key adds words of either ring)
 
     @property
     def key_id(self) -> str:
         return self._key_id
 
-    def for_contributor(self, exchange: Exchange, context: bytes) -> "MaskedPublicKey":
+    def for_contributor(self, exchange: Exchange, context: bytes, *, ring_bits: int = 64) -> "MaskedPublicKey":
         """This key bound to one contributor in one context: its :meth:`encrypt` masks with
-        the pads only that contributor and the key server can compute."""
-        bound = MaskedPublicKey(self.box, pad=pad_key(exchange(self.box), context))
+        the pads only that contributor and the key server can compute, modulo ``2^ring_bits``
+        (the round's ring, :func:`choose_ring`)."""
+        bound = MaskedPublicKey(self.box, pad=pad_key(exchange(self.box), context), ring=ring_of(ring_bits))
         bound.ragged_masks = self.ragged_masks
         return bound
 
@@ -217,12 +342,13 @@ class MaskedPublicKey(PublicKey):
             raise ConfigError("Masked encryption needs the contributor's pads; bind the key with "
                               "for_contributor(exchange, context) first.")
         values, positions = check_values(values, positions)
-        words = encode(values)
-        words += pads(self._pad, positions)  # wraps modulo 2^64
-        return EncryptedVector(SCHEME, self._key_id, positions, words, self._nbytes(positions))
+        words = encode(values, self.ring)
+        words += pads(self._pad, positions, self.ring)  # wraps modulo 2^bits
+        return EncryptedVector(SCHEME, self._key_id, positions, words, self._nbytes(positions, self.ring))
 
-    def _nbytes(self, positions: np.ndarray) -> int:
-        return _HEADER.size + _RUN.size * len(_runs(positions)) + 8 * positions.size
+    @staticmethod
+    def _nbytes(positions: np.ndarray, ring: Ring) -> int:
+        return _HEADER.size + _RUN.size * len(_runs(positions)) + ring.word_bytes * positions.size
 
     def aggregate(self, parts: Sequence[CipherPart | PlainPart], positions: np.ndarray) -> EncryptedVector:
         accumulator = MaskedAccumulator(self, 0)
@@ -241,11 +367,12 @@ class MaskedPublicKey(PublicKey):
             return None
         rows, _ = select_units(vector, positions, np.asarray(vector.positions, dtype=np.int64), 1)
         positions = np.asarray(positions, dtype=np.int64).copy()
-        out = EncryptedVector(SCHEME, self._key_id, positions, np.asarray(vector.payload, dtype=np.uint64)[rows],
-                              self._nbytes(positions))
+        words = np.asarray(vector.payload)
+        out = EncryptedVector(SCHEME, self._key_id, positions, words[rows],
+                              MaskedPublicKey._nbytes(positions, ring_of_words(words)))
         out.meta = {k: v for k, v in vector.meta.items() if k != "plain"}
         if "plain" in vector.meta:
-            out.meta["plain"] = np.asarray(vector.meta["plain"], dtype=np.uint64)[rows]
+            out.meta["plain"] = np.asarray(vector.meta["plain"])[rows]
         return out
 
     # -- verification (see "Fingerprints" above) -------------------------------------
@@ -253,27 +380,32 @@ class MaskedPublicKey(PublicKey):
 
     def fingerprint(self, vector: EncryptedVector, seed: bytes) -> bytes:
         self.check(vector)
-        return _dot(challenge_words(seed, vector.positions), vector.payload).to_bytes(8, "big")
+        ring = ring_of_words(vector.payload)
+        return _dot(challenge_words(seed, vector.positions, ring), vector.payload, ring).to_bytes(8, "big")
 
     def plain_fold(self, aggregate: EncryptedVector) -> bytes:
         fold = aggregate.meta.get("plain")
-        return b"" if fold is None or not np.any(fold) else np.asarray(fold, dtype=">u8").tobytes()
+        if fold is None or not np.any(fold):
+            return b""
+        return np.asarray(fold).astype(f">u{ring_of_words(fold).word_bytes}").tobytes()
 
     def verify_aggregate(self, aggregate: EncryptedVector, seed: bytes,
                          contributions: Sequence[tuple[bytes, int]], plain: bytes) -> bool:
         self.check(aggregate)
-        a = challenge_words(seed, aggregate.positions)
+        ring = ring_of_words(aggregate.payload)
+        a = challenge_words(seed, aggregate.positions, ring)
         expected = 0
         for f, w in contributions:
             if len(f) != 8:
                 raise ProtocolError(f"A masked fingerprint has 8 bytes, got {len(f)}.")
             expected += int.from_bytes(f, "big") * int(w)
         if plain:
-            if len(plain) != 8 * aggregate.positions.size:
+            width = ring.word_bytes
+            if len(plain) != width * aggregate.positions.size:
                 raise ProtocolError(f"The plaintext fold has {len(plain)} bytes; {aggregate.positions.size} "
-                                    "positions need 8 each.")
-            expected += _dot(a, np.frombuffer(plain, dtype=">u8").astype(np.uint64))
-        return _dot(a, aggregate.payload) == expected % (1 << 64)
+                                    f"positions need {width} each in the {ring.bits}-bit ring.")
+            expected += _dot(a, np.frombuffer(plain, dtype=f">u{width}").astype(np.uint64), ring)
+        return _dot(a, aggregate.payload, ring) == expected % (1 << ring.bits)
 
     def to_bytes(self) -> bytes:
         import json
@@ -301,13 +433,15 @@ class MaskedPublicKey(PublicKey):
 
     def ciphertext_bytes(self, vector: EncryptedVector) -> bytes:
         """``"SSMK" | version u8 | key id (8) | count u64 | runs u32 | runs x (start, length)
-        i64 | count x word u64`` (big-endian header, little-endian words)."""
+        i64 | count x word`` (big-endian header, little-endian words); version 1: u64 words
+        (the 64-bit ring), 2: u32 words (the 32-bit ring)."""
         self.check(vector)
+        ring = ring_of_words(vector.payload)
         runs = _runs(vector.positions)
         return b"".join([
-            _HEADER.pack(_MAGIC, _VERSION, bytes.fromhex(self._key_id), vector.positions.size, len(runs)),
+            _HEADER.pack(_MAGIC, ring.version, bytes.fromhex(self._key_id), vector.positions.size, len(runs)),
             runs.astype(">i8").tobytes(),
-            np.asarray(vector.payload, dtype="<u8").tobytes(),
+            np.asarray(vector.payload).astype(f"<u{ring.word_bytes}", copy=False).tobytes(),
         ])
 
     def vector_from_bytes(self, data: bytes) -> EncryptedVector:
@@ -315,14 +449,16 @@ class MaskedPublicKey(PublicKey):
         if len(data) < _HEADER.size:
             raise ProtocolError(f"Masked vector of {len(data)} bytes is shorter than its header.")
         magic, version, raw_id, count, nruns = _HEADER.unpack_from(data)
-        if magic != _MAGIC or version != _VERSION:
+        if magic != _MAGIC or version not in _BY_VERSION:
             raise ProtocolError("Not a SenseShield masked vector (bad magic or version).")
+        ring = _BY_VERSION[version]
         if raw_id.hex() != self._key_id:
             raise KeyMismatchError(f"Masked vector was made under key {raw_id.hex()!r}, not the current key "
                                    f"{self._key_id!r}; it is rejected.")
-        expected = _HEADER.size + _RUN.size * nruns + 8 * count
+        expected = _HEADER.size + _RUN.size * nruns + ring.word_bytes * count
         if len(data) != expected:
-            raise ProtocolError(f"Masked vector has {len(data)} bytes; its header announces {expected}.")
+            raise ProtocolError(f"Masked vector has {len(data)} bytes; its header announces {expected} "
+                                f"({count} words of {ring.word_bytes} bytes, the {ring.bits}-bit ring).")
         runs = np.frombuffer(data, dtype=">i8", count=2 * nruns, offset=_HEADER.size).reshape(-1, 2).astype(np.int64)
         if nruns and (np.any(runs[:, 1] < 1) or runs[0, 0] < 0 or np.any(runs[1:, 0] <= runs[:-1].sum(axis=1))
                       or int(runs[:, 1].sum()) != count):
@@ -331,15 +467,18 @@ class MaskedPublicKey(PublicKey):
             raise ProtocolError(f"Masked vector announces {count} values; too many.")
         positions = (np.concatenate([np.arange(s, s + n, dtype=np.int64) for s, n in runs])
                      if nruns else np.zeros(0, dtype=np.int64))
-        words = np.frombuffer(data, dtype="<u8", count=count, offset=_HEADER.size + _RUN.size * nruns).astype(np.uint64)
-        return EncryptedVector(SCHEME, self._key_id, positions, words, len(data))
+        words = np.frombuffer(data, dtype=f"<u{ring.word_bytes}", count=count,
+                              offset=_HEADER.size + _RUN.size * nruns).astype(ring.dtype)
+        return EncryptedVector(SCHEME, self._key_id, positions, words, len(data), meta={"ring_bits": ring.bits})
 
     def __repr__(self) -> str:
-        return f"MaskedPublicKey(key_id={self._key_id!r}{', bound' if self._pad else ''})"
+        return f"MaskedPublicKey(key_id={self._key_id!r}{f', bound, {self.ring.bits}-bit' if self._pad else ''})"
 
 
 class MaskedAccumulator(Accumulator):
-    """Running ``Σ w · y`` modulo 2^64 (exact: the order of arrival does not matter).
+    """Running ``Σ w · y`` modulo the ring of its parts (exact: the order of arrival does not
+    matter). Every masked part must be in the same ring; a part that would take the total
+    weight to the ring's head-room is refused alone.
 
     Shared masks (``ragged_masks = False``): every part masks the aggregate's positions, a
     part that does not is refused. Ragged masks: each part adds its words at its own
@@ -349,6 +488,8 @@ class MaskedAccumulator(Accumulator):
         self.public_key = public_key
         self.total = np.zeros(0, dtype=np.uint64)
         self.positions: np.ndarray | None = None
+        self.ring: Ring | None = None
+        self.weight = 0  # Σ w of the masked parts
         self.plain: list[tuple[np.ndarray, np.ndarray, int]] = []
         self.count = 0
         self.ragged = bool(public_key.ragged_masks)
@@ -357,27 +498,37 @@ class MaskedAccumulator(Accumulator):
     def add(self, part: CipherPart | PlainPart, key: str = "") -> None:
         index = self.count
         if isinstance(part, CipherPart):
-            weight = check_weight(part.weight, index, limit=MAX_TOTAL_WEIGHT, why="the masked head-room")
             self.public_key.check(part.vector)
+            ring = ring_of_words(part.vector.payload)
+            if self.ring is not None and ring is not self.ring:
+                raise ProtocolError(f"Part {index} is masked modulo 2^{ring.bits}; the aggregate's other parts are "
+                                    f"modulo 2^{self.ring.bits}, and every part of one aggregate must be in one ring.")
+            weight = check_weight(part.weight, index, limit=ring.max_total_weight - 1 - self.weight,
+                                  why=f"the {ring.bits}-bit masked head-room's remaining weight (an aggregate's "
+                                      f"total stays below {ring.max_total_weight})")
             positions = part.vector.positions
             if self.positions is not None and not np.array_equal(positions, self.positions):
                 raise ProtocolError(f"Part {index} masks other positions than the aggregate's; every contributor "
                                     "of a masked aggregate masks the same positions.")
-            words = np.asarray(part.vector.payload, dtype=np.uint64)
+            words = np.asarray(part.vector.payload)
             if words.shape != positions.shape:
                 raise ProtocolError(f"Part {index} has {words.size} words for {positions.size} positions.")
-            if self.ragged:
+            if self.ragged:  # one running word per model position, in the parts' ring
+                if self.ring is None:
+                    self.ring, self.total = ring, np.zeros(0, dtype=ring.dtype)
                 need = int(positions[-1]) + 1 if positions.size else 0
                 if need > self.total.size:
-                    self.total = np.concatenate([self.total, np.zeros(need - self.total.size, dtype=np.uint64)])
+                    self.total = np.concatenate([self.total, np.zeros(need - self.total.size, dtype=ring.dtype)])
                     self.covered = np.concatenate([self.covered, np.zeros(need - self.covered.size, dtype=bool)])
-                self.total[positions] += words * np.uint64(weight)  # modulo 2^64
+                self.total[positions] += words * ring.dtype(weight)  # modulo 2^bits
                 self.covered[positions] = True
+                self.weight += weight
                 self.count += 1
                 return
             if self.positions is None:
-                self.positions, self.total = positions.copy(), np.zeros(positions.size, dtype=np.uint64)
-            self.total += words * np.uint64(weight)  # modulo 2^64
+                self.positions, self.total, self.ring = positions.copy(), np.zeros(positions.size, dtype=ring.dtype), ring
+            self.total += words * ring.dtype(weight)  # modulo 2^bits
+            self.weight += weight
         else:
             weight = check_weight(part.weight, index, limit=MAX_TOTAL_WEIGHT, why="the masked head-room")
             self.plain.append((np.asarray(part.positions, dtype=np.int64),
@@ -387,18 +538,21 @@ class MaskedAccumulator(Accumulator):
     def result(self, positions: np.ndarray) -> EncryptedVector:
         positions = np.asarray(positions, dtype=np.int64)
         if self.ragged:
-            if not np.array_equal(np.flatnonzero(self.covered), positions):
+            if self.ring is None or not np.array_equal(np.flatnonzero(self.covered), positions):
                 raise ProtocolError("A masked aggregate's positions must be exactly the union of its contributors' masks.")
-            self.positions, self.total = positions, self.total[positions]
-        if self.positions is None or not np.array_equal(self.positions, positions):
+            total = self.total[positions]
+        elif self.positions is None or self.ring is None or not np.array_equal(self.positions, positions):
             raise ProtocolError("A masked aggregate's positions must be exactly those its contributors masked.")
-        fold = np.zeros(positions.size, dtype=np.uint64)
+        else:
+            total = self.total
+        ring = self.ring
+        fold = np.zeros(positions.size, dtype=ring.dtype)
         for where, values, weight in self.plain:  # plaintext inside the masked positions, if any
             inside = np.isin(where, positions)
             if inside.any():
-                fold[np.searchsorted(positions, where[inside])] += encode(values[inside]) * np.uint64(weight)
-        vector = EncryptedVector(SCHEME, self.public_key.key_id, positions, self.total + fold,
-                                 self.public_key._nbytes(positions))
+                fold[np.searchsorted(positions, where[inside])] += encode(values[inside], ring) * ring.dtype(weight)
+        vector = EncryptedVector(SCHEME, self.public_key.key_id, positions, total + fold,
+                                 MaskedPublicKey._nbytes(positions, ring))
         vector.meta["plain"] = fold  # what the key server's fingerprint check needs (plain_fold)
         return vector
 
@@ -440,11 +594,12 @@ class MaskedSecretKey(SecretKey):
         if not contributions:
             raise ProtocolError("A masked aggregate is decrypted only with its named contributors "
                                 "(bind_contributions); none were given.")
+        ring = ring_of_words(vector.payload)
         total_weight = sum(w for _, w in contributions)
-        if total_weight >= MAX_TOTAL_WEIGHT:
-            raise ProtocolError(f"The aggregate weighs {total_weight} samples; the masked encoding's head-room "
-                                f"allows fewer than {MAX_TOTAL_WEIGHT}.")
-        words = np.asarray(vector.payload, dtype=np.uint64).copy()
+        if total_weight >= ring.max_total_weight:
+            raise ProtocolError(f"The aggregate weighs {total_weight} samples; the {ring.bits}-bit masked encoding's "
+                                f"head-room allows fewer than {ring.max_total_weight}.")
+        words = np.asarray(vector.payload, dtype=ring.dtype).copy()
         masks = vector.meta.get("masks")
         for i, (box, weight) in enumerate(contributions):
             rows = slice(None)
@@ -453,19 +608,20 @@ class MaskedSecretKey(SecretKey):
                 if vector.positions.size and int(vector.positions[-1]) >= bits.size:
                     raise ProtocolError("A contributor's mask is shorter than the aggregate.")
                 rows = np.flatnonzero(bits[vector.positions])
-            pad = pads(self.contributor_pad_key(box, vector.meta["context"]), vector.positions[rows])
+            pad = pads(self.contributor_pad_key(box, vector.meta["context"]), vector.positions[rows], ring)
             if weight == 1:
                 words[rows] -= pad
             else:
-                words[rows] -= pad * np.uint64(weight)
-        signed = words.view(np.int64)
-        # a genuine sum is below Σw · 2^12 · 2^24 in magnitude; a leftover pad is uniform on 2^64
-        limit = float(total_weight) * VALUE_LIMIT * SCALE
-        outside = np.flatnonzero(np.abs(signed.astype(np.float64)) >= limit)
+                words[rows] -= pad * ring.dtype(weight)
+        signed = words.view(np.int64 if ring.bits == 64 else np.int32).astype(np.float64)
+        # a genuine sum is at most Σw · word_limit (2^36 or 2^15) in magnitude; a leftover
+        # pad is uniform on the ring
+        limit = float(total_weight) * ring.word_limit
+        outside = np.flatnonzero(np.abs(signed) > limit)
         if outside.size:
             raise ProtocolError(f"The unmasked sum is out of range at {outside.size} of {signed.size} positions: the "
                                 "aggregate is not the sum of exactly the named contributions (refused).")
-        return signed.astype(np.float64) / SCALE
+        return signed / ring.scale
 
     def _export(self) -> bytes:
         return self._private.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
@@ -482,9 +638,10 @@ class MaskedScheme(Scheme):
     ragged_masks = False
     ragged_capable = True  # per-client masks when the job's strategy gives them (PublicKey.for_masks)
     exact = True
-    description = (f"one-time pads agreed with the key server (X25519 + HKDF + ChaCha20), fixed point 2^-{FRACTION_BITS} "
-                   "modulo 2^64; 8 bytes per parameter; every parameter at about plaintext cost; shared masks, or each client's own under a per-client-mask "
-                   "strategy (SenseCrypt).")
+    description = ("one-time pads agreed with the key server (X25519 + HKDF + ChaCha20); fixed point 2^-15 modulo 2^32 "
+                   "(4 bytes per parameter, values clipped to ±1) while a cluster's total weight is below 2^16, else "
+                   f"2^-{FRACTION_BITS} modulo 2^64 (8 bytes; job option ring_bits); every parameter at about "
+                   "plaintext cost; shared masks, or each client's own under a per-client-mask strategy (SenseCrypt).")
     defaults: dict[str, Any] = {}
 
     @classmethod

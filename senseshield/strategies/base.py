@@ -18,7 +18,7 @@ Client side:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -134,6 +134,15 @@ class StrategyOptions(BaseModel):
             "inversion; not a DP guarantee); 0 = off."
         ),
     )
+    ring_bits: int | str = Field(
+        "auto",
+        description=(
+            "masked scheme: the ring of the masked words, 32 (4 bytes per parameter, fixed point 2^-15, values "
+            "clipped to ±1, a cluster's total weight below 2^16), 64 (8 bytes, 2^-24, |x| < 4096, weight below "
+            "2^26) or auto: 32 when the cluster's planned total weight fits and the strategy adds no noise to "
+            "what it masks, else 64 (docs/security.md)."
+        ),
+    )
     score: str | None = Field(None, description="Per-round sensitivity score of the clients (see `senseshield strategies`: taylor, fisher, grad_delta, leakage); default: the strategy's.")
     dp_ratio: float = Field(0.1, description="Fraction of coordinates Selective-DP noises (top-k by |g|*|dw|).")
     budget_skew: float = Field(1.0, description="Selective-DP schedule: the most sensitive coordinate gets (1+skew) x noise.")
@@ -155,6 +164,13 @@ class StrategyOptions(BaseModel):
     @classmethod
     def _clip(cls, value: float) -> float:
         return check_clip(value)
+
+    @field_validator("ring_bits", mode="before")
+    @classmethod
+    def _ring_bits(cls, value: Any) -> int | str:
+        from senseshield.he.masked import ring_option
+
+        return ring_option(value)
 
     @field_validator("score")
     @classmethod
@@ -552,6 +568,17 @@ class Strategy(ABC):
     def user_dp_round(self, round: int) -> bool:
         """Whether clients noise their update in ``round`` (counted by the accountant)."""
         return self.dp_level == "user"
+
+    def ring_bits(self, n_samples: Iterable[int]) -> int:
+        """The masked scheme's ring for one cluster's round whose members joined with
+        ``n_samples`` (:func:`senseshield.he.masked.choose_ring` of the job's ``ring_bits``,
+        the members' total :meth:`sample_weight`, and whether the values sent are free of
+        added noise, which the 32-bit ring would clip). The simulator and the coordinator
+        call it with the same members: the same ring."""
+        from senseshield.he.masked import choose_ring
+
+        total = sum(self.sample_weight(int(n)) for n in n_samples)
+        return choose_ring(self.options.ring_bits, total, bounded=self.dp_level != "user")
 
     def sample_weight(self, n_samples: int) -> int:
         """The weight of a client's update in its cluster's mean (default: its sample count

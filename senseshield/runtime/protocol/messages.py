@@ -235,11 +235,14 @@ class RoundPlan(Message):
     noise_multiplier: float | None = None  # user-level sigma
     record_noise: float | None = None  # this agent's DP-SGD sigma
     local_steps: int | None = Field(None, ge=1)  # partial work: train only this many minibatch steps (None: full)
+    ring_bits: int = 64  # masked scheme: mask modulo 2^32 or 2^64 (Strategy.ring_bits of the cluster)
     has_shared_mask: bool = False
     shared_mask: np.ndarray  # bitset; empty when has_shared_mask is False
 
     @model_validator(mode="after")
     def _consistent(self) -> "RoundPlan":
+        if self.ring_bits not in (32, 64):
+            raise ProtocolError(f"A round plan's ring_bits is {self.ring_bits}; the masked scheme has rings of 32 and 64 bits.")
         if self.has_shared_mask:
             unpack_mask(self.shared_mask, self.size)
         elif self.shared_mask.size:

@@ -1,0 +1,212 @@
+"""The key server's checks of an aggregate request before anything is decrypted
+(:func:`verify`, with the k-encryptors rule of per-client-mask schemes,
+:func:`check_encryptors`), and the contributors it names at fault after a refusal at the
+fingerprint check (:func:`at_fault`).
+
+Pure over what the service hands in (:class:`Checks`: the round's pinned plan, its
+challenge seed and box keys, the contributions already taken, the key, the ledger, the
+operator's minimums); no transport, no state of its own. The service keeps the state,
+records what a check returns and answers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from senseshield.engine.aggregation import thin_positions, thin_report
+from senseshield.he import PublicKey, SecretKey
+from senseshield.runtime.identity import Trust, check_frame
+from senseshield.runtime.protocol.envelope import decode_frame
+from senseshield.runtime.protocol.messages import AggregateRequest, Receipt, from_frame, pack_mask, unpack_frames
+
+FINGERPRINT_MISMATCH = "the aggregate is not the product of the signed contributions"
+"""How a refusal at the fingerprint check begins (the one refusal after which the coordinator
+may try again without a contributor: nothing was decrypted or spent)."""
+
+
+def at_fault(failed: list[dict[str, str]], passed: dict[str, str], r: int) -> dict[str, str]:
+    """The contributors at fault, once an attempt whose fingerprints are ``passed`` (agent ->
+    fingerprint) verified after attempts ``failed`` did not: every update of a failed attempt
+    that the passing one left out or replaced (agent -> why), all named in one verdict (an
+    attempt that left several out or replaced several names each, and the others with it)."""
+    out: dict[str, str] = {}
+    for prints in failed:
+        changed = [a for a, fp in prints.items() if passed.get(a) != fp]
+        for a in changed:
+            if a in out:
+                continue
+            fate = "left out" if a not in passed else "replaced by its later update"
+            others = sorted(set(changed) - {a})
+            also = f" (and {', '.join(others)} too)" if others else ""
+            out[a] = (f"its round {r} update does not match the fingerprint it signed: the aggregate with it "
+                      f"failed the key server's check, the same aggregate with it {fate}{also} passed")
+    return out
+
+
+@dataclass(frozen=True)
+class Checks:
+    """What one request of round ``r`` is checked against (see the module docstring)."""
+
+    trust: Trust
+    run_id: str
+    plan: dict[int, list[str]] | None  # the round's pinned plan (None: never opened)
+    taken: dict[str, int]  # the round's contributions spent or reserved: agent -> cluster
+    public: PublicKey | None
+    secret: SecretKey | None
+    seed: bytes | None  # the round's challenge seed
+    boxes: dict[str, bytes]  # the round's box keys: agent -> X25519 key
+    ledger: dict[str, str]  # across jobs: "key|agent|starting model" -> "run/round/cluster"
+    min_contributors: int
+    min_fraction: float
+    min_encryptors: int  # the operator's (--min-encryptors)
+    job_min_encryptors: int  # the job's
+    allow_unverifiable: bool
+    log: logging.Logger
+
+
+def verify(checks: Checks, r: int, k: int, msg: AggregateRequest, aggregate,  # noqa: ANN001
+           prints: dict[str, str]) -> tuple[str | None, dict[str, int], dict[str, str]]:
+    """``(None, {contributor: weight}, ledger entries)`` if round ``r``'s aggregate of cluster
+    ``k`` may be decrypted, else ``(reason, {}, {})``: the plan, every receipt's signature, round, run,
+    cluster and membership, no contribution used twice in the round, the minimum of
+    contributors, the weights, (shared-mask schemes) every receipt signs the aggregate's
+    mask, (verifiable schemes) the fingerprint equation, and (the masked scheme) a box
+    key for every contributor. ``prints`` receives each contributor's signed fingerprint (hex).
+    The ledger entries (contributor -> "key|agent|starting model") are the service's to
+    record once the aggregate is decrypted."""
+    c = checks
+    ciphertext = aggregate.ciphertext
+    plan = c.plan
+    if plan is None:
+        return f"round {r} was never opened (no round plan); nothing of it is decrypted", {}, {}
+    if k not in plan:
+        return f"cluster {k} is not in round {r}'s plan (clusters {sorted(plan)})", {}, {}
+    receipts: dict[str, Receipt] = {}
+    for raw in unpack_frames(msg.receipts):
+        frame = decode_frame(raw)
+        check_frame(c.trust, frame)  # signed by the agent it names, with its pinned key
+        receipt = from_frame(frame)
+        if not isinstance(receipt, Receipt):
+            return f"a receipt of {frame.sender!r} is a {frame.schema!r} message", {}, {}
+        if frame.round != r or receipt.run_id != c.run_id:
+            return f"the receipt of {frame.sender!r} is for round {frame.round} of run {receipt.run_id!r}", {}, {}
+        if receipt.cluster != k or frame.sender not in plan[k]:
+            return f"{frame.sender!r} signed for cluster {receipt.cluster}, and is not a member of cluster {k}", {}, {}
+        if frame.sender in receipts:
+            return f"two receipts of {frame.sender!r}", {}, {}
+        receipts[frame.sender] = receipt
+    names = sorted(receipts)
+    if sorted(set(msg.contributors)) != names or len(msg.contributors) != len(names):
+        return (f"the contributor list {sorted(msg.contributors)} is not the signed receipts' "
+                f"{names}; decrypting would reveal an individual update"), {}, {}
+    used = {a: c.taken.get(a) for a in names}
+    reused = sorted(a for a, cl in used.items() if cl is not None)
+    if reused:
+        return (f"the contributions of {reused} in round {r} were already decrypted in cluster "
+                f"{used[reused[0]]}'s aggregate; each enters one aggregate per round"), {}, {}
+    need = max(c.min_contributors, math.ceil(c.min_fraction * len(plan[k]) - 1e-9))
+    if len(names) < need:
+        return (f"{len(names)} distinct contributor(s) {names}, fewer than the minimum {need} "
+                f"(--min-contributors {c.min_contributors}, --min-fraction {c.min_fraction:g} of "
+                f"{len(plan[k])}); decrypting would reveal an individual update"), {}, {}
+    shares = max((rc.shares for rc in receipts.values()), default=0)
+    if shares > len(names):  # distributed DP: each share is sized for this many contributors
+        return (f"{len(names)} contributor(s) {names}, fewer than the {shares} the noise shares of their receipts "
+                "are sized for; the sum would carry less than the job's DP noise (a job may allow dropouts "
+                "with dp_quorum below 1)"), {}, {}
+    weight = sum(rc.n_samples for rc in receipts.values())
+    if weight != msg.total_weight:
+        return f"the aggregate weighs {msg.total_weight} samples; the receipts sign {weight}", {}, {}
+    public = c.public
+    if ciphertext is not None and public is not None and not public.verifiable and not c.allow_unverifiable:
+        return (f"{public.scheme} aggregates cannot be checked against the contributors' fingerprints, so "
+                "this key server does not decrypt them (start it with --allow-unverifiable to trust the "
+                "coordinator to sum honestly, or run the job on a Paillier or masked scheme)"), {}, {}
+    if ciphertext is not None and public is not None and public.verifiable:
+        missing = [a for a, rc in receipts.items() if rc.key_id != public.key_id]
+        if missing:
+            return f"the receipts of {missing} are not under the current key", {}, {}
+        # (a scheme whose encryptors fold their weight in: each contribution enters once)
+        parts = [(rc.fingerprint, 1 if public.prefolds_weight else rc.n_samples)
+                 for rc in receipts.values() if rc.fingerprint]
+        prints.update({a: rc.fingerprint.hex() for a, rc in receipts.items()})
+        if not c.secret.verify_aggregate(ciphertext, c.seed, parts, msg.plain_fold):
+            return (f"{FINGERPRINT_MISMATCH} under round {r}'s challenge (forged, altered or from "
+                    "another round, or one contributor's update does not match the fingerprint it signed)"), {}, {}
+    if ciphertext is not None and public is not None and not public.ragged_masks:
+        union = hashlib.sha256(pack_mask(aggregate.union_mask).tobytes()).hexdigest()
+        other = sorted(a for a, rc in receipts.items() if rc.mask_digest != union)
+        if other:
+            return (f"the receipts of {other} sign another mask than the aggregate's; a shared-mask "
+                    "scheme's contributors all encrypt the same positions"), {}, {}
+    if ciphertext is not None and public is not None and public.needs_contributors:
+        unknown = sorted(a for a in names if a not in c.boxes)
+        if unknown:
+            return f"no box key for {unknown} in round {r}; their contributions cannot be unmasked", {}, {}
+    if ciphertext is not None and public is not None and public.ragged_masks:
+        refusal = check_encryptors(c, r, k, msg, aggregate, receipts)
+        if refusal is not None:
+            return refusal, {}, {}
+    entries: dict[str, str] = {}
+    if ciphertext is not None and public is not None:
+        # across jobs: one (key, agent, starting model) enters one decrypted aggregate, so a
+        # re-run job cannot difference sums of the same updates in other pairings
+        entries = {a: f"{public.key_id}|{a}|{receipts[a].start_digest}" for a in names}
+        unsigned = sorted(a for a in names if not receipts[a].start_digest)
+        if unsigned:
+            return f"the receipts of {unsigned} do not sign the model they trained from", {}, {}
+        # (within a job the round's own ledger applies: a later round trains anew, even from
+        # the same model after a refused round)
+        used = sorted((a, c.ledger[e]) for a, e in entries.items()
+                      if e in c.ledger and c.ledger[e].rsplit("/", 2)[0] != c.run_id)
+        if used:
+            a, where = used[0]
+            run, rr, kk = where.rsplit("/", 2)
+            return (f"the contribution of {a!r} from this starting model was already decrypted in job {run} "
+                    f"(round {rr}, cluster {kk}); a contribution enters one aggregate across jobs, so "
+                    "run the job from another initial model (another seed)"), {}, {}
+    return None, {a: receipts[a].n_samples for a in names}, entries
+
+
+def check_encryptors(checks: Checks, r: int, k: int, msg: AggregateRequest, aggregate,  # noqa: ANN001
+                     receipts: dict) -> str | None:
+    """Never a sum of fewer than k (per-client-mask schemes): count the encryptors of every
+    union position from the contributors' masks, each checked against its signed receipt;
+    positions fewer than k encrypted stay sealed (``aggregate.thin_mask``), and an
+    aggregate that does not leave exactly those to its plaintext senders is refused."""
+    need = max(checks.min_encryptors, checks.job_min_encryptors)
+    if need <= 1 and not checks.public.needs_contributors:  # masked: the masks say whose pads go where
+        return None
+    masks = msg.contributor_masks()
+    if not masks and need <= 1:
+        return "the aggregate carries no contributor masks; per-client masked pads are removed where each mask says"
+    if not masks:
+        return (f"the aggregate carries no contributor masks; this key server decrypts no position fewer than "
+                f"{need} agents encrypted (--min-encryptors {checks.min_encryptors}) and counts them from the masks")
+    wrong = sorted(a for a, m in masks.items() if hashlib.sha256(m.tobytes()).hexdigest() != receipts[a].mask_digest)
+    if wrong:
+        return f"the masks of {wrong} are not the ones their receipts sign"
+    union = aggregate.union_mask
+    if not np.array_equal(np.bitwise_or.reduce(np.stack(list(masks.values()))), pack_mask(union)):
+        return "the aggregate's union mask is not the union of its contributors' signed masks"
+    thin = thin_positions(list(masks.values()), union, need)
+    said = thin_report(masks, thin, block_size=checks.public.block_size, limit=3)
+    if int(thin.sum()) != msg.thin_sum.size:
+        first = said["blocks"][0] if said["blocks"] else None
+        example = f" (block {first[0]} encrypted only by {first[1]})" if first else ""
+        return (f"{said['positions']} union positions{example} were encrypted by fewer than {need} agents, but "
+                f"the aggregate leaves {msg.thin_sum.size} sealed; a sum of fewer than {need} encryptors is "
+                "never decrypted (start the key server with --min-encryptors 1 for the papers' rule)")
+    if thin.any():
+        if aggregate.position_weight is None:
+            return "an aggregate with sealed positions must give the plaintext senders' weights"
+        aggregate.thin_mask, aggregate.thin_sum = thin, msg.thin_sum
+        checks.log.info("round %d cluster %d: %d position(s) in %d block(s) encrypted by fewer than %d agents stay "
+                        "sealed (first: %s)", r, k, said["positions"], said["blocks_total"], need,
+                        "; ".join(f"block {b} by {a}" for b, a in said["blocks"]))
+    return None

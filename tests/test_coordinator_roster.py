@@ -1,0 +1,58 @@
+"""Admission at the coordinator (coordinator.roster), no broker: a hello checked against the
+fleet's key and against the agent's first, and a device joining after the bootstrap planned
+into a cluster by a real strategy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from coordinator import roster
+from coordinator.roster import AgentInfo
+from senseshield.errors import ProtocolError
+from senseshield.runtime.protocol.messages import Hello
+from senseshield.strategies import build_strategy
+from senseshield.strategies.base import StrategyOptions
+
+RUN = "j-1"
+
+
+def _hello(agent: str, **over) -> Hello:
+    return Hello(**{"run_id": RUN, "agent_id": agent, "n_samples": 100, "bandwidth": 1.0, "cpu_speed": 1.0,
+                    "key_id": "k1", **over})
+
+
+def test_a_hello_under_another_key_is_refused_naming_both_keys():
+    assert roster.key_refusal("a0", _hello("a0"), None) is None  # no key yet
+    assert roster.key_refusal("a0", _hello("a0"), "k1") is None
+    assert roster.key_refusal("a0", _hello("a0", key_id="k0"), "k1") == (
+        "agent 'a0' holds public key 'k0', not the fleet's key 'k1'; it is refused (re-fetch keys/public)")
+
+
+def test_a_repeated_hello_keeps_the_planned_facts():
+    agents: dict[str, AgentInfo] = {}
+    assert roster.greet(agents, "a0", _hello("a0"), planned=False)
+    agents["a0"].online = False
+    assert not roster.greet(agents, "a0", _hello("a0", n_samples=120), planned=False)  # before the plan: the latest
+    assert agents["a0"].online and agents["a0"].hello.n_samples == 120
+    agents["a0"].online = False
+    assert not roster.greet(agents, "a0", _hello("a0", n_samples=120, bandwidth=5.0), planned=True)
+    assert agents["a0"].online and agents["a0"].hello.bandwidth == 1.0  # after it: the first stays
+    with pytest.raises(ProtocolError, match="^Hello of 'a0' claims 99 samples, shard 0, key 'k1'; it joined with "
+                                            "120, 0, 'k1'.$"):
+        roster.greet(agents, "a0", _hello("a0", n_samples=99), planned=True)
+
+
+def test_a_late_device_is_admitted_once_ready_and_the_changed_budgets_are_reassigned():
+    strategy = build_strategy("sensecrypt", StrategyOptions())
+    assert strategy.needs_bootstrap_sensitivity
+    rng = np.random.default_rng(3)
+    agents = {a: AgentInfo(_hello(a, cpu_speed=s), vector=rng.random(20)) for a, s in (("a0", 1.0), ("a1", 2.0))}
+    plan = strategy.plan_fleet([roster.report_of(agents, a) for a in sorted(agents)], size=20, block_size=1)
+    agents["a2"] = AgentInfo(_hello("a2", cpu_speed=4.0))  # said hello, no bootstrap vector yet
+    assert roster.admit(agents, plan, strategy, "a2", size=20, block_size=1) is None
+    agents["a2"].vector = rng.random(20)
+    new, assign = roster.admit(agents, plan, strategy, "a2", size=20, block_size=1)
+    assert "a2" in new.cluster_of and "a2" in assign and "a2" not in plan.cluster_of
+    assert assign == sorted(a for a in new.cluster_of if a == "a2" or plan.budget_of.get(a) != new.budget_of[a])
+    assert roster.admit(agents, new, strategy, "a2", size=20, block_size=1) is None  # planned already
