@@ -79,12 +79,28 @@ def run(agents: int, rounds: int, slow: str, group: Path, limit: float | None, o
         names = sorted({k for x in rows for k in x.get("phases", {})} - {"wait_model"})
         phases[agent["id"]] = {k: round(float(np.median([x["phases"].get(k, 0.0) for x in rows])), 3) for k in names}
         phases[agent["id"]]["busy"] = round(float(np.median([x["busy_s"] for x in rows if x.get("busy_s") is not None])), 3)
+    # the slow agent's rounds and the fastest one's, phase by phase, timestamps from the round's
+    # start (plan and model in hand): where the slow device's time goes
+    profile = {}
+    for agent in report.get("agents", []):
+        if agent["id"] not in (slow, agent_ids(agents)[0]):
+            continue
+        profile[agent["id"]] = {}
+        for r, x in sorted((agent.get("rounds") or {}).items(), key=lambda kv: int(kv[0])):
+            ts = x.get("timestamps") or {}
+            if not x.get("delivered") or "start_at" not in ts:
+                continue
+            profile[agent["id"]][r] = {
+                "busy_s": x.get("busy_s"),
+                "phases": {k: round(v, 3) for k, v in (x.get("phases") or {}).items() if isinstance(v, (int, float))},
+                "timestamps": {k: round(v - ts["start_at"], 3) for k, v in ts.items()},
+            }
     return {
         "straggle_limit": limit, "seconds": round(seconds, 1), "final_accuracy": report.get("final_accuracy"),
         "median_straggling": st.get("median_ratio"),
         "straggling_per_round": [x.get("ratio") for x in st.get("rounds", [])],
         "budget_notes_at_join": joined, "budgets_at_end": final, "work": work,
-        "budget_refreshes": (report.get("budgets") or {}).get("rounds"), "phases": phases,
+        "budget_refreshes": (report.get("budgets") or {}).get("rounds"), "phases": phases, "profile": profile,
     }
 
 

@@ -639,6 +639,9 @@ class EdgeAgent(Service):
                 self.guard("round failure", lambda: self.send(
                     f"agents/{self.agent_id}/failure", RoundFailure(run_id=self.run.run_id, reason=reason), round=r))
             raise
+        finally:
+            if self.pool is not None:
+                self.pool.resume()  # paused while the round ran (see _do_round)
 
     def _do_round(self, r: int, plan: RoundPlan) -> None:
         run = self.run
@@ -669,6 +672,11 @@ class EdgeAgent(Service):
             self.log.warning("round %d: model %d of cluster %d never arrived; skipping the round", r, plan.model_round, plan.cluster)
             return
         tm["wait_model"] = time.time() - t_plan
+        if self.pool is not None:
+            # from plan and model in hand to the update sent, the round has the device's CPU:
+            # the encryption randomness is precomputed while the device waits, not during its
+            # round (under a CPU quota the filling thread would take the round's share)
+            self.pool.pause()
         # ready: plan and model both here (the agent may still have been busy with the last one)
         model_at = run.timings.get(plan.model_round, {}).get("model_received_at") if plan.model_round else None
         tm["ready_at"] = max(self.plan_arrived_at.get(r, t_plan), model_at or 0.0)
