@@ -66,9 +66,10 @@ def run(agents: int, rounds: int, slow: str, group: Path, limit: float | None, o
 
     options = FleetOptions(agents=agents, out=out, round_deadline=300, join_timeout=600, wrap=wrap,
                            agent_profiles={a: Path("auto") for a in agent_ids(agents)})
-    t = time.perf_counter()
+    t, load = time.perf_counter(), os.getloadavg()[0]
     report = fleet_up(job, options, timeout=1800)
     seconds = time.perf_counter() - t
+    load = [round(load, 1), round(os.getloadavg()[0], 1)]  # the machine's 1-min load, start and end
     work = {str(r["round"]): r.get("work") for r in report["rounds"]}
     joined = (report.get("budgets") or {}).get("clusters") or {}
     final = {c["id"]: c.get("encryption_budget") for c in report.get("clients", [])}
@@ -96,7 +97,7 @@ def run(agents: int, rounds: int, slow: str, group: Path, limit: float | None, o
                 "timestamps": {k: round(v - ts["start_at"], 3) for k, v in ts.items()},
             }
     return {
-        "straggle_limit": limit, "seconds": round(seconds, 1), "final_accuracy": report.get("final_accuracy"),
+        "straggle_limit": limit, "seconds": round(seconds, 1), "load": load, "final_accuracy": report.get("final_accuracy"),
         "median_straggling": st.get("median_ratio"),
         "straggling_per_round": [x.get("ratio") for x in st.get("rounds", [])],
         "budget_notes_at_join": joined, "budgets_at_end": final, "work": work,
@@ -142,7 +143,7 @@ def main() -> None:
                 steps = {a: [r["work"][k][a]["steps"] for k in sorted(r["work"], key=int) if r["work"][k] and a in r["work"][k]]
                          for a in agent_ids(args.agents)}
                 print(f"straggle_limit={limit}: accuracy {r['final_accuracy']:.4f}, median straggling "
-                      f"{r['median_straggling']}, per round {r['straggling_per_round']}, {r['seconds']} s", flush=True)
+                      f"{r['median_straggling']}, per round {r['straggling_per_round']}, {r['seconds']} s, load {r['load']}", flush=True)
                 print(f"  budgets at end {r['budgets_at_end']}", flush=True)
                 print(f"  steps per round {steps}", flush=True)
                 budgets = {a: [round(r["work"][k][a]["budget"], 4) for k in sorted(r["work"], key=int)

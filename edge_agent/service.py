@@ -864,7 +864,7 @@ class EdgeAgent(Service):
             # nothing heavy is loaded before a job needs it: torch, local training and the
             # dataset loaders load when the first job is checked (_prepare, ~2.5 s on an x86
             # core, before the job's first round), Opacus with a DP job, TenSEAL with CKKS,
-            # onnxruntime with the first evaluation; an idle agent holds none of them
+            # onnxruntime when it joins a job (the inference warm-up); an idle agent holds none of them
             self.start([
                 "fleet/config", "keys/public", "fleet/control", f"agents/{self.agent_id}/inbox", "keyserver/challenges",
             ])
