@@ -7,7 +7,9 @@ by default: cgroup v1 `cpu.cfs_quota_us` or v2 `cpu.max`, the trials' way), from
 so it measures itself slow. Two runs, same seed: waiting for everyone (straggle_limit None)
 and partial work (`--set straggle_limit=2`). Per run: every device's budget at join and at the
 end, its local steps per round, the straggling (slowest / fastest client round, median over
-the rounds) and the final accuracy. Then budget max/min over 3 identical agents started
+the rounds), the final accuracy, the machine's load, and ``profile``: the slow agent's and the
+first agent's rounds from report.json (phases, and timestamps from plan and model in hand:
+where the slow device's time goes). Then budget max/min over 3 identical agents started
 together with the defaults (`--profile auto`), idle and next to two busy-looping processes.
 
 Needs root and a writable cpu cgroup controller.
