@@ -7,7 +7,9 @@ by default: cgroup v1 `cpu.cfs_quota_us` or v2 `cpu.max`, the trials' way), from
 so it measures itself slow. Two runs, same seed: waiting for everyone (straggle_limit None)
 and partial work (`--set straggle_limit=2`). Per run: every device's budget at join and at the
 end, its local steps per round, the straggling (slowest / fastest client round, median over
-the rounds) and the final accuracy. Then budget max/min over 3 identical agents started
+the rounds), the final accuracy, the machine's load, and ``profile``: the slow agent's and the
+first agent's rounds from report.json (phases, and timestamps from plan and model in hand:
+where the slow device's time goes). Then budget max/min over 3 identical agents started
 together with the defaults (`--profile auto`), idle and next to two busy-looping processes.
 
 Needs root and a writable cpu cgroup controller.
@@ -66,9 +68,10 @@ def run(agents: int, rounds: int, slow: str, group: Path, limit: float | None, o
 
     options = FleetOptions(agents=agents, out=out, round_deadline=300, join_timeout=600, wrap=wrap,
                            agent_profiles={a: Path("auto") for a in agent_ids(agents)})
-    t = time.perf_counter()
+    t, load = time.perf_counter(), os.getloadavg()[0]
     report = fleet_up(job, options, timeout=1800)
     seconds = time.perf_counter() - t
+    load = [round(load, 1), round(os.getloadavg()[0], 1)]  # the machine's 1-min load, start and end
     work = {str(r["round"]): r.get("work") for r in report["rounds"]}
     joined = (report.get("budgets") or {}).get("clusters") or {}
     final = {c["id"]: c.get("encryption_budget") for c in report.get("clients", [])}
@@ -79,12 +82,28 @@ def run(agents: int, rounds: int, slow: str, group: Path, limit: float | None, o
         names = sorted({k for x in rows for k in x.get("phases", {})} - {"wait_model"})
         phases[agent["id"]] = {k: round(float(np.median([x["phases"].get(k, 0.0) for x in rows])), 3) for k in names}
         phases[agent["id"]]["busy"] = round(float(np.median([x["busy_s"] for x in rows if x.get("busy_s") is not None])), 3)
+    # the slow agent's rounds and the fastest one's, phase by phase, timestamps from the round's
+    # start (plan and model in hand): where the slow device's time goes
+    profile = {}
+    for agent in report.get("agents", []):
+        if agent["id"] not in (slow, agent_ids(agents)[0]):
+            continue
+        profile[agent["id"]] = {}
+        for r, x in sorted((agent.get("rounds") or {}).items(), key=lambda kv: int(kv[0])):
+            ts = x.get("timestamps") or {}
+            if not x.get("delivered") or "start_at" not in ts:
+                continue
+            profile[agent["id"]][r] = {
+                "busy_s": x.get("busy_s"),
+                "phases": {k: round(v, 3) for k, v in (x.get("phases") or {}).items() if isinstance(v, (int, float))},
+                "timestamps": {k: round(v - ts["start_at"], 3) for k, v in ts.items()},
+            }
     return {
-        "straggle_limit": limit, "seconds": round(seconds, 1), "final_accuracy": report.get("final_accuracy"),
+        "straggle_limit": limit, "seconds": round(seconds, 1), "load": load, "final_accuracy": report.get("final_accuracy"),
         "median_straggling": st.get("median_ratio"),
         "straggling_per_round": [x.get("ratio") for x in st.get("rounds", [])],
         "budget_notes_at_join": joined, "budgets_at_end": final, "work": work,
-        "budget_refreshes": (report.get("budgets") or {}).get("rounds"), "phases": phases,
+        "budget_refreshes": (report.get("budgets") or {}).get("rounds"), "phases": phases, "profile": profile,
     }
 
 
@@ -126,7 +145,7 @@ def main() -> None:
                 steps = {a: [r["work"][k][a]["steps"] for k in sorted(r["work"], key=int) if r["work"][k] and a in r["work"][k]]
                          for a in agent_ids(args.agents)}
                 print(f"straggle_limit={limit}: accuracy {r['final_accuracy']:.4f}, median straggling "
-                      f"{r['median_straggling']}, per round {r['straggling_per_round']}, {r['seconds']} s", flush=True)
+                      f"{r['median_straggling']}, per round {r['straggling_per_round']}, {r['seconds']} s, load {r['load']}", flush=True)
                 print(f"  budgets at end {r['budgets_at_end']}", flush=True)
                 print(f"  steps per round {steps}", flush=True)
                 budgets = {a: [round(r["work"][k][a]["budget"], 4) for k in sorted(r["work"], key=int)

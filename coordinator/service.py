@@ -83,6 +83,11 @@ from senseshield.strategies.base import RoundCosts, measured_intervals
 from senseshield.engine.work import full_steps, recent_median, step_seconds
 from senseshield.rounds import plan_local_steps
 
+MEASURED_MARGIN = 0.8
+"""Partial work from measured round times plans to this fraction of the straggle limit (never
+below the quickest device's own round): measured on the 20x-slower-device benchmark
+(benchmarks/bench_straggle.py), planning at the limit itself left half the rounds above it."""
+
 log = logging.getLogger("senseshield.coordinator")
 
 Progress = Callable[[str, int, int], None]
@@ -597,8 +602,10 @@ class Coordinator(Service):
         what its round took beyond training (plan in hand to update received, as the straggling
         figure counts it; else sensitivity + mask + noise + encrypt); before every device
         delivered one, relative speeds from the join (1 / measured GFLOPS when all measured it,
-        else 1 / cpu_speed, as in the simulator). Devices with partial work get ``local_steps``
-        in their round plan; the others train in full."""
+        else 1 / cpu_speed, as in the simulator). From measured seconds it plans to
+        :data:`MEASURED_MARGIN` x the limit: a round's straggling compares its slowest round to
+        that round's quickest, and both scatter around the medians the prediction uses. Devices
+        with partial work get ``local_steps`` in their round plan; the others train in full."""
         o = self.config.options
         ids = [a for a in ids if a in self.agents]
         if not ids or self.strategy.round_plan(r).dpsgd:
@@ -620,8 +627,9 @@ class Coordinator(Service):
                 beyond.append(busy - tm["train"] if busy is not None
                               else sum(tm.get(k, 0.0) for k in ("sensitivity", "mask", "noise", "encrypt")))
             other[a] = (recent_median(beyond) or 0.0) + (fit[0] if fit else 0.0)
+        margin = 1.0
         if all(v is not None for v in per_step.values()):
-            step_s, deadline = per_step, self.round_deadline
+            step_s, deadline, margin = per_step, self.round_deadline, MEASURED_MARGIN
         else:  # relative speeds only (no seconds): no deadline term, no other work
             profiles = {a: self.agents[a].hello.profile or {} for a in ids}
             gflops = {a: p.get("gflops") for a, p in profiles.items()}
@@ -634,7 +642,7 @@ class Coordinator(Service):
             return {}
         n_train = {a: self.agents[a].hello.n_samples for a in ids}
         steps = plan_local_steps(n_train, train_config(self.config), step_s=step_s, other_s=other,
-                                 limit=o.straggle_limit, deadline_s=deadline)
+                                 limit=o.straggle_limit, deadline_s=deadline, margin=margin)
         full = {a: self.full_steps_of(a) for a in ids}
         cut = {a: s for a, s in steps.items() if s < full[a]}
         if cut:

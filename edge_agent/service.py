@@ -486,6 +486,11 @@ class EdgeAgent(Service):
         profile = dict(self.profile)
         if calibrate:
             profile["measured"] = self._measure_costs(run)
+        # one-off work before the device announces itself (round 1 starts once every device
+        # sent its bootstrap): the key's fixed-base table and the pool, onnxruntime and the
+        # run's inference latency; done later, it lands in the first rounds' critical path
+        self._start_pool(run)
+        self.guard("inference warm-up", lambda: self._warm_inference(run))
         hello = Hello(
             run_id=run.run_id, agent_id=self.agent_id, n_samples=data.n_train, bandwidth=self.bandwidth,
             cpu_speed=self.cpu_speed, profile=profile, key_id=self.key.key_id if self.key else None, index=index,
@@ -505,8 +510,23 @@ class EdgeAgent(Service):
                           delta=config.options.delta,
                           rng=self.noise.generator("synthetic-fit", round=0, index=index))
         self.strategy = strategy
-        self._start_pool(run)
         self.accountant_delta = config.options.delta
+
+    def _warm_inference(self, run: RunState) -> None:
+        """Load onnxruntime and measure the run's inference latency (the architecture is the
+        run's) on the initial model, exported to a scratch file: the device's applied model
+        (``model.onnx``) is still only ever a round's."""
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "warm-up.onnx"
+            export_onnx(run.config.model, run.input_shape, run.num_classes, run.initial, path, fleet=self.fleet,
+                        cluster=0, round=0, model_args=run.config.model_args)
+            run.inference = self._latency(run, load_session(path, threads=self._torch().get_num_threads()))
+
+    def _latency(self, run: RunState, session) -> dict[str, float]:  # noqa: ANN001
+        speed = latency(session, run.input_shape, repeats=self.latency_repeats, warmup=2)
+        return {f"b{b}_{q}_ms": float(v[f"{q}_ms"]) for b, v in speed["batches"].items() for q in ("p50", "p95")}
 
     def _bootstrap(self, run: RunState, strategy, model, data, index: int) -> np.ndarray:  # noqa: ANN001
         t = time.perf_counter()
@@ -603,6 +623,9 @@ class EdgeAgent(Service):
                 self.guard("round failure", lambda: self.send(
                     f"agents/{self.agent_id}/failure", RoundFailure(run_id=self.run.run_id, reason=reason), round=r))
             raise
+        finally:
+            if self.pool is not None:
+                self.pool.resume()  # paused while the round ran (see _do_round)
 
     def _do_round(self, r: int, plan: RoundPlan) -> None:
         run = self.run
@@ -633,6 +656,11 @@ class EdgeAgent(Service):
             self.log.warning("round %d: model %d of cluster %d never arrived; skipping the round", r, plan.model_round, plan.cluster)
             return
         tm["wait_model"] = time.time() - t_plan
+        if self.pool is not None:
+            # from plan and model in hand to the update sent, the round has the device's CPU:
+            # the encryption randomness is precomputed while the device waits, not during its
+            # round (under a CPU quota the filling thread would take the round's share)
+            self.pool.pause()
         # ready: plan and model both here (the agent may still have been busy with the last one)
         model_at = run.timings.get(plan.model_round, {}).get("model_received_at") if plan.model_round else None
         tm["ready_at"] = max(self.plan_arrived_at.get(r, t_plan), model_at or 0.0)
@@ -716,6 +744,13 @@ class EdgeAgent(Service):
         r, weights = run.models[run.cluster]
         if r <= run.evaluated:
             return
+        if r < run.config.rounds and run.config.options.sample_rate >= 1.0 and r + 1 not in run.done_rounds:
+            # every device is in every round: the round that starts from this model comes
+            # first, the model is applied and evaluated once its update is sent (while the
+            # device waits for the round's end); applied now, a slow device would start that
+            # round late whenever the model arrives before its plan. A newer model (this
+            # device missed the round) replaces this one.
+            return
         t = time.perf_counter()
         merged = merge_personal(weights, run.client)  # the device's own (personalised) model
         tm = run.timings.setdefault(r, {})
@@ -729,11 +764,8 @@ class EdgeAgent(Service):
         t = time.perf_counter()
         values = {**self._evaluate(run, session, merged, r), **run.trained}
         tm.update({"apply": t_apply, "evaluate": time.perf_counter() - t})
-        if not run.inference:  # the architecture is the run's: measure its latency once
-            speed = latency(session, run.input_shape, repeats=self.latency_repeats, warmup=2)
-            run.inference = {
-                f"b{b}_{q}_ms": float(v[f"{q}_ms"]) for b, v in speed["batches"].items() for q in ("p50", "p95")
-            }
+        if not run.inference:  # the architecture is the run's: measure its latency once (at join)
+            run.inference = self._latency(run, session)
         if "uploaded_at" in tm and "model_received_at" in tm:
             tm["wait"] = tm["model_received_at"] - tm["uploaded_at"]
         epsilon = None
@@ -797,7 +829,7 @@ class EdgeAgent(Service):
             # nothing heavy is loaded before a job needs it: torch, local training and the
             # dataset loaders load when the first job is checked (_prepare, ~2.5 s on an x86
             # core, before the job's first round), Opacus with a DP job, TenSEAL with CKKS,
-            # onnxruntime with the first evaluation; an idle agent holds none of them
+            # onnxruntime when it joins a job (the inference warm-up); an idle agent holds none of them
             self.start([
                 "fleet/config", "keys/public", "fleet/control", f"agents/{self.agent_id}/inbox", "keyserver/challenges",
             ])

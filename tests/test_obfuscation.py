@@ -163,6 +163,25 @@ def test_pool_refills_after_take_and_stops_promptly() -> None:
     pool.stop()
 
 
+def test_pool_paused_does_not_fill_and_resumes() -> None:
+    """A device's round pauses the pool (its CPU is the round's); take still serves and
+    computes the rest inline; resume refills."""
+    produce = _Counter()
+    pool: ObfuscatorPool[int] = ObfuscatorPool(produce, capacity=8).start()
+    try:
+        assert pool.wait_until(8, timeout=5.0)
+        pool.pause()
+        assert pool.paused
+        assert len(pool.take(10)) == 10 and pool.served == 8 and pool.misses == 2
+        assert not pool.wait_until(1, timeout=5.0)  # paused: no waiting for what will not come
+        time.sleep(0.2)  # a running filler refills 8 in well under a millisecond
+        assert len(pool) == 0 and pool.produced == 8
+        pool.resume()
+        assert pool.wait_until(8, timeout=5.0) and pool.produced == 16
+    finally:
+        pool.stop()
+
+
 def test_pool_surfaces_producer_errors() -> None:
     calls = {"n": 0}
 

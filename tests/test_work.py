@@ -41,6 +41,18 @@ def test_a_device_twenty_times_slower_trains_a_tenth_of_its_steps() -> None:
                        deadline_s=10.0).tolist() == [12]
 
 
+def test_a_margin_plans_below_the_limit_but_never_cuts_the_quickest() -> None:
+    # quickest round 1 s fixed + 46 x 0.1 s = 5.6 s; limit 2 -> 11.2 s, margin 0.8 -> 8.96 s
+    # for the slow device: (8.96 - 2 s fixed) / 0.5 s a step = 13 steps (18 at the limit itself)
+    kw = dict(step_s=np.array([0.1, 0.5]), other_s=np.array([1.0, 2.0]), full=np.array([46, 46]))
+    assert local_steps(**kw, limit=2.0).tolist() == [46, 18]
+    assert local_steps(**kw, limit=2.0, margin=0.8).tolist() == [46, 13]
+    # margin x limit below 1 never plans under the quickest device's own round
+    assert local_steps(**kw, limit=1.1, margin=0.5).tolist()[0] == 46
+    with pytest.raises(ConfigError, match="margin=0 is not allowed"):
+        local_steps(**kw, limit=2.0, margin=0)
+
+
 @pytest.mark.parametrize("kwargs, needle", [
     ({"step_s": [0.0], "other_s": [0.0], "full": [3], "limit": 2.0}, "step_s"),
     ({"step_s": [1.0], "other_s": [0.0], "full": [3], "limit": 0.5}, "straggle limit"),

@@ -104,6 +104,7 @@ def local_steps(
     limit: float | None,
     deadline_s: float | None = None,
     headroom: float = 0.8,
+    margin: float = 1.0,
     min_steps: int = 1,
 ) -> np.ndarray:
     """Local steps per device so that no device's predicted round is much longer than the
@@ -113,10 +114,13 @@ def local_steps(
     per step and the work that does not shrink with the steps: sensitivity, encryption,
     upload; any common unit). The target is
 
-        T = min( limit x min_i (other_s[i] + full[i] step_s[i]),  headroom x deadline_s )
+        T = min( max(margin x limit, 1) x min_i (other_s[i] + full[i] step_s[i]),  headroom x deadline_s )
 
     (a term is left out when ``limit`` or ``deadline_s`` is None; no term: everyone trains
-    ``full``). Every device trains ``floor((T - other_s[i]) / step_s[i])`` steps, clipped to
+    ``full``). ``margin`` (in (0, 1]) plans below the limit when the times are measured: a
+    round's straggling compares its slowest device's round to that round's quickest, and both
+    vary from round to round around the medians the prediction uses (1: the declared speeds
+    of the simulator, exact). Every device trains ``floor((T - other_s[i]) / step_s[i])`` steps, clipped to
     ``[min(min_steps, full[i]), full[i]]``. The quickest device always trains in full when
     ``limit >= 1`` and the deadline allows it; steps never grow when a device gets slower;
     scaling every time by one factor changes nothing (without a deadline).
@@ -140,12 +144,14 @@ def local_steps(
         raise ConfigError(f"deadline_s={deadline_s!r} is not allowed; it must be a finite number of seconds > 0.")
     if not (isinstance(headroom, (int, float)) and 0 < headroom <= 1):
         raise ConfigError(f"headroom={headroom!r} is not allowed; it must lie in (0, 1].")
+    if not (isinstance(margin, (int, float)) and 0 < margin <= 1):
+        raise ConfigError(f"margin={margin!r} is not allowed; it must lie in (0, 1].")
     if isinstance(min_steps, bool) or not isinstance(min_steps, int) or min_steps < 1:
         raise ConfigError(f"min_steps={min_steps!r} is not allowed; it must be an integer >= 1.")
     planned = planned.astype(np.int64)
     targets = []
     if limit is not None:
-        targets.append(float(limit) * float(np.min(other + planned * step)))
+        targets.append(max(float(margin) * float(limit), 1.0) * float(np.min(other + planned * step)))
     if deadline_s is not None:
         targets.append(headroom * float(deadline_s))
     if not targets:

@@ -219,6 +219,7 @@ class ObfuscatorPool(Generic[T]):
         self._queue: deque[T] = deque()
         self._cond = threading.Condition()
         self._stop = False
+        self._paused = False
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.produced = 0
@@ -253,6 +254,24 @@ class ObfuscatorPool(Generic[T]):
             if self._thread is thread and (thread is None or not thread.is_alive()):
                 self._thread = None
 
+    def pause(self) -> None:
+        """Stop filling until :meth:`resume` (the thread finishes the obfuscator it is
+        computing): a device's round keeps its CPU -- under a CPU quota the filling thread
+        would take the round's share, and gmpy2 holds the GIL -- and the pool refills while
+        the device waits. :meth:`take` still serves what is queued (and computes the rest)."""
+        with self._cond:
+            self._paused = True
+
+    def resume(self) -> None:
+        """Fill again after :meth:`pause`."""
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
     @property
     def running(self) -> bool:
         thread = self._thread
@@ -268,7 +287,7 @@ class ObfuscatorPool(Generic[T]):
         try:
             while True:
                 with self._cond:
-                    while not self._stop and len(self._queue) >= self._capacity:
+                    while not self._stop and (self._paused or len(self._queue) >= self._capacity):
                         self._cond.wait()
                     if self._stop:
                         return
@@ -325,12 +344,12 @@ class ObfuscatorPool(Generic[T]):
 
     def wait_until(self, count: int, timeout: float | None = None) -> bool:
         """Block until at least ``min(count, capacity)`` obfuscators are queued (needs the
-        thread running); ``False`` on timeout or if the thread is not running."""
+        thread running); ``False`` on timeout or if the thread is not running or paused."""
         target = min(int(count), self._capacity)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while len(self._queue) < target:
-                if self._error is not None or not self.running:
+                if self._error is not None or not self.running or self._paused:
                     return False
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
