@@ -2,8 +2,9 @@
 updates after R = 1, 16 and 64 rounds, combined and attacked.
 
     nice -n 10 .venv/bin/python benchmarks/bench_rounds_attack.py [--rounds 1,16,64]
-        [--budgets 8,32,64] [--noise 0.3] [--victims 2] [--batch 1] [--steps 100]
-        [--iterations 600] [--project-attack inverting-search|none] [--model M --activation A]
+        [--budgets 8,32,64] [--noise 0.3] [--victims 2] [--jobs 2] [--batch 1] [--steps 100]
+        [--iterations 600] [--project-attack inverting-search|none] [--no-dlg] [--rows masked,hybrid]
+        [--model M --activation A]
         [--out FILE]
 
 The setting of ``bench_dlg.py`` (mnist5k, 10 IID clients, the first round captured, one SGD
@@ -40,6 +41,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import multiprocessing
 import sys
 import time
 from pathlib import Path
@@ -111,13 +113,19 @@ def views_over_rounds(fleet: Fleet, row: dict[str, Any], victim: int, batch: int
     return caps[0], [c.view for c in caps]
 
 
-def attack(view: ServerView, cap: Capture, pool: np.ndarray, seed: int, dlg_settings: DLGSettings,
+def attackers(args: argparse.Namespace) -> tuple[str, ...]:
+    """``dlg`` (the verdict) unless ``--no-dlg``, and ``project`` unless ``--project-attack none``."""
+    return (() if args.no_dlg else ("dlg",)) + (() if args.project_attack == "none" else ("project",))
+
+
+def attack(view: ServerView, cap: Capture, pool: np.ndarray, seed: int, dlg_settings: DLGSettings | None,
            project_attack: str | None, ig_settings: AttackSettings) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    t = time.perf_counter()
-    got = score(dlg(view, settings=dlg_settings, seed=seed).images, cap, pool)
-    got.pop("order")
-    out["dlg"] = {**got, "seconds": time.perf_counter() - t}
+    if dlg_settings is not None:
+        t = time.perf_counter()
+        got = score(dlg(view, settings=dlg_settings, seed=seed).images, cap, pool)
+        got.pop("order")
+        out["dlg"] = {**got, "seconds": time.perf_counter() - t}
     if project_attack:
         t = time.perf_counter()
         got = score(ATTACKS.get(project_attack).run(view, settings=ig_settings, seed=seed).images, cap, pool)
@@ -126,59 +134,84 @@ def attack(view: ServerView, cap: Capture, pool: np.ndarray, seed: int, dlg_sett
     return out
 
 
-def run(args: argparse.Namespace, log) -> dict[str, Any]:  # type: ignore[no-untyped-def]
-    dlg_settings = DLGSettings(steps=args.steps)
+def rounds_of(row: dict[str, Any], rounds: list[int]) -> list[int]:
+    """The reference rows (unprotected, blind) are one update; the others every R."""
+    return [1] if row["strategy"] == "plaintext" and not row.get("masked") else rounds
+
+
+def victim_records(args: argparse.Namespace, victim: int) -> list[dict[int, dict[str, Any]]]:
+    """Every row's attack records for one victim, per R (one process per victim)."""
+    dlg_settings = None if args.no_dlg else DLGSettings(steps=args.steps)
     ig_settings = AttackSettings(iterations=args.iterations)
     project = None if args.project_attack == "none" else args.project_attack
     fleets: dict[str, Fleet] = {}
     out = []
-    for row in rows(args.budgets, args.noise):
-        s = spec(row["strategy"], args.model, args.activation, options=row["options"])
-        if repr(s) not in fleets:
-            fleets[repr(s)] = prepare_fleet(s)
-        fleet = fleets[repr(s)]
-        single = row["strategy"] == "plaintext" and not row.get("masked")  # reference rows: one update
-        rounds = [1] if single else args.rounds
-        cells: dict[int, list[dict[str, Any]]] = {r: [] for r in rounds}
-        t = time.perf_counter()
-        for v in range(args.victims):
-            cap, views = views_over_rounds(fleet, row, v, args.batch, max(rounds))
-            pool = fleet.clients[v].x_train
+    with torch_threads(1):
+        for row in selected_rows(args):
+            s = spec(row["strategy"], args.model, args.activation, options=row["options"])
+            if repr(s) not in fleets:
+                fleets[repr(s)] = prepare_fleet(s)
+            fleet = fleets[repr(s)]
+            rounds = rounds_of(row, args.rounds)
+            t = time.perf_counter()
+            cap, views = views_over_rounds(fleet, row, victim, args.batch, max(rounds))
+            pool = fleet.clients[victim].x_train
             done: dict[str, dict[str, Any]] = {}  # the same observation gets the same attack
+            records: dict[int, dict[str, Any]] = {}
             for r in rounds:
                 combined = average_views(views[:r])
                 key = hashlib.sha256(combined.known.tobytes()).hexdigest()
                 if key not in done:
-                    done[key] = attack(combined, cap, pool, 1000 + 10 * v + args.batch, dlg_settings, project, ig_settings)
-                visible = ~combined.unknown
-                cells[r].append({"victim": v, "rounds": r, "visible": float(np.mean(visible)),
-                                 "he_ratio": cap.he_ratio, **done[key]})
+                    done[key] = attack(combined, cap, pool, 1000 + 10 * victim + args.batch, dlg_settings, project,
+                                       ig_settings)
+                records[r] = {"victim": victim, "rounds": r, "visible": float(np.mean(~combined.unknown)),
+                              "he_ratio": cap.he_ratio, **done[key]}
+                names = {"dlg": "DLG", "project": project}
+                print(f"  victim {victim} {row['name']:<32} R={r:<3}" + "".join(
+                    f"  {names[w]} {records[r][w]['psnr']:5.1f} dB identified {records[r][w]['iip']:.2f}"
+                    for w in attackers(args)) + f"  ({time.perf_counter() - t:.0f}s)", flush=True)
+            out.append(records)
+    return out
+
+
+def selected_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The rows of ``--rows`` (name prefixes), with the unprotected and blind references."""
+    return [r for r in rows(args.budgets, args.noise)
+            if not args.rows or r["strategy"] == "plaintext" and not r.get("masked")
+            or any(r["name"].startswith(p) for p in args.rows)]
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    who_all = attackers(args)
+    victims = list(range(args.victims))
+    if args.jobs > 1:
+        with multiprocessing.get_context("spawn").Pool(min(args.jobs, len(victims))) as workers:
+            per_victim = workers.starmap(victim_records, [(args, v) for v in victims])
+    else:
+        per_victim = [victim_records(args, v) for v in victims]
+    out = []
+    for i, row in enumerate(selected_rows(args)):
         summary = []
-        for r in rounds:
-            rec = cells[r]
+        for r in rounds_of(row, args.rounds):
+            rec = [pv[i][r] for pv in per_victim]
             cell: dict[str, Any] = {"rounds": r, "n": len(rec), "he_ratio": float(np.mean([x["he_ratio"] for x in rec]))}
-            for who in ("dlg", "project") if project else ("dlg",):
+            for who in who_all:
                 cell[who] = {k: float(np.mean([x[who][k] for x in rec])) for k in ("psnr", "ssim", "iip", "seconds")}
                 cell[who]["psnr_min"] = float(min(x[who]["psnr"] for x in rec))
             cell["trials"] = rec
             summary.append(cell)
-            log(f"  {row['name']:<32} R={r:<3} HE {cell['he_ratio']:.3f}  DLG {cell['dlg']['psnr']:5.1f} dB "
-                f"identified {cell['dlg']['iip']:.2f}" + (f"  {project} {cell['project']['psnr']:5.1f} dB identified "
-                                                           f"{cell['project']['iip']:.2f}" if project else ""))
-        log(f"  ({time.perf_counter() - t:.0f}s)")
         out.append({"name": row["name"], "strategy": row["strategy"], "ratio": row["ratio"],
                     "options": row["options"].model_dump(exclude_defaults=True), "cells": summary})
     blind = next(r for r in out if r["name"].startswith("blind"))["cells"][0]
     for r in out:
         for c in r["cells"]:
-            for who in ("dlg", "project") if project else ("dlg",):
+            for who in who_all:
                 c[who]["stopped"] = bool(c[who]["psnr"] <= blind[who]["psnr"] + 3.0 and c[who]["iip"] == 0.0)
     return {"rows": out}
 
 
-def markdown(result: dict[str, Any], rounds: list[int], project: str | None) -> str:
-    """The table of docs/attacks.md: DLG (and the project attack) PSNR dB / identified per R."""
-    who = ("dlg", "project") if project else ("dlg",)
+def markdown(result: dict[str, Any], rounds: list[int], who: tuple[str, ...], project: str | None) -> str:
+    """The table of docs/attacks.md: DLG and/or the project attack, PSNR dB / identified per R."""
     names = {"dlg": "DLG", "project": project}
     head = "| coordinator holds | HE |" + "".join(f" R={r} {names[w]} |" for r in rounds for w in who)
     lines = [head, "|---|---:|" + "---|" * (len(rounds) * len(who))]
@@ -206,11 +239,17 @@ def main() -> None:
                         help="encrypted fractions as denominators")
     parser.add_argument("--noise", type=float, default=0.3, help="plain_noise of the hybrid rows")
     parser.add_argument("--victims", type=int, default=2, help="attacked clients (one batch each) per cell")
+    parser.add_argument("--jobs", type=int, default=1, help="processes (one victim each at a time)")
     parser.add_argument("--batch", type=int, default=1, help="the batch every round's update is taken on")
     parser.add_argument("--steps", type=int, default=100, help="DLG's L-BFGS steps")
     parser.add_argument("--iterations", type=int, default=600, help="the project attack's iterations")
     parser.add_argument("--project-attack", default="inverting-search",
                         help="the senseshield.attacks image attack run beside DLG, or none")
+    parser.add_argument("--no-dlg", action="store_true",
+                        help="skip DLG (it does not count on lenet5, where it stalls on unprotected updates)")
+    parser.add_argument("--rows", type=lambda t: [x.strip() for x in t.split(",") if x.strip()], default=[],
+                        help="only the rows whose names start with these (e.g. masked,hybrid); "
+                             "unprotected and blind always run")
     parser.add_argument("--model", default=DLG_LENET, help="default: the DLG LeNet (lenet5 with --activation sigmoid)")
     parser.add_argument("--activation", default=None)
     parser.add_argument("--out", type=Path, default=None,
@@ -225,6 +264,8 @@ def main() -> None:
                                           or not ATTACKS.get(args.project_attack).reconstructs_images):
         images = [n for n, a in ATTACKS.items() if a.reconstructs_images]
         parser.error(f"--project-attack {args.project_attack!r} is not allowed; choose one of: {', '.join(images)}, none.")
+    if not attackers(args):
+        parser.error("--no-dlg with --project-attack none leaves no attack; keep one of them.")
     args.rounds = sorted(set(args.rounds))
     if args.out is None:
         tag = "" if args.model == DLG_LENET else "-" + "-".join(filter(None, (args.model, args.activation)))
@@ -239,15 +280,14 @@ def main() -> None:
     result: dict[str, Any] = {
         "setting": {"dataset": DATASET, "model": args.model, "activation": args.activation, "batch": args.batch,
                     "victims": args.victims, "rounds": args.rounds, "budgets": args.budgets, "noise": args.noise,
-                    "dlg_steps": args.steps, "project_attack": project, "project_iterations": args.iterations,
+                    "dlg_steps": None if args.no_dlg else args.steps, "project_attack": project, "project_iterations": args.iterations,
                     "same_batch_and_model_every_round": True},
         "machine": machine(),
     }
-    with torch_threads(1):
-        result.update(run(args, log))
+    result.update(run(args))
     result["seconds"] = time.perf_counter() - started
     print()
-    print(markdown(result, args.rounds, project))
+    print(markdown(result, args.rounds, attackers(args), project))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     log(f"wrote {args.out}")
