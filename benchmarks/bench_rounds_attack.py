@@ -217,6 +217,8 @@ def markdown(result: dict[str, Any], rounds: list[int], who: tuple[str, ...], pr
     lines = [head, "|---|---:|" + "---|" * (len(rounds) * len(who))]
     for row in result["rows"]:
         by_r = {c["rounds"]: c for c in row["cells"]}
+        if set(by_r) == {1}:  # a reference row (one update) shows under the first column
+            by_r = {rounds[0]: by_r[1]}
         cells = ""
         for r in rounds:
             for w in who:
