@@ -5,6 +5,7 @@ choice: twice differentiable) at its initialisation on scikit-learn's 8x8 digits
 (21,386 parameters), one local SGD step with lr 0.1 on the attacked batch.
 """
 
+import dataclasses
 import warnings
 
 import numpy as np
@@ -336,15 +337,22 @@ def test_label_search_recovers_a_digit_whose_output_layer_is_hidden(setting):
     assert identifiability_precision(searched.images, [i], data.x) == 1.0
 
 
-def test_the_hybrids_noise_reaches_the_captured_view_outside_the_mask_only():
+@pytest.fixture(scope="module")
+def hybrid_fleets():
+    """SenseCrypt (leakage score) without and with plain_noise=0.5, on four digit clients."""
+    base = dict(dataset="digits", clients=4, round=1, cpu=(32.0, 16.0, 2.0, 1.0), seed=0)
+    quiet = prepare_fleet(FleetSpec(strategy="sensecrypt", options=StrategyOptions(score="leakage"), **base))
+    noisy = prepare_fleet(FleetSpec(strategy="sensecrypt", options=StrategyOptions(score="leakage", plain_noise=0.5), **base))
+    return quiet, noisy
+
+
+def test_the_hybrids_noise_reaches_the_captured_view_outside_the_mask_only(hybrid_fleets):
     """sensecrypt with plain_noise: the server's view of a captured update (its own mask, a
     fixed-order mask, and the sweep's) is the update plus noise of the asked norm on what
     stays visible; hidden positions stay hidden, nothing else moves."""
     from senseshield.attacks.experiment import _plain_noised
 
-    base = dict(dataset="digits", clients=4, round=1, cpu=(32.0, 16.0, 2.0, 1.0), seed=0)
-    quiet = prepare_fleet(FleetSpec(strategy="sensecrypt", options=StrategyOptions(score="leakage"), **base))
-    noisy = prepare_fleet(FleetSpec(strategy="sensecrypt", options=StrategyOptions(score="leakage", plain_noise=0.5), **base))
+    quiet, noisy = hybrid_fleets
     for kwargs in ({}, {"order": "high", "ratio": 0.05}):
         a = capture(quiet, [3], batch_size=1, trial=0, **kwargs)[0]
         b = capture(noisy, [3], batch_size=1, trial=0, **kwargs)[0]
@@ -353,7 +361,8 @@ def test_the_hybrids_noise_reaches_the_captured_view_outside_the_mask_only():
         diff = b.view.known[seen] - a.view.known[seen]
         assert np.linalg.norm(diff) / np.linalg.norm(a.view.known[seen]) == pytest.approx(0.5, rel=0.1)
         assert "noised" in b.mask_info
-    plain = prepare_fleet(FleetSpec(strategy="plaintext", **base))
+    plain = prepare_fleet(FleetSpec(strategy="plaintext", dataset="digits", clients=4, round=1,
+                                    cpu=(32.0, 16.0, 2.0, 1.0), seed=0))
     cap = capture(plain, [0], batch_size=1, trial=0)[0]
     mask = np.zeros(cap.view.size, bool)
     mask[:100] = True
@@ -389,3 +398,35 @@ def test_what_the_coordinator_holds_of_a_masked_update_gives_inverting_gradients
         rec = run_attack("inverting", v, settings=AttackSettings(iterations=300, restarts=1), seed=1)
         assert float(psnr(rec.images, data.x[[i]])[0]) < 10
         assert identifiability_precision(rec.images, [i], data.x) == 0.0
+
+
+def test_the_coordinator_averaging_rounds_of_the_hybrid_removes_its_noise(hybrid_fleets):
+    """Issue 22, the multi-round attacker: one client's hybrid updates of the same batch at
+    the same model, captured in 16 rounds (fresh noise each, same batch and mask), average
+    to the clean update with 1/√16 of the noise; an update without noise sent again is the
+    same observation. Per position the mean covers the rounds that showed it."""
+    from senseshield.attacks.view import average_views
+
+    quiet, noisy = hybrid_fleets
+    clean = capture(quiet, [3], batch_size=1, trial=0, order="high", ratio=0.05)[0]
+    caps = [capture(noisy, [3], batch_size=1, trial=0, order="high", ratio=0.05, draw=d)[0] for d in range(16)]
+    assert all(np.array_equal(c.indices, clean.indices) and np.array_equal(c.view.unknown, clean.view.unknown) for c in caps)
+    seen = ~clean.view.unknown
+    one = np.linalg.norm(caps[0].view.known[seen] - clean.view.known[seen]) / np.linalg.norm(clean.view.known[seen])
+    assert one == pytest.approx(0.5, rel=0.1)
+    mean = average_views([c.view for c in caps])
+    err = np.linalg.norm(mean.known[seen] - clean.view.known[seen]) / np.linalg.norm(clean.view.known[seen])
+    assert err == pytest.approx(0.5 / 4, rel=0.25)
+    assert average_views([clean.view] * 3) is clean.view
+    with pytest.raises(ConfigError, match="draw=-1"):
+        capture(noisy, [3], batch_size=1, trial=0, draw=-1)
+    # ragged visibility: a position's mean is over the rounds that showed it
+    some = np.flatnonzero(seen)[:10]
+    a = hide(clean.view, np.isin(np.arange(clean.view.size), some))
+    b = dataclasses.replace(clean.view, known=clean.view.known + 1.0)
+    both = average_views([a, b])
+    np.testing.assert_allclose(both.known[some], b.known[some])
+    rest = seen & ~np.isin(np.arange(clean.view.size), some)
+    np.testing.assert_allclose(both.known[rest], clean.view.known[rest] + 0.5)
+    np.testing.assert_array_equal(both.unknown, clean.view.unknown)
+    assert average_views([a, a]).unknown[some].all()

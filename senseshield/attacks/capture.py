@@ -412,14 +412,18 @@ def capture(
     ratio: float | None = None,
     unprotected: Sequence[int] = (),
     local_steps: int = 1,
+    draw: int = 0,
 ) -> list[Capture]:
     """The captured round for ``victims`` (client indices); see the module docstring.
 
     ``unprotected`` lists victims that send their update without any encryption (the
-    reference client of SenseCrypt's heterogeneity experiment).
+    reference client of SenseCrypt's heterogeneity experiment). ``draw`` > 0 draws the
+    client-side noise afresh (the same batch, model and mask): a later round of a client
+    that holds the same data while the global model stays put, the multi-round attacker's
+    best case (``benchmarks/bench_rounds_attack.py``); 0 is the single captured update.
     """
     with torch_threads(1):
-        return _capture(fleet, victims, batch_size, trial, order, ratio, unprotected, local_steps)
+        return _capture(fleet, victims, batch_size, trial, order, ratio, unprotected, local_steps, draw)
 
 
 def _capture(
@@ -431,12 +435,15 @@ def _capture(
     ratio: float | None,
     unprotected: Sequence[int],
     local_steps: int,
+    draw: int = 0,
 ) -> list[Capture]:
     strategy, plan, spec = fleet.strategy, fleet.plan, fleet.spec
     n = len(fleet.clients)
     for v in victims:
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= v < n:
             raise ConfigError(f"--victims value {v!r} is not allowed; clients are 0..{n - 1}.")
+    if isinstance(draw, bool) or not isinstance(draw, (int, np.integer)) or draw < 0:
+        raise ConfigError(f"draw={draw!r} is not allowed; it must be an integer >= 0.")
     if order is not None and ratio is None:
         raise ConfigError("--order needs --he-ratio, the fraction of positions to encrypt.")
     if strategy.round_plan(spec.round).synthetic:
@@ -485,7 +492,7 @@ def _capture(
                 # sensecrypt's plain_noise hybrid; a no-op for plaintext), as in a real round
                 delta, noise = strategy.privatise(
                     context, delta, choice, sensitivity=sensitivity,
-                    rng=np.random.default_rng([spec.seed, 3, spec.round, trial, v]),
+                    rng=np.random.default_rng([spec.seed, 3, spec.round, trial, v, *([draw] if draw else [])]),
                 )
                 mask, info = np.asarray(choice.mask, dtype=bool), {**choice.info, **noise}
                 if choice.withheld is not None and np.any(choice.withheld):

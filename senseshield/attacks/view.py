@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +33,7 @@ from senseshield.errors import ConfigError
 from senseshield.models import build_model
 from senseshield.training import layout_of, set_vector
 
-__all__ = ["ServerView", "hide", "server_view", "view_from_update"]
+__all__ = ["ServerView", "average_views", "hide", "server_view", "view_from_update"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -198,3 +199,32 @@ def hide(view: ServerView, mask: np.ndarray) -> ServerView:
     known = view.known.copy()
     known[mask] = np.nan
     return dataclasses.replace(view, known=known, unknown=view.unknown | mask)
+
+
+def average_views(views: Sequence[ServerView]) -> ServerView:
+    """One client's views over several rounds at the same global model, combined as the
+    multi-round attacker does: per position, the mean of the values visible in the rounds
+    that showed it; unknown where no round did. Fresh zero-mean noise on a fixed update
+    averages out as 1/√R; the rest of the first view (model, sample count...) is kept.
+    Identical views (an update without fresh noise, sent again) come back as the first one,
+    their exact mean.
+    """
+    views = list(views)
+    if not views:
+        raise ConfigError("average_views needs at least one view.")
+    first = views[0]
+    for v in views[1:]:
+        if v.size != first.size or not np.array_equal(v.global_vector, first.global_vector):
+            raise ConfigError(
+                "average_views combines views of one global model; a view of another model "
+                f"(or size {v.size} instead of {first.size}) is not allowed."
+            )
+    if all(np.array_equal(v.unknown, first.unknown) and np.array_equal(v.known, first.known, equal_nan=True)
+           for v in views[1:]):
+        return first
+    seen = np.stack([~v.unknown for v in views])
+    total = np.stack([np.where(v.unknown, 0.0, v.known) for v in views]).sum(axis=0)
+    count = seen.sum(axis=0)
+    unknown = count == 0
+    known = np.divide(total, count, out=np.full(first.size, np.nan), where=~unknown)
+    return dataclasses.replace(first, known=known, unknown=unknown)
