@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from senseshield import defaults
-from senseshield.data import load_dataset
 from senseshield.errors import ConfigError, ProtocolError
 from senseshield.device_noise import SECRET, DeviceNoise
 from senseshield.he import SCHEMES, PublicKey
@@ -69,9 +68,9 @@ from senseshield.accounting import Accountant
 from senseshield.runtime.identity import SEALED_SEED_BYTES, Identity, Trust, b64, unb64
 from senseshield.runtime.service import Inbound, Service, Stopped, WaitNote
 from edge_agent.dataspec import DataSpec  # noqa: F401 (re-exported: edge_agent.cli, callers)
-from senseshield.data.shards import shards
-from senseshield.data.local import check_source, describe_data, load_local_data
-from senseshield.job import Job, announced_run, build_job_model, device_index, train_config
+from edge_agent.prepare import PreparedRun, prepare
+from senseshield.data.local import check_source
+from senseshield.job import Job, announced_run, train_config
 from senseshield.strategies import ClientContext
 from senseshield.inference import export_onnx, latency, load_session
 
@@ -87,19 +86,6 @@ class AgentExit(Exception):
     def __init__(self, code: int, reason: str) -> None:
         super().__init__(reason)
         self.code = code
-
-
-@dataclass(frozen=True)
-class PreparedRun:
-    """A checked ``fleet/config``: what joining it needs (built before anything changes)."""
-
-    msg: FleetConfig
-    config: Job
-    strategy: object
-    data: LocalData
-    model: torch.nn.Module
-    index: int
-    count: int
 
 
 @dataclass
@@ -418,55 +404,10 @@ class EdgeAgent(Service):
         return torch
 
     def _prepare(self, msg: FleetConfig) -> PreparedRun:
-        """Check a new run's config against this device (config fields, strategy, the local
-        dataset's shapes, the model's size) and load its data; ProtocolError/ConfigError."""
-        from senseshield.training import layout_of
-
+        """The job checked against this device, its data loaded (:func:`edge_agent.prepare.prepare`),
+        on this agent's torch threads."""
         self._torch()
-        config, strategy, _ = announced_run(msg.config)
-        spec = self.data_spec
-        if config.data is not None or spec.sources:
-            data = self._own_data(config, msg)
-            index, count = spec.index if spec.index is not None else device_index(self.agent_id), 1
-        else:
-            data, index, count = self._shard_data(config, msg)
-        model = build_job_model(config, tuple(msg.input_shape), msg.num_classes)
-        if layout_of(model).size != msg.initial.size:
-            raise ConfigError(f"The run's model {config.model!r} has {msg.initial.size} parameters; here it has {layout_of(model).size}; versions differ.")
-        return PreparedRun(msg, config, strategy, data, model, index, count)
-
-    def _own_data(self, config: Job, msg: FleetConfig) -> LocalData:
-        """The device's own data source the job uses, loaded and checked against the job."""
-        sources = self.data_spec.sources
-        name = config.data
-        if name is None:
-            if len(sources) != 1:
-                raise ConfigError(f"The job names no data source and this device has {len(sources)} "
-                                  f"({', '.join(sorted(sources))}); the job must set data: NAME.")
-            name = next(iter(sources))
-        if name not in sources:
-            have = ", ".join(sorted(sources)) or "none"
-            raise ConfigError(f"The job uses data source {name!r}; this device has {have} (edge-agent join --data {name}=PATH).")
-        data = load_local_data(sources[name], config, input_shape=msg.input_shape, num_classes=msg.num_classes)
-        self.log.info("data %s (%s): %s", name, sources[name], describe_data(data).line())
-        return data
-
-    def _shard_data(self, config: Job, msg: FleetConfig) -> tuple[LocalData, int, int]:
-        """Shard I/N of a built-in dataset (simulations and controlled trials)."""
-        spec = self.data_spec
-        index, count = spec.shard if spec.shard is not None else (0, 1)
-        local_config = config.model_copy(update={
-            "dataset": spec.dataset or config.dataset,
-            "clients": count,
-            "partition": spec.partition or (config.partition if spec.shard is not None else "iid"),
-        })
-        dataset = load_dataset(local_config.dataset, seed=config.seed)
-        if tuple(dataset.input_shape) != tuple(msg.input_shape) or dataset.num_classes != msg.num_classes:
-            raise ConfigError(
-                f"Dataset {local_config.dataset!r} has inputs {tuple(dataset.input_shape)} and "
-                f"{dataset.num_classes} classes; the run's model needs {tuple(msg.input_shape)} and {msg.num_classes}."
-            )
-        return shards(local_config, dataset)[index].data, (spec.index if spec.index is not None else index), count
+        return prepare(msg, self.data_spec, self.agent_id)
 
     def _join(self, prepared: PreparedRun) -> None:
         """Set up for a new run: data, model, hello, bootstrap vector, synthetic data."""
