@@ -13,15 +13,12 @@ from senseshield.errors import ConfigError
 from senseshield.job import Job, initial_model
 from senseshield.runtime.protocol.messages import FleetConfig
 
-
-
 def _msg(**over) -> FleetConfig:
     config = Job(strategy="plaintext", model="linear", clients=4, rounds=1)
     _, initial = initial_model(config, (1, 8, 8), 10)
     good = FleetConfig(run_id="j-1", config=config.model_dump(mode="json"), input_shape=[1, 8, 8],
                        num_classes=10, round_deadline=30, initial=initial)
     return good.model_copy(update=over)
-
 
 def test_a_shard_of_the_jobs_dataset_and_the_jobs_model():
     msg = _msg()
@@ -31,7 +28,6 @@ def test_a_shard_of_the_jobs_dataset_and_the_jobs_model():
     assert 0 < shard.data.n_train < whole.data.n_train
     assert whole.config.strategy == "plaintext" and whole.model is not shard.model
     assert np.array_equal(shard.data.x_train, prepare(msg, DataSpec(shard=(2, 4)), "a1").data.x_train)
-
 
 def test_a_job_this_device_cannot_take_is_refused_in_one_sentence():
     cases = {
