@@ -30,7 +30,7 @@ from senseshield import defaults
 from senseshield.errors import ConfigError, ProtocolError
 from senseshield.device_noise import SECRET, DeviceNoise
 from senseshield.he import SCHEMES, PublicKey
-from senseshield.he.base import ephemeral_exchange, model_digest, round_context
+from senseshield.he.base import model_digest, round_context
 from senseshield.runtime.protocol.messages import (
     Decline,
     RoundFailure,
@@ -68,11 +68,12 @@ from senseshield.accounting import Accountant
 from senseshield.runtime.identity import SEALED_SEED_BYTES, Identity, Trust, b64, unb64
 from senseshield.runtime.service import Inbound, Service, Stopped, WaitNote
 from edge_agent.dataspec import DataSpec  # noqa: F401 (re-exported: edge_agent.cli, callers)
+from edge_agent.costs import inference_latency, measure_costs, warm_inference
 from edge_agent.prepare import PreparedRun, prepare
 from senseshield.data.local import check_source
 from senseshield.job import Job, announced_run, train_config
 from senseshield.strategies import ClientContext
-from senseshield.inference import export_onnx, latency, load_session
+from senseshield.inference import export_onnx, load_session
 
 if TYPE_CHECKING:  # torch loads with the first job (_torch): an idle agent does not hold it
     import torch
@@ -426,7 +427,7 @@ class EdgeAgent(Service):
             vector = self._bootstrap(run, strategy, model, data, index)
         profile = dict(self.profile)
         if calibrate:
-            profile["measured"] = self._measure_costs(run)
+            profile["measured"] = measure_costs(config, model, data, self.public, self.profile)
         # one-off work before the device announces itself (round 1 starts once every device
         # sent its bootstrap): the key's fixed-base table and the pool, onnxruntime and the
         # run's inference latency; done later, it lands in the first rounds' critical path
@@ -454,80 +455,15 @@ class EdgeAgent(Service):
         self.accountant_delta = config.options.delta
 
     def _warm_inference(self, run: RunState) -> None:
-        """Load onnxruntime and measure the run's inference latency (the architecture is the
-        run's) on the initial model, exported to a scratch file: the device's applied model
-        (``model.onnx``) is still only ever a round's."""
-        import tempfile
-
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "warm-up.onnx"
-            export_onnx(run.config.model, run.input_shape, run.num_classes, run.initial, path, fleet=self.fleet,
-                        cluster=0, round=0, model_args=run.config.model_args)
-            run.inference = self._latency(run, load_session(path, threads=self._torch().get_num_threads()))
-
-    def _latency(self, run: RunState, session) -> dict[str, float]:  # noqa: ANN001
-        speed = latency(session, run.input_shape, repeats=self.latency_repeats, warmup=2)
-        return {f"b{b}_{q}_ms": float(v[f"{q}_ms"]) for b, v in speed["batches"].items() for q in ("p50", "p95")}
+        """onnxruntime loaded and the run's inference latency measured (:func:`edge_agent.costs.warm_inference`)."""
+        run.inference = warm_inference(run.config, run.input_shape, run.num_classes, run.initial, fleet=self.fleet,
+                                       threads=self._torch().get_num_threads(), repeats=self.latency_repeats)
 
     def _bootstrap(self, run: RunState, strategy, model, data, index: int) -> np.ndarray:  # noqa: ANN001
         t = time.perf_counter()
         vector = client_bootstrap(run.config, strategy, model, run.initial, data, index, noise=self.noise)
         run.timings.setdefault(0, {})["bootstrap"] = time.perf_counter() - t
         return vector
-
-    def _measure_costs(self, run: RunState) -> dict:
-        """This device's round costs for calibrated budgets (``Hello.profile["measured"]``):
-        local training per round (a timed warm epoch x (local epochs + 1 for the sensitivity
-        pass)), values encrypted per second with the fleet's key (sustained over ~0.5 s), and
-        ciphertext bytes per value, with ``spread`` (min/max of the epochs and of the encryption
-        calls). The first encryption also builds the key's tables, as
-        round 1 would. The coordinator refines these from every round it sees."""
-        from edge_agent.profile import measure_encryption
-        from senseshield.training import torch_threads, train_local
-
-        import copy
-
-        config = run.config
-        t0 = time.perf_counter()
-        # the bootstrap's time includes one-off costs (first torch calls, its sensitivity
-        # pass); a warm epoch on a copy of the model is what a round repeats local_epochs times
-        epoch_s = []
-        for _ in range(3):
-            model = copy.deepcopy(run.model)
-            with torch_threads(config.train_threads):
-                t = time.perf_counter()
-                train_local(model, run.data.x_train, run.data.y_train,
-                            train_config(config, epochs=1), seed=0)
-                epoch_s.append(time.perf_counter() - t)
-        train_s = float(np.median(epoch_s)) * (config.local_epochs + 1)  # + ~one epoch for the sensitivity
-        measure_encryption(public_key=self.public, budget_s=0.05)  # builds the key's tables
-        # sustained rate: whole blocks for ~0.5 s of wall time (a device sharing its CPU, or a
-        # cgroup quota, runs short bursts faster than it can keep up)
-        block = max(1, int(self.public.block_size))
-        count = block * max(1, 2048 // block)
-        values, positions = np.zeros(count), np.arange(count, dtype=np.int64)
-        public = self.public.for_contributor(ephemeral_exchange, b"measuring")  # masked: pads of no round
-        done, t, calls = 0, time.perf_counter(), []
-        while True:
-            start = time.perf_counter()
-            vec = public.encrypt(values, positions)
-            calls.append(count / max(time.perf_counter() - start, 1e-9))
-            done += count
-            elapsed = time.perf_counter() - t
-            if elapsed >= 0.5:
-                break
-        rate = done / elapsed
-        per_value = len(public.ciphertext_bytes(vec)) / count
-        latency = float(self.profile.get("latency_ms") or 0.0) / 1000.0
-        measured = {"train_s": float(train_s), "encrypt_per_s": float(rate),
-                    "bytes_per_encrypted": float(per_value), "latency_s": latency,
-                    "seconds": time.perf_counter() - t0}
-        self.log.info("measured round costs: %s", {k: round(v, 4) for k, v in measured.items()})
-        # probe intervals (the coordinator pools devices that agree within them)
-        scale = config.local_epochs + 1
-        measured["spread"] = {"train_s": [min(epoch_s) * scale, max(epoch_s) * scale],
-                              "encrypt_per_s": [min(min(calls), rate), max(max(calls), rate)]}
-        return measured
 
     def _start_pool(self, run: RunState) -> None:
         """Precompute encryption randomness while the device waits (packed Paillier's
@@ -706,7 +642,7 @@ class EdgeAgent(Service):
         values = {**self._evaluate(run, session, merged, r), **run.trained}
         tm.update({"apply": t_apply, "evaluate": time.perf_counter() - t})
         if not run.inference:  # the architecture is the run's: measure its latency once (at join)
-            run.inference = self._latency(run, session)
+            run.inference = inference_latency(session, run.input_shape, self.latency_repeats)
         if "uploaded_at" in tm and "model_received_at" in tm:
             tm["wait"] = tm["model_received_at"] - tm["uploaded_at"]
         epsilon = None
