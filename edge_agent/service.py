@@ -17,7 +17,6 @@ re-sends its last update (the coordinator drops duplicates). SIGTERM ends it cle
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -30,7 +29,6 @@ from senseshield import defaults
 from senseshield.errors import ConfigError, ProtocolError
 from senseshield.device_noise import SECRET, DeviceNoise
 from senseshield.he import SCHEMES, PublicKey
-from senseshield.he.base import model_digest, round_context
 from senseshield.runtime.protocol.messages import (
     Decline,
     RoundFailure,
@@ -38,7 +36,6 @@ from senseshield.runtime.protocol.messages import (
     BootstrapVector,
     Challenge,
     ClusterModel,
-    Receipt,
     UpdateMessage,
     FleetConfig,
     Hello,
@@ -50,19 +47,13 @@ from senseshield.runtime.protocol.messages import (
     RoundPlan,
     pack_mask,
     unpack_mask,
-    update_to_message,
 )
 from senseshield.rounds import (
     ClientState,
     LocalData,
-    choice_report,
     client_bootstrap,
-    client_seed,
     fit_synthetic,
-    keep_personal,
-    local_update,
     merge_personal,
-    protect_local,
 )
 from senseshield.accounting import Accountant
 from senseshield.runtime.identity import SEALED_SEED_BYTES, Identity, Trust, b64, unb64
@@ -70,9 +61,9 @@ from senseshield.runtime.service import Inbound, Service, Stopped, WaitNote
 from edge_agent.dataspec import DataSpec  # noqa: F401 (re-exported: edge_agent.cli, callers)
 from edge_agent.costs import inference_latency, measure_costs, warm_inference
 from edge_agent.prepare import PreparedRun, prepare
+from edge_agent.round import needs_fingerprint, protect, receipt, round_key, train
 from senseshield.data.local import check_source
 from senseshield.job import Job, announced_run, train_config
-from senseshield.strategies import ClientContext
 from senseshield.inference import export_onnx, load_session
 
 if TYPE_CHECKING:  # torch loads with the first job (_torch): an idle agent does not hold it
@@ -329,21 +320,14 @@ class EdgeAgent(Service):
         run = self.run
         assert run is not None
         fp = b""
-        if update.ciphertext is not None and self.public is not None and self.public.verifiable:
+        if needs_fingerprint(update, self.public):
             waiting = (f"round {r}: the key server's challenge for this round (the receipt's fingerprint "
                        "needs it; the key server seals it to the round's agents when the round opens)")
             if not self.wait_until(lambda: (run.run_id, r) in self.seeds, max(plan.deadline - time.time(), 1.0),
                                    waiting=waiting):
                 raise ProtocolError(f"Round {r}: no challenge from the key server before the deadline; update not sent.")
             fp = self.public.fingerprint(update.ciphertext, self.seeds[(run.run_id, r)])
-        receipt = Receipt(
-            run_id=run.run_id, cluster=plan.cluster, n_samples=update.n_samples,
-            key_id=self.public.key_id if self.public is not None else "",
-            mask_digest=hashlib.sha256(message.mask.tobytes()).hexdigest(),
-            ciphertext_digest=hashlib.sha256(message.ciphertext).hexdigest() if message.ciphertext else "",
-            fingerprint=fp, start_digest=model_digest(start), shares=int(message.report.get("shares", 0)),
-        )
-        return self.frame(receipt, round=r)
+        return self.frame(receipt(run.run_id, plan, update, message, start, self.public, fp), round=r)
 
     def _on_model(self, item: Inbound) -> None:
         msg: ClusterModel = item.message
@@ -545,12 +529,7 @@ class EdgeAgent(Service):
         config, strategy = run.config, self.strategy
         if self.fail_at_round == r:
             raise RuntimeError(f"fault drill: training raised in round {r}")
-        local = local_update(
-            strategy, run.model, merge_personal(start, run.client),
-            run.data, train=train_config(config), seed=client_seed(config.seed, r, run.index), round=r,
-            state=run.client, noise_multiplier=plan.record_noise, noise=self.noise, index=run.index,
-            steps=plan.local_steps,
-        )
+        local = train(strategy, run.model, start, run.client, run.data, config, plan, r, run.index, self.noise)
         run.trained = {f"training_{k}": v for k, v in local.metrics.items()}
         shared = plan.mask()
         if plan.negotiate:
@@ -567,43 +546,19 @@ class EdgeAgent(Service):
             decision = self.decisions.pop(r)
             shared = unpack_mask(decision.shared_mask, decision.size)
             tm["negotiate"] = time.time() - t
-        budget = plan.encryption_budget
-        if self.public is not None and budget < self.min_he_ratio:
-            self.log.warning("round %d: the coordinator's encryption budget %.4f is below this device's minimum "
-                             "%.4f (--min-he-ratio); encrypting at least the minimum", r, budget, self.min_he_ratio)
-            budget = self.min_he_ratio
-        context = ClientContext(
-            self.agent_id, r, plan.cluster, budget, shared, plan.block_size,
-            participants=plan.participants, noise_multiplier=plan.noise_multiplier,
-        )
-        # the masked scheme's pads are this device's and the key server's alone, for this round
-        key = (self.public.for_contributor(self.identity.exchange, round_context(self.fleet, run.run_id, r, plan.cluster),
-                                           ring_bits=plan.ring_bits)
-               if self.public is not None else None)
-        update, choice = protect_local(
-            strategy, context, local, key, n_samples=run.data.n_train,
-            rng=self.noise.generator("protect", round=r, index=run.index), min_encrypted=self.min_he_ratio if self.public else 0.0,
-        )
-        if "topped_up" in choice.info:
-            before, after = choice.info["topped_up"]
-            self.log.warning("round %d: the mask encrypted %.4f; topped up to %.4f with the most sensitive blocks "
-                             "(--min-he-ratio %.4f)", r, before, after, self.min_he_ratio)
-        encrypted = float(update.mask.mean())
-        if self.public is not None and encrypted + plan.block_size / update.size < self.min_he_ratio:
-            self.log.warning("round %d: the job's strategy encrypts %.4f of this update, below this device's minimum "
-                             "%.4f (--min-he-ratio), and its scheme needs the cluster's common mask; the update "
-                             "is not sent", r, encrypted, self.min_he_ratio)
+        key = round_key(self.public, self.identity.exchange, self.fleet, run.run_id, r, plan)
+        protected = protect(strategy, local, plan, shared, agent_id=self.agent_id, r=r, public=self.public, key=key,
+                            state=run.client, n_samples=run.data.n_train, noise=self.noise, index=run.index,
+                            min_he_ratio=self.min_he_ratio)
+        if protected is None:  # below this device's encryption floor: not sent
             run.done_rounds.add(r)
             return
-        keep_personal(run.client, local, choice.withheld)
+        update, message, t_serialize = protected.update, protected.message, protected.serialize_s
         t = time.perf_counter()
-        message = update_to_message(update, self.public, report=choice_report(choice))
-        t_serialize = time.perf_counter() - t
-        t = time.perf_counter()
-        receipt = self._receipt(r, plan, update, message, start)
+        signed = self._receipt(r, plan, update, message, start)
         t_receipt = time.perf_counter() - t
         t = time.perf_counter()
-        frame = self.frame(message.model_copy(update={"receipt": receipt}), round=r)
+        frame = self.frame(message.model_copy(update={"receipt": signed}), round=r)
         t_serialize += time.perf_counter() - t
         t = time.perf_counter()
         self.link.publish(f"agents/{self.agent_id}/update", frame)
