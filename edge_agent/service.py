@@ -55,16 +55,15 @@ from senseshield.rounds import (
     fit_synthetic,
     merge_personal,
 )
-from senseshield.accounting import Accountant
 from senseshield.runtime.identity import SEALED_SEED_BYTES, Identity, Trust, b64, unb64
 from senseshield.runtime.service import Inbound, Service, Stopped, WaitNote
 from edge_agent.dataspec import DataSpec  # noqa: F401 (re-exported: edge_agent.cli, callers)
 from edge_agent.costs import inference_latency, measure_costs, warm_inference
+from edge_agent.evaluate import apply_model, evaluate, round_metrics
 from edge_agent.prepare import PreparedRun, prepare
 from edge_agent.round import needs_fingerprint, protect, receipt, round_key, train
 from senseshield.data.local import check_source
-from senseshield.job import Job, announced_run, train_config
-from senseshield.inference import export_onnx, load_session
+from senseshield.job import Job, announced_run
 
 if TYPE_CHECKING:  # torch loads with the first job (_torch): an idle agent does not hold it
     import torch
@@ -587,45 +586,22 @@ class EdgeAgent(Service):
         merged = merge_personal(weights, run.client)  # the device's own (personalised) model
         tm = run.timings.setdefault(r, {})
         tm["apply_at"] = time.time()
-        onnx_path = self.model_dir / "model.onnx"
-        export_onnx(run.config.model, run.input_shape, run.num_classes, merged, onnx_path,
-                    fleet=self.fleet, cluster=run.cluster, round=r,
-                    model_args=run.config.model_args)
-        session = load_session(onnx_path, threads=self._torch().get_num_threads())
+        session = apply_model(run.config, run.input_shape, run.num_classes, merged, self.model_dir / "model.onnx",
+                              fleet=self.fleet, cluster=run.cluster, r=r, threads=self._torch().get_num_threads())
         t_apply = time.perf_counter() - t
         t = time.perf_counter()
-        values = {**self._evaluate(run, session, merged, r), **run.trained}
+        assert run.data is not None and run.model is not None
+        values = {**evaluate(run.config, run.data, run.model, session, merged, r), **run.trained}
         tm.update({"apply": t_apply, "evaluate": time.perf_counter() - t})
         if not run.inference:  # the architecture is the run's: measure its latency once (at join)
             run.inference = inference_latency(session, run.input_shape, self.latency_repeats)
         if "uploaded_at" in tm and "model_received_at" in tm:
             tm["wait"] = tm["model_received_at"] - tm["uploaded_at"]
-        epsilon = None
-        if run.client.dp_history:
-            epsilon = Accountant(run.client.dp_history).epsilon(run.config.options.delta)
         run.evaluated = r
-        metrics = Metrics(
-            cluster=run.cluster, metric=values.get(train_config(run.config).metric_name, 0.0), metrics=values,
-            n_test=len(run.data.y_test),
-            timings={k: float(v) for k, v in tm.items()}, epsilon=epsilon,
-            dp_history=[tuple(h) for h in run.client.dp_history], inference=run.inference,
-        )
+        metrics = round_metrics(run.config, run.cluster, values, len(run.data.y_test), tm, run.client.dp_history,
+                                run.inference)
         run.sent_metrics[r] = metrics
         self.send(f"agents/{self.agent_id}/metrics", metrics, round=r)
-
-    def _evaluate(self, run: RunState, session, weights: np.ndarray, r: int) -> dict[str, float]:  # noqa: ANN001
-        """The job's metrics of ``weights`` on the device's test split: the built-in evaluation
-        on onnxruntime's outputs (what the device runs for inference), or the job's own
-        evaluation function on the torch model."""
-        from senseshield.training import evaluate_model, output_metrics, set_vector, torch_threads
-
-        assert run.data is not None and run.model is not None
-        train = train_config(run.config)
-        if run.config.evaluate is None:
-            return output_metrics(session.logits(run.data.x_test), run.data.y_test, train)
-        set_vector(run.model, weights)
-        with torch_threads(run.config.train_threads):
-            return evaluate_model(run.model, run.data.x_test, run.data.y_test, train, round=r)
 
     # ---- main ---------------------------------------------------------------------------
     def _key_for(self, run_id: str) -> bool:
