@@ -17,7 +17,6 @@ re-sends its last update (the coordinator drops duplicates). SIGTERM ends it cle
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -27,11 +26,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from senseshield import defaults
-from senseshield.data import load_dataset
 from senseshield.errors import ConfigError, ProtocolError
 from senseshield.device_noise import SECRET, DeviceNoise
 from senseshield.he import SCHEMES, PublicKey
-from senseshield.he.base import ephemeral_exchange, model_digest, round_context
 from senseshield.runtime.protocol.messages import (
     Decline,
     RoundFailure,
@@ -39,7 +36,6 @@ from senseshield.runtime.protocol.messages import (
     BootstrapVector,
     Challenge,
     ClusterModel,
-    Receipt,
     UpdateMessage,
     FleetConfig,
     Hello,
@@ -51,29 +47,23 @@ from senseshield.runtime.protocol.messages import (
     RoundPlan,
     pack_mask,
     unpack_mask,
-    update_to_message,
 )
 from senseshield.rounds import (
     ClientState,
     LocalData,
-    choice_report,
     client_bootstrap,
-    client_seed,
     fit_synthetic,
-    keep_personal,
-    local_update,
     merge_personal,
-    protect_local,
 )
-from senseshield.accounting import Accountant
 from senseshield.runtime.identity import SEALED_SEED_BYTES, Identity, Trust, b64, unb64
 from senseshield.runtime.service import Inbound, Service, Stopped, WaitNote
 from edge_agent.dataspec import DataSpec  # noqa: F401 (re-exported: edge_agent.cli, callers)
-from senseshield.data.shards import shards
-from senseshield.data.local import check_source, describe_data, load_local_data
-from senseshield.job import Job, announced_run, build_job_model, device_index, train_config
-from senseshield.strategies import ClientContext
-from senseshield.inference import export_onnx, latency, load_session
+from edge_agent.costs import inference_latency, measure_costs, warm_inference
+from edge_agent.evaluate import apply_model, evaluate, round_metrics
+from edge_agent.prepare import PreparedRun, prepare
+from edge_agent.round import needs_fingerprint, protect, receipt, round_key, train
+from senseshield.data.local import check_source
+from senseshield.job import Job, announced_run
 
 if TYPE_CHECKING:  # torch loads with the first job (_torch): an idle agent does not hold it
     import torch
@@ -87,19 +77,6 @@ class AgentExit(Exception):
     def __init__(self, code: int, reason: str) -> None:
         super().__init__(reason)
         self.code = code
-
-
-@dataclass(frozen=True)
-class PreparedRun:
-    """A checked ``fleet/config``: what joining it needs (built before anything changes)."""
-
-    msg: FleetConfig
-    config: Job
-    strategy: object
-    data: LocalData
-    model: torch.nn.Module
-    index: int
-    count: int
 
 
 @dataclass
@@ -342,21 +319,14 @@ class EdgeAgent(Service):
         run = self.run
         assert run is not None
         fp = b""
-        if update.ciphertext is not None and self.public is not None and self.public.verifiable:
+        if needs_fingerprint(update, self.public):
             waiting = (f"round {r}: the key server's challenge for this round (the receipt's fingerprint "
                        "needs it; the key server seals it to the round's agents when the round opens)")
             if not self.wait_until(lambda: (run.run_id, r) in self.seeds, max(plan.deadline - time.time(), 1.0),
                                    waiting=waiting):
                 raise ProtocolError(f"Round {r}: no challenge from the key server before the deadline; update not sent.")
             fp = self.public.fingerprint(update.ciphertext, self.seeds[(run.run_id, r)])
-        receipt = Receipt(
-            run_id=run.run_id, cluster=plan.cluster, n_samples=update.n_samples,
-            key_id=self.public.key_id if self.public is not None else "",
-            mask_digest=hashlib.sha256(message.mask.tobytes()).hexdigest(),
-            ciphertext_digest=hashlib.sha256(message.ciphertext).hexdigest() if message.ciphertext else "",
-            fingerprint=fp, start_digest=model_digest(start), shares=int(message.report.get("shares", 0)),
-        )
-        return self.frame(receipt, round=r)
+        return self.frame(receipt(run.run_id, plan, update, message, start, self.public, fp), round=r)
 
     def _on_model(self, item: Inbound) -> None:
         msg: ClusterModel = item.message
@@ -418,55 +388,10 @@ class EdgeAgent(Service):
         return torch
 
     def _prepare(self, msg: FleetConfig) -> PreparedRun:
-        """Check a new run's config against this device (config fields, strategy, the local
-        dataset's shapes, the model's size) and load its data; ProtocolError/ConfigError."""
-        from senseshield.training import layout_of
-
+        """The job checked against this device, its data loaded (:func:`edge_agent.prepare.prepare`),
+        on this agent's torch threads."""
         self._torch()
-        config, strategy, _ = announced_run(msg.config)
-        spec = self.data_spec
-        if config.data is not None or spec.sources:
-            data = self._own_data(config, msg)
-            index, count = spec.index if spec.index is not None else device_index(self.agent_id), 1
-        else:
-            data, index, count = self._shard_data(config, msg)
-        model = build_job_model(config, tuple(msg.input_shape), msg.num_classes)
-        if layout_of(model).size != msg.initial.size:
-            raise ConfigError(f"The run's model {config.model!r} has {msg.initial.size} parameters; here it has {layout_of(model).size}; versions differ.")
-        return PreparedRun(msg, config, strategy, data, model, index, count)
-
-    def _own_data(self, config: Job, msg: FleetConfig) -> LocalData:
-        """The device's own data source the job uses, loaded and checked against the job."""
-        sources = self.data_spec.sources
-        name = config.data
-        if name is None:
-            if len(sources) != 1:
-                raise ConfigError(f"The job names no data source and this device has {len(sources)} "
-                                  f"({', '.join(sorted(sources))}); the job must set data: NAME.")
-            name = next(iter(sources))
-        if name not in sources:
-            have = ", ".join(sorted(sources)) or "none"
-            raise ConfigError(f"The job uses data source {name!r}; this device has {have} (edge-agent join --data {name}=PATH).")
-        data = load_local_data(sources[name], config, input_shape=msg.input_shape, num_classes=msg.num_classes)
-        self.log.info("data %s (%s): %s", name, sources[name], describe_data(data).line())
-        return data
-
-    def _shard_data(self, config: Job, msg: FleetConfig) -> tuple[LocalData, int, int]:
-        """Shard I/N of a built-in dataset (simulations and controlled trials)."""
-        spec = self.data_spec
-        index, count = spec.shard if spec.shard is not None else (0, 1)
-        local_config = config.model_copy(update={
-            "dataset": spec.dataset or config.dataset,
-            "clients": count,
-            "partition": spec.partition or (config.partition if spec.shard is not None else "iid"),
-        })
-        dataset = load_dataset(local_config.dataset, seed=config.seed)
-        if tuple(dataset.input_shape) != tuple(msg.input_shape) or dataset.num_classes != msg.num_classes:
-            raise ConfigError(
-                f"Dataset {local_config.dataset!r} has inputs {tuple(dataset.input_shape)} and "
-                f"{dataset.num_classes} classes; the run's model needs {tuple(msg.input_shape)} and {msg.num_classes}."
-            )
-        return shards(local_config, dataset)[index].data, (spec.index if spec.index is not None else index), count
+        return prepare(msg, self.data_spec, self.agent_id)
 
     def _join(self, prepared: PreparedRun) -> None:
         """Set up for a new run: data, model, hello, bootstrap vector, synthetic data."""
@@ -485,7 +410,7 @@ class EdgeAgent(Service):
             vector = self._bootstrap(run, strategy, model, data, index)
         profile = dict(self.profile)
         if calibrate:
-            profile["measured"] = self._measure_costs(run)
+            profile["measured"] = measure_costs(config, model, data, self.public, self.profile)
         # one-off work before the device announces itself (round 1 starts once every device
         # sent its bootstrap): the key's fixed-base table and the pool, onnxruntime and the
         # run's inference latency; done later, it lands in the first rounds' critical path
@@ -513,80 +438,15 @@ class EdgeAgent(Service):
         self.accountant_delta = config.options.delta
 
     def _warm_inference(self, run: RunState) -> None:
-        """Load onnxruntime and measure the run's inference latency (the architecture is the
-        run's) on the initial model, exported to a scratch file: the device's applied model
-        (``model.onnx``) is still only ever a round's."""
-        import tempfile
-
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "warm-up.onnx"
-            export_onnx(run.config.model, run.input_shape, run.num_classes, run.initial, path, fleet=self.fleet,
-                        cluster=0, round=0, model_args=run.config.model_args)
-            run.inference = self._latency(run, load_session(path, threads=self._torch().get_num_threads()))
-
-    def _latency(self, run: RunState, session) -> dict[str, float]:  # noqa: ANN001
-        speed = latency(session, run.input_shape, repeats=self.latency_repeats, warmup=2)
-        return {f"b{b}_{q}_ms": float(v[f"{q}_ms"]) for b, v in speed["batches"].items() for q in ("p50", "p95")}
+        """onnxruntime loaded and the run's inference latency measured (:func:`edge_agent.costs.warm_inference`)."""
+        run.inference = warm_inference(run.config, run.input_shape, run.num_classes, run.initial, fleet=self.fleet,
+                                       threads=self._torch().get_num_threads(), repeats=self.latency_repeats)
 
     def _bootstrap(self, run: RunState, strategy, model, data, index: int) -> np.ndarray:  # noqa: ANN001
         t = time.perf_counter()
         vector = client_bootstrap(run.config, strategy, model, run.initial, data, index, noise=self.noise)
         run.timings.setdefault(0, {})["bootstrap"] = time.perf_counter() - t
         return vector
-
-    def _measure_costs(self, run: RunState) -> dict:
-        """This device's round costs for calibrated budgets (``Hello.profile["measured"]``):
-        local training per round (a timed warm epoch x (local epochs + 1 for the sensitivity
-        pass)), values encrypted per second with the fleet's key (sustained over ~0.5 s), and
-        ciphertext bytes per value, with ``spread`` (min/max of the epochs and of the encryption
-        calls). The first encryption also builds the key's tables, as
-        round 1 would. The coordinator refines these from every round it sees."""
-        from edge_agent.profile import measure_encryption
-        from senseshield.training import torch_threads, train_local
-
-        import copy
-
-        config = run.config
-        t0 = time.perf_counter()
-        # the bootstrap's time includes one-off costs (first torch calls, its sensitivity
-        # pass); a warm epoch on a copy of the model is what a round repeats local_epochs times
-        epoch_s = []
-        for _ in range(3):
-            model = copy.deepcopy(run.model)
-            with torch_threads(config.train_threads):
-                t = time.perf_counter()
-                train_local(model, run.data.x_train, run.data.y_train,
-                            train_config(config, epochs=1), seed=0)
-                epoch_s.append(time.perf_counter() - t)
-        train_s = float(np.median(epoch_s)) * (config.local_epochs + 1)  # + ~one epoch for the sensitivity
-        measure_encryption(public_key=self.public, budget_s=0.05)  # builds the key's tables
-        # sustained rate: whole blocks for ~0.5 s of wall time (a device sharing its CPU, or a
-        # cgroup quota, runs short bursts faster than it can keep up)
-        block = max(1, int(self.public.block_size))
-        count = block * max(1, 2048 // block)
-        values, positions = np.zeros(count), np.arange(count, dtype=np.int64)
-        public = self.public.for_contributor(ephemeral_exchange, b"measuring")  # masked: pads of no round
-        done, t, calls = 0, time.perf_counter(), []
-        while True:
-            start = time.perf_counter()
-            vec = public.encrypt(values, positions)
-            calls.append(count / max(time.perf_counter() - start, 1e-9))
-            done += count
-            elapsed = time.perf_counter() - t
-            if elapsed >= 0.5:
-                break
-        rate = done / elapsed
-        per_value = len(public.ciphertext_bytes(vec)) / count
-        latency = float(self.profile.get("latency_ms") or 0.0) / 1000.0
-        measured = {"train_s": float(train_s), "encrypt_per_s": float(rate),
-                    "bytes_per_encrypted": float(per_value), "latency_s": latency,
-                    "seconds": time.perf_counter() - t0}
-        self.log.info("measured round costs: %s", {k: round(v, 4) for k, v in measured.items()})
-        # probe intervals (the coordinator pools devices that agree within them)
-        scale = config.local_epochs + 1
-        measured["spread"] = {"train_s": [min(epoch_s) * scale, max(epoch_s) * scale],
-                              "encrypt_per_s": [min(min(calls), rate), max(max(calls), rate)]}
-        return measured
 
     def _start_pool(self, run: RunState) -> None:
         """Precompute encryption randomness while the device waits (packed Paillier's
@@ -668,12 +528,7 @@ class EdgeAgent(Service):
         config, strategy = run.config, self.strategy
         if self.fail_at_round == r:
             raise RuntimeError(f"fault drill: training raised in round {r}")
-        local = local_update(
-            strategy, run.model, merge_personal(start, run.client),
-            run.data, train=train_config(config), seed=client_seed(config.seed, r, run.index), round=r,
-            state=run.client, noise_multiplier=plan.record_noise, noise=self.noise, index=run.index,
-            steps=plan.local_steps,
-        )
+        local = train(strategy, run.model, start, run.client, run.data, config, plan, r, run.index, self.noise)
         run.trained = {f"training_{k}": v for k, v in local.metrics.items()}
         shared = plan.mask()
         if plan.negotiate:
@@ -690,43 +545,19 @@ class EdgeAgent(Service):
             decision = self.decisions.pop(r)
             shared = unpack_mask(decision.shared_mask, decision.size)
             tm["negotiate"] = time.time() - t
-        budget = plan.encryption_budget
-        if self.public is not None and budget < self.min_he_ratio:
-            self.log.warning("round %d: the coordinator's encryption budget %.4f is below this device's minimum "
-                             "%.4f (--min-he-ratio); encrypting at least the minimum", r, budget, self.min_he_ratio)
-            budget = self.min_he_ratio
-        context = ClientContext(
-            self.agent_id, r, plan.cluster, budget, shared, plan.block_size,
-            participants=plan.participants, noise_multiplier=plan.noise_multiplier,
-        )
-        # the masked scheme's pads are this device's and the key server's alone, for this round
-        key = (self.public.for_contributor(self.identity.exchange, round_context(self.fleet, run.run_id, r, plan.cluster),
-                                           ring_bits=plan.ring_bits)
-               if self.public is not None else None)
-        update, choice = protect_local(
-            strategy, context, local, key, n_samples=run.data.n_train,
-            rng=self.noise.generator("protect", round=r, index=run.index), min_encrypted=self.min_he_ratio if self.public else 0.0,
-        )
-        if "topped_up" in choice.info:
-            before, after = choice.info["topped_up"]
-            self.log.warning("round %d: the mask encrypted %.4f; topped up to %.4f with the most sensitive blocks "
-                             "(--min-he-ratio %.4f)", r, before, after, self.min_he_ratio)
-        encrypted = float(update.mask.mean())
-        if self.public is not None and encrypted + plan.block_size / update.size < self.min_he_ratio:
-            self.log.warning("round %d: the job's strategy encrypts %.4f of this update, below this device's minimum "
-                             "%.4f (--min-he-ratio), and its scheme needs the cluster's common mask; the update "
-                             "is not sent", r, encrypted, self.min_he_ratio)
+        key = round_key(self.public, self.identity.exchange, self.fleet, run.run_id, r, plan)
+        protected = protect(strategy, local, plan, shared, agent_id=self.agent_id, r=r, public=self.public, key=key,
+                            state=run.client, n_samples=run.data.n_train, noise=self.noise, index=run.index,
+                            min_he_ratio=self.min_he_ratio)
+        if protected is None:  # below this device's encryption floor: not sent
             run.done_rounds.add(r)
             return
-        keep_personal(run.client, local, choice.withheld)
+        update, message, t_serialize = protected.update, protected.message, protected.serialize_s
         t = time.perf_counter()
-        message = update_to_message(update, self.public, report=choice_report(choice))
-        t_serialize = time.perf_counter() - t
-        t = time.perf_counter()
-        receipt = self._receipt(r, plan, update, message, start)
+        signed = self._receipt(r, plan, update, message, start)
         t_receipt = time.perf_counter() - t
         t = time.perf_counter()
-        frame = self.frame(message.model_copy(update={"receipt": receipt}), round=r)
+        frame = self.frame(message.model_copy(update={"receipt": signed}), round=r)
         t_serialize += time.perf_counter() - t
         t = time.perf_counter()
         self.link.publish(f"agents/{self.agent_id}/update", frame)
@@ -755,45 +586,22 @@ class EdgeAgent(Service):
         merged = merge_personal(weights, run.client)  # the device's own (personalised) model
         tm = run.timings.setdefault(r, {})
         tm["apply_at"] = time.time()
-        onnx_path = self.model_dir / "model.onnx"
-        export_onnx(run.config.model, run.input_shape, run.num_classes, merged, onnx_path,
-                    fleet=self.fleet, cluster=run.cluster, round=r,
-                    model_args=run.config.model_args)
-        session = load_session(onnx_path, threads=self._torch().get_num_threads())
+        session = apply_model(run.config, run.input_shape, run.num_classes, merged, self.model_dir / "model.onnx",
+                              fleet=self.fleet, cluster=run.cluster, r=r, threads=self._torch().get_num_threads())
         t_apply = time.perf_counter() - t
         t = time.perf_counter()
-        values = {**self._evaluate(run, session, merged, r), **run.trained}
+        assert run.data is not None and run.model is not None
+        values = {**evaluate(run.config, run.data, run.model, session, merged, r), **run.trained}
         tm.update({"apply": t_apply, "evaluate": time.perf_counter() - t})
         if not run.inference:  # the architecture is the run's: measure its latency once (at join)
-            run.inference = self._latency(run, session)
+            run.inference = inference_latency(session, run.input_shape, self.latency_repeats)
         if "uploaded_at" in tm and "model_received_at" in tm:
             tm["wait"] = tm["model_received_at"] - tm["uploaded_at"]
-        epsilon = None
-        if run.client.dp_history:
-            epsilon = Accountant(run.client.dp_history).epsilon(run.config.options.delta)
         run.evaluated = r
-        metrics = Metrics(
-            cluster=run.cluster, metric=values.get(train_config(run.config).metric_name, 0.0), metrics=values,
-            n_test=len(run.data.y_test),
-            timings={k: float(v) for k, v in tm.items()}, epsilon=epsilon,
-            dp_history=[tuple(h) for h in run.client.dp_history], inference=run.inference,
-        )
+        metrics = round_metrics(run.config, run.cluster, values, len(run.data.y_test), tm, run.client.dp_history,
+                                run.inference)
         run.sent_metrics[r] = metrics
         self.send(f"agents/{self.agent_id}/metrics", metrics, round=r)
-
-    def _evaluate(self, run: RunState, session, weights: np.ndarray, r: int) -> dict[str, float]:  # noqa: ANN001
-        """The job's metrics of ``weights`` on the device's test split: the built-in evaluation
-        on onnxruntime's outputs (what the device runs for inference), or the job's own
-        evaluation function on the torch model."""
-        from senseshield.training import evaluate_model, output_metrics, set_vector, torch_threads
-
-        assert run.data is not None and run.model is not None
-        train = train_config(run.config)
-        if run.config.evaluate is None:
-            return output_metrics(session.logits(run.data.x_test), run.data.y_test, train)
-        set_vector(run.model, weights)
-        with torch_threads(run.config.train_threads):
-            return evaluate_model(run.model, run.data.x_test, run.data.y_test, train, round=r)
 
     # ---- main ---------------------------------------------------------------------------
     def _key_for(self, run_id: str) -> bool:

@@ -1,0 +1,122 @@
+"""One device's round, the simulator's steps (:mod:`senseshield.rounds`) with the
+simulator's seeds: :func:`train` from the cluster model the plan names, then (after the
+service has negotiated the cluster's mask, if the plan asks) :func:`protect`: the device's
+encryption floor, the mask, DP noise, encryption and the update message; then the facts
+the update's signed :func:`receipt` states. No transport: the service waits for the model,
+the consensus mask and the challenge, signs and sends. The client state (personalised
+zone, DP history) is updated as the simulator updates it."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from senseshield.device_noise import DeviceNoise
+from senseshield.he import PublicKey
+from senseshield.he.base import model_digest, round_context
+from senseshield.job import Job, train_config
+from senseshield.rounds import (
+    ClientState,
+    LocalData,
+    choice_report,
+    client_seed,
+    keep_personal,
+    local_update,
+    merge_personal,
+    protect_local,
+)
+from senseshield.runtime.protocol.messages import Receipt, RoundPlan, UpdateMessage, update_to_message
+from senseshield.strategies import ClientContext
+
+log = logging.getLogger("senseshield.agent")
+
+
+def train(strategy, model, start: np.ndarray, state: ClientState, data: LocalData, config: Job,  # noqa: ANN001
+          plan: RoundPlan, r: int, index: int, noise: DeviceNoise):  # noqa: ANN201
+    """Round ``r``'s local update of the device with client ``index`` from the cluster model
+    ``start`` (its personalised zone merged in), with the plan's record noise and steps."""
+    return local_update(
+        strategy, model, merge_personal(start, state),
+        data, train=train_config(config), seed=client_seed(config.seed, r, index), round=r,
+        state=state, noise_multiplier=plan.record_noise, noise=noise, index=index,
+        steps=plan.local_steps,
+    )
+
+
+def round_key(public: PublicKey | None, exchange, fleet: str, run_id: str, r: int, plan: RoundPlan):  # noqa: ANN001, ANN201
+    """The key this device encrypts round ``r`` with: the masked scheme's pads are this
+    device's (``exchange``) and the key server's alone, for this round; None: no encryption."""
+    if public is None:
+        return None
+    return public.for_contributor(exchange, round_context(fleet, run_id, r, plan.cluster), ring_bits=plan.ring_bits)
+
+
+@dataclass(frozen=True)
+class Protected:
+    """A protected update ready to sign and send: ``message`` (without its receipt) and the
+    seconds it took to serialize."""
+
+    update: object  # senseshield.rounds ProtectedUpdate
+    message: UpdateMessage
+    serialize_s: float
+
+
+def protect(strategy, local, plan: RoundPlan, shared: np.ndarray | None, *, agent_id: str, r: int,  # noqa: ANN001
+            public: PublicKey | None, key, state: ClientState, n_samples: int, noise: DeviceNoise,  # noqa: ANN001
+            index: int, min_he_ratio: float) -> Protected | None:
+    """Round ``r``'s update from ``local`` under the cluster's mask ``shared``: the plan's
+    encryption budget (raised to this device's floor ``min_he_ratio`` when the job encrypts),
+    DP noise from ``noise``, encrypted with ``key``; None (said in the log) when the job's
+    strategy encrypts less than the floor and its scheme needs the cluster's common mask
+    (the update is not sent)."""
+    budget = plan.encryption_budget
+    if public is not None and budget < min_he_ratio:
+        log.warning("round %d: the coordinator's encryption budget %.4f is below this device's minimum "
+                    "%.4f (--min-he-ratio); encrypting at least the minimum", r, budget, min_he_ratio)
+        budget = min_he_ratio
+    context = ClientContext(
+        agent_id, r, plan.cluster, budget, shared, plan.block_size,
+        participants=plan.participants, noise_multiplier=plan.noise_multiplier,
+    )
+    update, choice = protect_local(
+        strategy, context, local, key, n_samples=n_samples,
+        rng=noise.generator("protect", round=r, index=index), min_encrypted=min_he_ratio if public else 0.0,
+    )
+    if "topped_up" in choice.info:
+        before, after = choice.info["topped_up"]
+        log.warning("round %d: the mask encrypted %.4f; topped up to %.4f with the most sensitive blocks "
+                    "(--min-he-ratio %.4f)", r, before, after, min_he_ratio)
+    encrypted = float(update.mask.mean())
+    if public is not None and encrypted + plan.block_size / update.size < min_he_ratio:
+        log.warning("round %d: the job's strategy encrypts %.4f of this update, below this device's minimum "
+                    "%.4f (--min-he-ratio), and its scheme needs the cluster's common mask; the update "
+                    "is not sent", r, encrypted, min_he_ratio)
+        return None
+    keep_personal(state, local, choice.withheld)
+    t = time.perf_counter()
+    message = update_to_message(update, public, report=choice_report(choice))
+    return Protected(update, message, time.perf_counter() - t)
+
+
+def needs_fingerprint(update, public: PublicKey | None) -> bool:  # noqa: ANN001
+    """Whether the update's receipt carries its ciphertext's fingerprint (a verifiable
+    scheme's ciphertext: the key server's challenge of the round is needed)."""
+    return update.ciphertext is not None and public is not None and public.verifiable
+
+
+def receipt(run_id: str, plan: RoundPlan, update, message: UpdateMessage, start: np.ndarray,  # noqa: ANN001
+            public: PublicKey | None, fingerprint: bytes) -> Receipt:
+    """What the update's signed receipt states: its job, cluster, sample count, key, the
+    digests of its mask and ciphertext, the ciphertext's ``fingerprint`` under the round's
+    challenge, and the digest of the cluster model ``start`` it was trained from."""
+    return Receipt(
+        run_id=run_id, cluster=plan.cluster, n_samples=update.n_samples,
+        key_id=public.key_id if public is not None else "",
+        mask_digest=hashlib.sha256(message.mask.tobytes()).hexdigest(),
+        ciphertext_digest=hashlib.sha256(message.ciphertext).hexdigest() if message.ciphertext else "",
+        fingerprint=fingerprint, start_digest=model_digest(start), shares=int(message.report.get("shares", 0)),
+    )
