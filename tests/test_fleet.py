@@ -180,7 +180,7 @@ def test_faults_are_rejected_and_a_killed_agent_does_not_delay_its_round(mosquit
         }
         for name, payload in bad.items():
             intruder.publish("agents/c000/update", payload) if name not in ("malformed", "wrong-fleet") else \
-                intruder._client.publish(f"ss/v1/faults/agents/c000/update", payload, qos=1).wait_for_publish(5)
+                intruder._client.publish("ss/v1/faults/agents/c000/update", payload, qos=1).wait_for_publish(5)
         hello = Hello(run_id=run_id, agent_id="intruder", n_samples=10, bandwidth=1, cpu_speed=1, key_id="not-the-fleet-key")
         intruder.publish("agents/intruder/hello", to_frame(hello, fleet="faults", sender="intruder", round=0,
                                                            signer=Identity.generate("intruder")))

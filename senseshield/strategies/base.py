@@ -719,7 +719,6 @@ def calibrated_cluster_budgets(
     if not measured or size is None:
         why = "no device measured its round costs" if not measured else "the model size is unknown"
         return _budgets(reports), {"mode": "paper", "fallback": f"calibrated budgets need measurements; {why}"}
-    ref_speed = float(np.mean([r.cpu_speed for r in measured]))
     ref_train = float(np.mean([r.costs.train_s * r.cpu_speed for r in measured]))  # type: ignore[union-attr]
     ref_rate = float(np.mean([r.costs.encrypt_per_s / r.cpu_speed for r in measured]))  # type: ignore[union-attr]
     ref_bytes = float(np.mean([r.costs.bytes_per_encrypted for r in measured]))  # type: ignore[union-attr]
