@@ -31,7 +31,7 @@ from senseshield.engine.aggregation import ProtectedUpdate, protect_update
 from senseshield.engine.budgets import sigma_for_epsilon
 from senseshield.engine.clustering import noisy_mean, normalise_rows
 from senseshield.engine.masks import top_up_mask
-from senseshield.engine.work import full_steps, step_scale
+from senseshield.engine.work import SCORE_SAMPLES, full_steps, score_samples, step_scale
 from senseshield.engine.sensitivity import SCORES, Score
 from senseshield.data.shards import LocalData  # a device's data; importable from here too
 from senseshield.device_noise import SECRET, DeviceNoise
@@ -216,7 +216,7 @@ def _local_update(
             raise ValueError(f"{strategy.name} trains on synthetic data but the client has no fitted provider.")
         x, y = state.synthetic.sample(data.n_train, np.random.default_rng([seed, 13]))
     set_vector(model, global_vector)
-    scale = 1.0
+    scale, scored = 1.0, SCORE_SAMPLES  # partial work also scores fewer samples (engine.work.score_samples)
     # the update is measured from the weights the device actually starts from (float32),
     # so it is the same whether the global model arrived as float64 or float32
     start = get_vector(model).astype(np.float64)
@@ -233,6 +233,7 @@ def _local_update(
         metrics = {"loss": last}
     else:
         full = full_steps(len(x), batch_size=train.batch_size, epochs=train.epochs)
+        scored = score_samples(steps, full, batch_size=train.batch_size)
         if steps is not None and steps < full:
             scale = step_scale(steps, full) if strategy.options.partial_fednova else 1.0
             train = replace(train, max_steps=int(steps))
@@ -259,7 +260,7 @@ def _local_update(
     t_train = time.perf_counter() - t
     t = time.perf_counter()
     inputs = score_inputs(model, data.x_train, data.y_train, needs=score.needs, delta=delta,
-                          loss=make_loss(train.task, train.loss))
+                          loss=make_loss(train.task, train.loss), max_samples=scored)
     sensitivity = score(inputs)
     return LocalUpdate(
         weights, delta, sensitivity, {"train": t_train, "sensitivity": time.perf_counter() - t}, metrics,

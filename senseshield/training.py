@@ -403,7 +403,7 @@ def score_inputs(
     *,
     needs: frozenset[str],
     delta: np.ndarray | None = None,
-    max_samples: int = 256,
+    max_samples: int = 256,  # senseshield.engine.work.SCORE_SAMPLES
     loss: Callable | None = None,
 ) -> ScoreInputs:
     """Compute what the sensitivity scores need, only what ``needs`` asks for.

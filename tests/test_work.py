@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from senseshield.engine.budgets import measured_budgets
-from senseshield.engine.work import full_steps, local_steps, recent_median, step_scale
+from senseshield.engine.work import SCORE_SAMPLES, full_steps, local_steps, recent_median, score_samples, step_scale
 from senseshield.errors import ConfigError
 
 speeds = st.lists(st.floats(0.01, 100.0), min_size=1, max_size=8)
@@ -85,6 +85,20 @@ def test_full_steps_and_fednova_scale() -> None:
     assert step_scale(46, 46) == 1.0 and step_scale(4, 46) == 11.5
     with pytest.raises(ConfigError, match="steps=0"):
         step_scale(0, 46)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 500), st.integers(1, 500), st.integers(1, 128))
+def test_partial_work_scores_the_samples_it_trained_on(steps, full, batch) -> None:
+    """Full work scores SCORE_SAMPLES; partial work steps x batch, at least a batch, at most
+    the cap; more planned steps never score fewer samples."""
+    steps = min(steps, full)
+    got = score_samples(steps, full, batch_size=batch)
+    if steps == full:
+        assert got == SCORE_SAMPLES and score_samples(None, full, batch_size=batch) == SCORE_SAMPLES
+    else:
+        assert got == min(SCORE_SAMPLES, max(batch, steps * batch))
+        assert got <= score_samples(min(steps + 1, full), full, batch_size=batch)
 
 
 @settings(max_examples=200, deadline=None)

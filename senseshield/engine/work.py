@@ -96,6 +96,21 @@ def full_steps(n_samples: int, *, batch_size: int, epochs: int) -> int:
     return int(epochs) * -(-int(n_samples) // int(batch_size))
 
 
+SCORE_SAMPLES = 256  # the most local samples a round's sensitivity score reads
+
+
+def score_samples(steps: int | None, full: int, *, batch_size: int, cap: int = SCORE_SAMPLES) -> int:
+    """How many local samples the round's sensitivity score reads
+    (:func:`senseshield.training.score_inputs`): ``cap`` for full work; under partial work
+    (``steps`` < ``full``) as many as the round trained on, ``steps x batch_size`` (at least
+    one batch, at most ``cap``). The score is a gradient pass over those samples, so a device
+    planned to train less also scores less: on a device 20x slower, scoring 256 samples cost
+    12x its one planned step (LeNet-5, bench_straggle)."""
+    if steps is None or steps >= full:
+        return int(cap)
+    return int(min(cap, max(batch_size, int(steps) * int(batch_size))))
+
+
 def local_steps(
     *,
     step_s: np.ndarray,
