@@ -154,5 +154,10 @@ def test_step_seconds_separates_the_fixed_part_from_the_steps() -> None:
     assert step_seconds([], []) is None and step_seconds([0.0, float("nan")], [3, 3]) is None
     only_last = step_seconds([9.0, 1.0, 2.0], [1, 10, 20], k=2)
     assert only_last == (pytest.approx(0.0), pytest.approx(0.1))
+    # under a CPU quota 4 steps and 1 step took about the same periods: the line alone would
+    # say ~0.017 s per step (and plan 62 steps: a 25x round); the slope stays >= half the
+    # smallest seconds per step, and the fit still does not over-predict the quicker round
+    fixed, per_step = step_seconds([0.50, 0.45], [4, 1])
+    assert per_step == pytest.approx(0.0625) and fixed + per_step <= 0.45 + 1e-12
     with pytest.raises(ConfigError, match="k=0 is not allowed"):
         step_seconds([1.0], [1], k=0)

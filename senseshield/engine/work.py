@@ -67,8 +67,12 @@ def step_seconds(train_s, steps, *, k: int = 5) -> tuple[float, float] | None:  
     fixed + steps x per_step``. With two or more distinct step counts in the window, the
     least-squares line (a device trained 1 step in one round and 20 in another: the 1-step
     round's time is mostly the fixed part, not one slow step); its intercept is clipped to
-    [0, min train] and the slope then refitted. With one step count (or a slope <= 0): fixed 0
-    and the median of train / steps. None without a usable round."""
+    [0, min train] and the slope then refitted, and never taken below half the smallest
+    train / steps of the window (an upper bound of the true per-step time): under a CPU
+    quota, 4 steps and 1 step can take the same 100-ms periods, the line then puts the whole
+    round into the fixed part, and the planner gave that device 62 steps (a 25x round,
+    bench_straggle with LeNet-5). With one step count (or a slope <= 0): fixed 0 and the
+    median of train / steps. None without a usable round."""
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ConfigError(f"k={k!r} is not allowed; the window needs at least 1 round.")
     pairs = [(float(t), float(s)) for t, s in zip(train_s, steps)
@@ -83,6 +87,8 @@ def step_seconds(train_s, steps, *, k: int = 5) -> tuple[float, float] | None:  
         if slope > 0:
             fixed = float(min(max(intercept, 0.0), t.min()))
             per_step = float(np.sum((t - fixed) * n) / np.sum(n * n))  # least squares through (0, fixed)
+            per_step = max(per_step, 0.5 * float(np.min(t / n)))
+            fixed = float(min(fixed, max(t.min() - n[np.argmin(t)] * per_step, 0.0)))
             if per_step > 0:
                 return fixed, per_step
     return 0.0, float(np.median(t / n))
