@@ -80,8 +80,8 @@ def agent_round_records(agent_rounds: dict[str, dict[int, dict]], metrics: dict[
     for r, info in sorted(agent_rounds.get(agent_id, {}).items()):
         m = metrics.get((agent_id, r))
         timings = m.timings if m else info.get("agent_timings", {})
-        stamps = {k: v - offset for k, v in (m.timings if m else {}).items()
-                  if k.endswith("_at") and k != "plan_frame_sent_at"}
+        # the update carries the round's timestamps too (a busy device's metrics come rounds later)
+        stamps = {k: v - offset for k, v in timings.items() if k.endswith("_at") and k != "plan_frame_sent_at"}
         stamps |= {k: v for k, v in info.items() if k in ("plan_sent", "update_received")}
         if "ready_at" in stamps:  # plan and model in hand (the agent may still be busy)
             stamps["start_at"] = stamps["ready_at"]

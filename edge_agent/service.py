@@ -21,6 +21,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Generator
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -59,7 +60,7 @@ from senseshield.runtime.identity import SEALED_SEED_BYTES, Identity, Trust, b64
 from senseshield.runtime.service import Inbound, Service, Stopped, WaitNote
 from edge_agent.dataspec import DataSpec  # noqa: F401 (re-exported: edge_agent.cli, callers)
 from edge_agent.costs import inference_latency, measure_costs, warm_inference
-from edge_agent.evaluate import apply_model, evaluate, round_metrics
+from edge_agent.evaluate import Applied, apply_and_evaluate, round_metrics
 from edge_agent.prepare import PreparedRun, prepare
 from edge_agent.round import needs_fingerprint, protect, receipt, round_key, train
 from senseshield.data.local import check_source
@@ -103,6 +104,17 @@ class RunState:
     sent_metrics: dict[int, Metrics] = field(default_factory=dict)
     inference: dict[str, float] = field(default_factory=dict)  # onnxruntime latency of the model
     trained: dict[str, float] = field(default_factory=dict)  # the last round's training_* metrics
+
+
+@dataclass
+class Applying:
+    """A model being applied and evaluated between rounds (:meth:`EdgeAgent._evaluate_new_model`)."""
+
+    run: RunState
+    r: int
+    cluster: int
+    trained: dict[str, float]  # the training_* metrics when it started
+    steps: Generator[None, None, Applied]
 
 
 class EdgeAgent(Service):
@@ -188,6 +200,7 @@ class EdgeAgent(Service):
         self.decisions: dict[int, MaskDecision] = {}
         self.exit: AgentExit | None = None
         self.pool = None  # the public key's obfuscator pool, when its scheme has one
+        self.applying: Applying | None = None  # a model applied between rounds, in steps
         for cls, handler in {
             FleetConfig: self._on_config,
             PublicKeyAnnouncement: self._on_key,
@@ -375,6 +388,7 @@ class EdgeAgent(Service):
         if self.run is not None and self.run.cluster is not None:
             self.link.unsubscribe(f"clusters/{self.run.cluster}/model")
         self.run, self.plans, self.decisions, self.newest_plan = None, [], {}, 0
+        self.applying = None
 
     # ---- joining ------------------------------------------------------------------------
     def _torch(self):  # noqa: ANN202
@@ -557,7 +571,12 @@ class EdgeAgent(Service):
         signed = self._receipt(r, plan, update, message, start)
         t_receipt = time.perf_counter() - t
         t = time.perf_counter()
-        frame = self.frame(message.model_copy(update={"receipt": signed}), round=r)
+        # the round's timestamps travel with the update: the coordinator's straggling figures and
+        # its plan of this device's work need them before the model's metrics (which a busy
+        # device sends rounds later, see _evaluate_new_model)
+        stamps = {k: tm[k] for k in ("plan_received_at", "ready_at")}
+        frame = self.frame(message.model_copy(update={"receipt": signed, "timings": {**message.timings, **stamps}}),
+                           round=r)
         t_serialize += time.perf_counter() - t
         t = time.perf_counter()
         self.link.publish(f"agents/{self.agent_id}/update", frame)
@@ -569,37 +588,63 @@ class EdgeAgent(Service):
                    "bytes_up": float(len(frame))})
 
     def _evaluate_new_model(self) -> None:
+        """Apply and evaluate the newest model of the device's cluster while no round plan is
+        waiting, in steps of a few ms of CPU (:func:`edge_agent.evaluate.apply_and_evaluate`):
+        a plan that arrives meanwhile is taken at the next step boundary, and the model's
+        remaining steps run when the device waits again (they go on with the same model, so a
+        device that is always busy still applies and reports every few rounds; the job's last
+        model replaces one in progress, and its metrics arrive at once)."""
         run = self.run
         if run is None or run.cluster is None or run.cluster not in run.models:
             return
         r, weights = run.models[run.cluster]
-        if r <= run.evaluated:
-            return
-        if r < run.config.rounds and run.config.options.sample_rate >= 1.0 and r + 1 not in run.done_rounds:
-            # every device is in every round: the round that starts from this model comes
-            # first, the model is applied and evaluated once its update is sent (while the
-            # device waits for the round's end); applied now, a slow device would start that
-            # round late whenever the model arrives before its plan. A newer model (this
-            # device missed the round) replaces this one.
-            return
-        t = time.perf_counter()
-        merged = merge_personal(weights, run.client)  # the device's own (personalised) model
+        applying = self.applying
+        if applying is not None and (applying.run is not run or (r == run.config.rounds and applying.r < r)):
+            applying = self.applying = None
+        if applying is None:
+            if r <= run.evaluated:
+                return
+            if r < run.config.rounds and run.config.options.sample_rate >= 1.0 and r + 1 not in run.done_rounds:
+                # every device is in every round: the round that starts from this model comes
+                # first, the model is applied and evaluated once its update is sent (while the
+                # device waits for the round's end); applied now, a slow device would start that
+                # round late whenever the model arrives before its plan. A newer model (this
+                # device missed the round) replaces this one.
+                return
+            merged = merge_personal(weights, run.client)  # the device's own (personalised) model
+            assert run.data is not None and run.model is not None
+            run.timings.setdefault(r, {})["apply_at"] = time.time()
+            applying = self.applying = Applying(run, r, run.cluster, dict(run.trained), apply_and_evaluate(
+                run.config, run.input_shape, run.num_classes, merged, self.model_dir / "model.onnx",
+                data=run.data, model=run.model, fleet=self.fleet, cluster=run.cluster, r=r,
+                threads=self._torch().get_num_threads()))
+        while True:
+            try:
+                next(applying.steps)
+            except StopIteration as done:
+                self.applying = None
+                self._report_model(applying, done.value)
+                return
+            except BaseException:
+                self.applying = None
+                raise
+            self.drain()  # what arrived during the step: a round plan comes first
+            if self.plans or self.run is not run or self.exit is not None or self.stopping.is_set():
+                return
+
+    def _report_model(self, applying: Applying, applied: Applied) -> None:
+        """The round's metrics of a model applied and evaluated (:meth:`_evaluate_new_model`)."""
+        run, r = applying.run, applying.r
         tm = run.timings.setdefault(r, {})
-        tm["apply_at"] = time.time()
-        session = apply_model(run.config, run.input_shape, run.num_classes, merged, self.model_dir / "model.onnx",
-                              fleet=self.fleet, cluster=run.cluster, r=r, threads=self._torch().get_num_threads())
-        t_apply = time.perf_counter() - t
-        t = time.perf_counter()
-        assert run.data is not None and run.model is not None
-        values = {**evaluate(run.config, run.data, run.model, session, merged, r), **run.trained}
-        tm.update({"apply": t_apply, "evaluate": time.perf_counter() - t})
+        tm.update({"apply": applied.apply_s, "evaluate": applied.evaluate_s})
         if not run.inference:  # the architecture is the run's: measure its latency once (at join)
-            run.inference = inference_latency(session, run.input_shape, self.latency_repeats)
+            run.inference = inference_latency(applied.session, run.input_shape, self.latency_repeats)
         if "uploaded_at" in tm and "model_received_at" in tm:
             tm["wait"] = tm["model_received_at"] - tm["uploaded_at"]
-        run.evaluated = r
-        metrics = round_metrics(run.config, run.cluster, values, len(run.data.y_test), tm, run.client.dp_history,
-                                run.inference)
+        run.evaluated = max(run.evaluated, r)
+        assert run.data is not None
+        metrics = round_metrics(run.config, applying.cluster, {**applied.values, **applying.trained},
+                                len(run.data.y_test), tm, run.client.dp_history, run.inference)
         run.sent_metrics[r] = metrics
         self.send(f"agents/{self.agent_id}/metrics", metrics, round=r)
 
@@ -643,7 +688,8 @@ class EdgeAgent(Service):
             ])
             self.log.info("%s: connected to fleet %r; waiting for a job", self.agent_id, self.fleet)
             while not self.stopping.is_set() and self.exit is None:
-                self.pump(0.5)
+                # a model applied in steps goes on at once when nothing is queued
+                self.pump(0.0 if self.plans or self.applying is not None else 0.5)
                 # every step under the guard: a bad message or a failing step is logged and
                 # rejected, the agent keeps serving
                 if self.pending_config is not None:
