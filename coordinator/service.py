@@ -80,7 +80,7 @@ from senseshield.job import (
 from senseshield.results import RoundRecord, metric_line
 from senseshield.strategies import BootstrapReport, FleetPlan
 from senseshield.strategies.base import RoundCosts, measured_intervals
-from senseshield.engine.work import full_steps, recent_median, step_seconds
+from senseshield.engine.work import device_work, full_steps, recent_median
 from senseshield.rounds import plan_local_steps
 
 MEASURED_MARGIN = 0.8
@@ -596,16 +596,15 @@ class Coordinator(Service):
 
     def _local_steps(self, r: int, ids: list[str]) -> dict[str, int]:
         """Partial work before round ``r`` (:func:`senseshield.rounds.plan_local_steps`): each
-        device's seconds per step and the fixed part of its training are fitted over its last 5
-        delivered rounds (:func:`senseshield.engine.work.step_seconds`; round 1, which warms
-        torch up, only while there is no other), its other round work is the median over them of
-        what its round took beyond training (plan in hand to update received, as the straggling
-        figure counts it; else sensitivity + mask + noise + encrypt); before every device
-        delivered one, relative speeds from the join (1 / measured GFLOPS when all measured it,
-        else 1 / cpu_speed, as in the simulator). From measured seconds it plans to
-        :data:`MEASURED_MARGIN` x the limit: a round's straggling compares its slowest round to
-        that round's quickest, and both scatter around the medians the prediction uses. Devices
-        with partial work get ``local_steps`` in their round plan; the others train in full."""
+        device's seconds per step, and its other round work, from its last 5 delivered rounds
+        (:func:`senseshield.engine.work.device_work`: training and scoring sensitivity grow with
+        the steps; the rest is what its round took beyond them, plan in hand to update received
+        as the straggling figure counts it); before every device delivered one, relative speeds
+        from the join (1 / measured GFLOPS when all measured it, else 1 / cpu_speed, as in the
+        simulator). From measured seconds it plans to :data:`MEASURED_MARGIN` x the limit: a
+        round's straggling compares its slowest round to that round's quickest, and both
+        scatter around the medians the prediction uses. Devices with partial work get
+        ``local_steps`` in their round plan; the others train in full."""
         o = self.config.options
         ids = [a for a in ids if a in self.agents]
         if not ids or self.strategy.round_plan(r).dpsgd:
@@ -613,20 +612,9 @@ class Coordinator(Service):
         per_step, other = {}, {}
         for a in ids:
             records = self._agent_round_records(a, self._clock_offset(a))
-            rows = [(rr, x) for rr, x in sorted(self.agent_rounds.get(a, {}).items())
-                    if x.get("agent_timings") and x.get("steps") and x["agent_timings"].get("train", 0.0) > 0]
-            if len(rows) > 1:
-                rows = [(rr, x) for rr, x in rows if rr > 1] or rows
-            rows = rows[-5:]
-            fit = step_seconds([x["agent_timings"]["train"] for _, x in rows], [x["steps"] for _, x in rows])
-            per_step[a] = None if fit is None else fit[1]
-            beyond = []
-            for rr, x in rows:
-                busy = (records.get(str(rr)) or {}).get("busy_s")
-                tm = x["agent_timings"]
-                beyond.append(busy - tm["train"] if busy is not None
-                              else sum(tm.get(k, 0.0) for k in ("sensitivity", "mask", "noise", "encrypt")))
-            other[a] = (recent_median(beyond) or 0.0) + (fit[0] if fit else 0.0)
+            work = device_work([(rr, x["agent_timings"], x.get("steps"), (records.get(str(rr)) or {}).get("busy_s"))
+                                for rr, x in sorted(self.agent_rounds.get(a, {}).items()) if x.get("agent_timings")])
+            per_step[a], other[a] = (None, 0.0) if work is None else work
         margin = 1.0
         if all(v is not None for v in per_step.values()):
             step_s, deadline, margin = per_step, self.round_deadline, MEASURED_MARGIN

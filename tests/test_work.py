@@ -8,7 +8,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from senseshield.engine.budgets import measured_budgets
-from senseshield.engine.work import SCORE_SAMPLES, full_steps, local_steps, recent_median, score_samples, step_scale
+from senseshield.engine.work import (
+    SCORE_SAMPLES,
+    device_work,
+    step_seconds,
+    full_steps,
+    local_steps,
+    recent_median,
+    score_samples,
+    step_scale,
+)
 from senseshield.errors import ConfigError
 
 speeds = st.lists(st.floats(0.01, 100.0), min_size=1, max_size=8)
@@ -145,7 +154,6 @@ def test_simulated_slow_device_trains_fewer_steps_reported_per_round() -> None:
 
 
 def test_step_seconds_separates_the_fixed_part_from_the_steps() -> None:
-    from senseshield.engine.work import step_seconds
 
     # 0.5 s fixed + 0.1 s per step: a 1-step round is not taken for a 0.6 s step
     fixed, per_step = step_seconds([0.6, 2.5, 1.5, 0.6], [1, 20, 10, 1])
@@ -161,3 +169,32 @@ def test_step_seconds_separates_the_fixed_part_from_the_steps() -> None:
     assert per_step == pytest.approx(0.0625) and fixed + per_step <= 0.45 + 1e-12
     with pytest.raises(ConfigError, match="k=0 is not allowed"):
         step_seconds([1.0], [1], k=0)
+
+
+def test_device_work_counts_scoring_with_the_steps_and_round_1_until_two_later_rounds():
+    # bench_straggle, LeNet-5, the device at 5 % of a CPU: round 2's one step fitted into what
+    # was left of a quota period (8 ms; steps take ~60 ms). Planned from round 2 alone, round 3
+    # got 16 steps; with round 1 in the window the step costs what rounds 1-2 took together.
+    r1 = (1, {"train": 0.303, "sensitivity": 0.199, "encrypt": 0.095}, 4, 0.828)
+    r2 = (2, {"train": 0.008, "sensitivity": 0.177, "encrypt": 0.01}, 1, 0.296)
+    per_step, other = device_work([r1, r2])
+    fixed, step = step_seconds([0.502, 0.185], [4, 1])
+    assert per_step == step > 0.06 and 0.0 < fixed < 0.185
+    assert other == pytest.approx(np.median([0.828 - 0.502, 0.296 - 0.185]) + fixed)
+    assert device_work([r2])[0] == pytest.approx(0.185)  # round 2 alone: 3x too cheap a step (with scoring)
+    r3 = (3, {"train": 0.25, "sensitivity": 0.15}, 3, 0.6)
+    assert device_work([r1, r2, r3]) == device_work([r2, r3])  # two later rounds: round 1 no longer counts
+    # without busy_s the other work is mask + noise + encrypt
+    assert device_work([(2, {"train": 0.2, "encrypt": 0.05, "mask": 0.01}, 2, None)]) == pytest.approx((0.1, 0.06))
+    assert device_work([]) is None and device_work([(2, {"encrypt": 0.1}, 3, 0.5)]) is None
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.001, 5.0), st.floats(0.0, 5.0), st.integers(1, 60), st.floats(0.01, 3.0)),
+                min_size=1, max_size=8), st.floats(0.1, 10.0))
+def test_device_work_has_no_unit(rows, c):
+    rounds = [(i + 1, {"train": t, "sensitivity": s}, n, t + s + b) for i, (t, s, n, b) in enumerate(rows)]
+    scaled = [(r, {k: c * v for k, v in ph.items()}, n, c * b) for r, ph, n, b in rounds]
+    per_step, other = device_work(rounds)
+    assert per_step > 0 and other >= 0
+    assert device_work(scaled) == pytest.approx((c * per_step, c * other), rel=1e-6, abs=1e-9)

@@ -7,6 +7,8 @@ A device whose full local training would make it straggle trains fewer local ste
   round does not move it);
 * :func:`step_seconds` -- a device's seconds per local step and the training time that does
   not shrink with the steps, from its last rounds;
+* :func:`device_work` -- both of a device's figures for the planner, from its delivered
+  rounds' timings (which rounds, which phases);
 * :func:`local_steps` -- how many local steps each device trains so that its predicted round
   time stays within ``limit`` x the quickest device's full round (and under a deadline);
 * :func:`step_scale` -- FedNova's normalisation of a device's update for the aggregate.
@@ -46,7 +48,7 @@ import numpy as np
 
 from senseshield.errors import ConfigError
 
-__all__ = ["full_steps", "local_steps", "recent_median", "step_scale", "step_seconds"]
+__all__ = ["device_work", "full_steps", "local_steps", "recent_median", "step_scale", "step_seconds"]
 
 
 def recent_median(values, *, k: int = 5) -> float | None:  # noqa: ANN001
@@ -92,6 +94,34 @@ def step_seconds(train_s, steps, *, k: int = 5) -> tuple[float, float] | None:  
             if per_step > 0:
                 return fixed, per_step
     return 0.0, float(np.median(t / n))
+
+
+SCALED_PHASES = ("train", "sensitivity")
+"""The phases of a device's round that grow with its local steps: training, and scoring
+sensitivity (a partial round scores the samples it trained on, :func:`score_samples`)."""
+
+
+def device_work(rounds, *, k: int = 5) -> tuple[float, float] | None:  # noqa: ANN001
+    """``(per_step, other)`` seconds of a device for :func:`local_steps`, from its delivered
+    rounds ``[(round, phases, steps, busy_s)]`` (oldest first; ``phases``: the agent's phase
+    seconds, ``busy_s``: plan in hand to update received, None if unknown): per step and the
+    fixed part (:func:`step_seconds`) of the work that grows with the steps
+    (:data:`SCALED_PHASES`), and the median of what the round took beyond it plus that fixed
+    part. Round 1 (it warms torch up) counts until two later rounds are there: a single later
+    round under a CPU quota can fit its one step into what is left of a 100-ms period (8 ms
+    where steps take 60 ms), and planned from it alone the next round got 16 steps (a 7x
+    round, bench_straggle with LeNet-5). None without a usable round."""
+    usable = [(r, ph, n, b) for r, ph, n, b in rounds if n and sum(ph.get(x, 0.0) for x in SCALED_PHASES) > 0]
+    if sum(1 for r, *_ in usable if r > 1) >= 2:
+        usable = [x for x in usable if x[0] > 1]
+    usable = usable[-k:]
+    scaled = [sum(ph.get(x, 0.0) for x in SCALED_PHASES) for _, ph, _, _ in usable]
+    fit = step_seconds(scaled, [n for _, _, n, _ in usable], k=k)
+    if fit is None:
+        return None
+    beyond = [b - t if b is not None else sum(ph.get(x, 0.0) for x in ("mask", "noise", "encrypt"))
+              for t, (_, ph, _, b) in zip(scaled, usable)]
+    return fit[1], (recent_median(beyond, k=k) or 0.0) + fit[0]
 
 
 def full_steps(n_samples: int, *, batch_size: int, epochs: int) -> int:
