@@ -37,7 +37,7 @@ from senseshield.bench.budgets import join_budgets, spread
 from senseshield.job import Job
 from senseshield.runtime.fleet import FleetOptions, agent_ids, fleet_up
 from senseshield.strategies.base import StrategyOptions
-from senseshield.trials.trial import _cpu_cgroup_mount
+from senseshield.trials.trial import _cpu_cgroup_mount, in_cgroup, set_cpu_quota
 
 
 def quota_group(share: float) -> tuple[Path, callable]:
@@ -48,12 +48,7 @@ def quota_group(share: float) -> tuple[Path, callable]:
     version, root = found
     group = root / f"senseshield-straggle-{os.getpid()}"
     group.mkdir(exist_ok=True)
-    period = 100_000
-    if version == "v2":
-        (group / "cpu.max").write_text(f"{int(share * period)} {period}")
-    else:
-        (group / "cpu.cfs_period_us").write_text(str(period))
-        (group / "cpu.cfs_quota_us").write_text(str(int(share * period)))
+    set_cpu_quota(group, version, share, period_us=100_000)  # the kernel's default period, not the trials' 10 ms
     return group
 
 
@@ -66,7 +61,7 @@ def run(agents: int, rounds: int, slow: str, group: Path, limit: float | None, o
     def wrap(name: str, argv: list[str]) -> list[str]:
         if name != slow:
             return argv
-        return ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(group), *argv]
+        return in_cgroup(group, argv)
 
     options = FleetOptions(agents=agents, out=out, round_deadline=300, join_timeout=600, wrap=wrap,
                            agent_profiles={a: Path("auto") for a in agent_ids(agents)})

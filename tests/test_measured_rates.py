@@ -130,3 +130,40 @@ def test_measured_mode_rebudgets_from_round_rates_and_paper_mode_keeps_its_budge
     assert notes["mode"] == "measured" and notes["clusters"]["0"]["encrypt_per_s"]["c2"] == 2000.0
     paper = build_strategy("sensecrypt", StrategyOptions(budget_mode="paper"))
     assert paper.rebudget(seen, one, size=66, block_size=66) is None
+
+
+@pytest.mark.skipif(_cpu_cgroup() is None, reason="needs root and a writable cpu cgroup controller")
+@pytest.mark.slow  # make test-slow: a real fleet, one agent under a CPU quota
+def test_a_device_under_a_cpu_quota_gets_a_smaller_budget_and_fewer_local_steps(tmp_path):
+    """A real fleet (embedded broker, agents measuring at join), c002 inside a 5 % cgroup CPU
+    quota from its start, the trials' way: it measures the slower encryption rate and gets the
+    smaller budget, and with ``straggle_limit=2`` it trains fewer local steps (plans from its
+    rounds' timings) while the others train in full. The straggling figure itself is measured
+    by benchmarks/bench_straggle.py, not asserted here (it is a timing)."""
+    from senseshield.job import Job
+    from senseshield.runtime.fleet import FleetOptions, agent_ids, fleet_up
+    from senseshield.strategies.base import StrategyOptions
+    from senseshield.trials.trial import in_cgroup, set_cpu_quota
+
+    version, root = _cpu_cgroup()
+    group = root / f"senseshield-test-steps-{os.getpid()}"
+    group.mkdir()
+    try:
+        set_cpu_quota(group, version, 0.05, period_us=100_000)
+        job = Job(strategy="sensecrypt", model="mlp", dataset="digits", partition="iid", clients=3, rounds=5,
+                  key_bits=1024, seed=0, options=StrategyOptions(straggle_limit=2.0))
+        options = FleetOptions(agents=3, out=tmp_path, round_deadline=300, join_timeout=600,
+                               wrap=lambda name, argv: in_cgroup(group, argv) if name == "c002" else argv,
+                               agent_profiles={a: Path("auto") for a in agent_ids(3)})
+        report = fleet_up(job, options, timeout=1200)
+    finally:
+        from senseshield.trials.trial import _remove_cgroup
+
+        assert _remove_cgroup(group) == []
+    budgets = {c["id"]: c["encryption_budget"] for c in report["clients"]}
+    assert budgets["c002"] < 0.5 * min(budgets["c000"], budgets["c001"]), budgets
+    work = {r["round"]: r["work"] for r in report["rounds"]}
+    assert all(w[a]["steps"] == w[a]["full_steps"] for w in work.values() for a in ("c000", "c001")), work
+    assert all(work[r]["c002"]["steps"] < work[r]["c002"]["full_steps"] for r in range(2, 6)), work
+    assert report["straggling"]["median_ratio"] is not None
+    assert report["final_accuracy"] > 0.8

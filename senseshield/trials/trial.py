@@ -510,13 +510,7 @@ class Emulation:
                 continue
             path = base / a.agent_id
             path.mkdir(exist_ok=True)
-            period = max(CPU_PERIOD_US, int(1000 / a.cpu_share) + 1)
-            quota = max(int(round(a.cpu_share * period)), 1000)
-            if self.caps.cgroup == "v2":
-                (path / "cpu.max").write_text(f"{quota} {period}")
-            else:
-                (path / "cpu.cfs_period_us").write_text(str(period))
-                (path / "cpu.cfs_quota_us").write_text(str(quota))
+            quota, period = set_cpu_quota(path, self.caps.cgroup, a.cpu_share)
             self.cgroups[a.agent_id] = path
             self.applied.setdefault(a.agent_id, {}).update(cpu_quota=f"{quota}/{period} us",
                                                             cpu_share=round(a.cpu_share, 4))
@@ -528,10 +522,7 @@ class Emulation:
         if ns is not None:
             out = ["ip", "netns", "exec", ns, *out]
         group = self.cgroups.get(name)
-        if group is not None:
-            # the shell moves itself into the cgroup, then exec's (same pid: signals reach the agent)
-            out = ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(group), *out]
-        return out
+        return in_cgroup(group, out) if group is not None else out
 
     def teardown(self) -> list[str]:
         """Remove everything; returns what could not be removed (empty when clean)."""
@@ -549,6 +540,27 @@ class Emulation:
                 left.append(f"link {link}")
         self.cgroups, self.namespaces, self.links, self.cgroup_base = {}, {}, [], None
         return left
+
+
+def set_cpu_quota(group: Path, version: str, share: float, *, period_us: int = CPU_PERIOD_US) -> tuple[int, int]:
+    """Limit cgroup ``group`` (cgroup ``version`` "v1" or "v2") to ``share`` of one CPU: a
+    quota per period of at least ``period_us`` (the trials' 10 ms; the kernel's default is
+    100 ms; longer when the share is so small that the quota would fall below the kernel's
+    1 ms minimum); returns (quota, period) in us."""
+    period = max(period_us, int(1000 / share) + 1)
+    quota = max(int(round(share * period)), 1000)
+    if version == "v2":
+        (group / "cpu.max").write_text(f"{quota} {period}")
+    else:
+        (group / "cpu.cfs_period_us").write_text(str(period))
+        (group / "cpu.cfs_quota_us").write_text(str(quota))
+    return quota, period
+
+
+def in_cgroup(group: Path, argv: list[str]) -> list[str]:
+    """``argv`` run inside cgroup ``group``: the shell moves itself into the cgroup, then
+    exec's (same pid: signals reach the program)."""
+    return ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(group), *argv]
 
 
 def _kill_netns_pids(ns: str) -> None:
