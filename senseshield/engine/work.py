@@ -107,7 +107,8 @@ def device_work(rounds, *, k: int = 5) -> tuple[float, float] | None:  # noqa: A
     seconds, ``busy_s``: plan in hand to update received, None if unknown): per step and the
     fixed part (:func:`step_seconds`) of the work that grows with the steps
     (:data:`SCALED_PHASES`), and the median of what the round took beyond it plus that fixed
-    part. Round 1 (it warms torch up) counts until two later rounds are there: a single later
+    part. Round 1 (it warms torch up) counts in the steps' fit until two later rounds are there,
+    in the other work only while there is no later round: a single later
     round under a CPU quota can fit its one step into what is left of a 100-ms period (8 ms
     where steps take 60 ms), and planned from it alone the next round got 16 steps (a 7x
     round, bench_straggle with LeNet-5). None without a usable round."""
@@ -119,8 +120,9 @@ def device_work(rounds, *, k: int = 5) -> tuple[float, float] | None:  # noqa: A
     fit = step_seconds(scaled, [n for _, _, n, _ in usable], k=k)
     if fit is None:
         return None
+    later = any(r > 1 for r, *_ in usable)  # round 1's other work is its warm-up's: left out when it can be
     beyond = [b - t if b is not None else sum(ph.get(x, 0.0) for x in ("mask", "noise", "encrypt"))
-              for t, (_, ph, _, b) in zip(scaled, usable)]
+              for t, (r, ph, _, b) in zip(scaled, usable) if r > 1 or not later]
     return fit[1], (recent_median(beyond, k=k) or 0.0) + fit[0]
 
 
@@ -162,17 +164,20 @@ def local_steps(
     quickest one's.
 
     Device i's round with ``s`` steps is predicted as ``other_s[i] + s * step_s[i]`` (seconds
-    per step and the work that does not shrink with the steps: sensitivity, encryption,
-    upload; any common unit). The target is
+    per step and the work that does not shrink with the steps: encryption, upload, ...;
+    any common unit). The target is
 
         T = min( max(margin x limit, 1) x min_i (other_s[i] + full[i] step_s[i]),  headroom x deadline_s )
 
     (a term is left out when ``limit`` or ``deadline_s`` is None; no term: everyone trains
-    ``full``). ``margin`` (in (0, 1]) plans below the limit when the times are measured: a
+    ``full``). Device i trains ``floor(max(T - other_s[i], T - quickest) / step_s[i])`` steps
+    (``quickest``: the quickest device's full round), clipped to
+    ``[min(min_steps, full[i]), full[i]]``: a device whose other work alone passes ``T``
+    still trains what fits in the target's slack over the quickest round, since fewer cheap
+    steps would not make its round shorter by much. ``margin`` (in (0, 1]) plans below the limit when the times are measured: a
     round's straggling compares its slowest device's round to that round's quickest, and both
     vary from round to round around the medians the prediction uses (1: the declared speeds
-    of the simulator, exact). Every device trains ``floor((T - other_s[i]) / step_s[i])`` steps, clipped to
-    ``[min(min_steps, full[i]), full[i]]``. The quickest device always trains in full when
+    of the simulator, exact). The quickest device always trains in full when
     ``limit >= 1`` and the deadline allows it; steps never grow when a device gets slower;
     scaling every time by one factor changes nothing (without a deadline).
     ConfigError names a bad input.
@@ -201,14 +206,20 @@ def local_steps(
         raise ConfigError(f"min_steps={min_steps!r} is not allowed; it must be an integer >= 1.")
     planned = planned.astype(np.int64)
     targets = []
+    quickest = float(np.min(other + planned * step))
     if limit is not None:
-        targets.append(max(float(margin) * float(limit), 1.0) * float(np.min(other + planned * step)))
+        targets.append(max(float(margin) * float(limit), 1.0) * quickest)
     if deadline_s is not None:
         targets.append(headroom * float(deadline_s))
     if not targets:
         return planned.copy()
     target = min(targets)
-    fit = np.floor((target - other) / step * (1 + 1e-12))
+    # training time a device may always spend: what the target leaves over the quickest round.
+    # A device whose other work alone passes the target (a noisy upload, or the quota periods
+    # of a slow one) is not made quicker by fewer cheap steps: cutting them costs accuracy for
+    # nothing (digits/MLP, rounds of 60 ms: a fast device planned 3 of 23 steps from one slow upload)
+    allowance = np.maximum(target - other, max(target - quickest, 0.0))
+    fit = np.floor(allowance / step * (1 + 1e-12))
     return np.clip(fit, np.minimum(min_steps, planned), planned).astype(np.int64)
 
 
