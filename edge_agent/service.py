@@ -104,6 +104,7 @@ class RunState:
     sent_metrics: dict[int, Metrics] = field(default_factory=dict)
     inference: dict[str, float] = field(default_factory=dict)  # onnxruntime latency of the model
     trained: dict[str, float] = field(default_factory=dict)  # the last round's training_* metrics
+    partial: bool = False  # its last round plan cut its local steps (see EdgeAgent._evaluate_new_model)
 
 
 @dataclass
@@ -542,6 +543,7 @@ class EdgeAgent(Service):
         config, strategy = run.config, self.strategy
         if self.fail_at_round == r:
             raise RuntimeError(f"fault drill: training raised in round {r}")
+        run.partial = plan.local_steps is not None
         local = train(strategy, run.model, start, run.client, run.data, config, plan, r, run.index, self.noise)
         run.trained = {f"training_{k}": v for k, v in local.metrics.items()}
         shared = plan.mask()
@@ -588,12 +590,16 @@ class EdgeAgent(Service):
                    "bytes_up": float(len(frame))})
 
     def _evaluate_new_model(self) -> None:
-        """Apply and evaluate the newest model of the device's cluster while no round plan is
-        waiting, in steps of a few ms of CPU (:func:`edge_agent.evaluate.apply_and_evaluate`):
-        a plan that arrives meanwhile is taken at the next step boundary, and the model's
-        remaining steps run when the device waits again (they go on with the same model, so a
-        device that is always busy still applies and reports every few rounds; the job's last
-        model replaces one in progress, and its metrics arrive at once)."""
+        """Apply and evaluate the newest model of the device's cluster, in steps of a few ms of
+        CPU (:func:`edge_agent.evaluate.apply_and_evaluate`). While the coordinator cuts this
+        device's local steps (partial work: it is the one the others wait for), a round plan
+        that arrives meanwhile is taken at the next step boundary and the model's remaining
+        steps run when the device waits again; they go on with the same model, so a device that
+        is always busy still applies and reports every few rounds, the models in between are
+        not evaluated (the report takes its latest metrics for them), and the job's last model
+        replaces one in progress so its metrics arrive at once. Otherwise every model is
+        applied and evaluated in one go, as it was before the round that starts from it was
+        sent (every model's metrics: the fleet's report equals the simulator's)."""
         run = self.run
         if run is None or run.cluster is None or run.cluster not in run.models:
             return
@@ -628,6 +634,8 @@ class EdgeAgent(Service):
             except BaseException:
                 self.applying = None
                 raise
+            if not run.partial:
+                continue
             self.drain()  # what arrived during the step: a round plan comes first
             if self.plans or self.run is not run or self.exit is not None or self.stopping.is_set():
                 return

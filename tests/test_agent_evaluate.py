@@ -91,7 +91,14 @@ def test_a_waiting_round_plan_sets_a_models_evaluation_aside(mosquitto, tmp_path
         agent.run = run
         plan = RoundPlan(cluster=0, encryption_budget=0.0, deadline=time.time() + 60, block_size=1,
                          size=initial.size, model_round=2, shared_mask=np.zeros(0, np.uint8))
-        agent.plans.append((3, plan))  # round 3 is waiting: model 1 gets one step (its export)
+        agent.plans.append((3, plan))
+        agent._evaluate_new_model()  # full work: every model applied and evaluated in one go
+        assert agent.applying is None and run.evaluated == 1
+        wait_for(lambda: len(sent) == 1, timeout=30)
+        sent.clear()
+        run.sent_metrics.clear()
+        run.evaluated, run.partial = -1, True  # now the coordinator cuts this device's steps
+        agent._evaluate_new_model()  # round 3 is waiting: model 1 gets one step (its export)
         agent._evaluate_new_model()
         assert agent.applying is not None and agent.applying.r == 1
         assert (tmp_path / "m" / "model.onnx").is_file() and run.evaluated == -1
