@@ -170,11 +170,11 @@ def local_steps(
         T = min( max(margin x limit, 1) x min_i (other_s[i] + full[i] step_s[i]),  headroom x deadline_s )
 
     (a term is left out when ``limit`` or ``deadline_s`` is None; no term: everyone trains
-    ``full``). Device i trains ``floor(max(T - other_s[i], T - quickest) / step_s[i])`` steps
-    (``quickest``: the quickest device's full round), clipped to
-    ``[min(min_steps, full[i]), full[i]]``: a device whose other work alone passes ``T``
-    still trains what fits in the target's slack over the quickest round, since fewer cheap
-    steps would not make its round shorter by much. ``margin`` (in (0, 1]) plans below the limit when the times are measured: a
+    ``full``). Device i trains ``floor((T - other_s[i]) / step_s[i])`` steps, clipped to
+    ``[min(min_steps, full[i]), full[i]]``, and in full when its whole training fits in the
+    target's slack over the quickest device's full round (``full[i] step_s[i] <= T -
+    quickest``): if its other work alone passes ``T``, fewer cheap steps would not make its
+    round much shorter. ``margin`` (in (0, 1]) plans below the limit when the times are measured: a
     round's straggling compares its slowest device's round to that round's quickest, and both
     vary from round to round around the medians the prediction uses (1: the declared speeds
     of the simulator, exact). The quickest device always trains in full when
@@ -214,12 +214,14 @@ def local_steps(
     if not targets:
         return planned.copy()
     target = min(targets)
-    # training time a device may always spend: what the target leaves over the quickest round.
-    # A device whose other work alone passes the target (a noisy upload, or the quota periods
-    # of a slow one) is not made quicker by fewer cheap steps: cutting them costs accuracy for
-    # nothing (digits/MLP, rounds of 60 ms: a fast device planned 3 of 23 steps from one slow upload)
-    allowance = np.maximum(target - other, max(target - quickest, 0.0))
-    fit = np.floor(allowance / step * (1 + 1e-12))
+    fit = np.floor((target - other) / step * (1 + 1e-12))
+    # a device whose whole training fits in what the target leaves over the quickest round
+    # trains in full: if its other work alone passes the target (one slow upload of a fast
+    # device), fewer cheap steps would not make it quicker, only cost accuracy (digits/MLP,
+    # rounds of 60 ms: a fast device was planned 3 of 23 steps). Not more than that: a slow
+    # device given the slack's worth of steps paid in whole 100-ms quota periods (straggling 4.5)
+    cheap = planned * step <= max(target - quickest, 0.0)
+    fit[cheap] = planned[cheap]
     return np.clip(fit, np.minimum(min_steps, planned), planned).astype(np.int64)
 
 
