@@ -14,7 +14,7 @@ together with the defaults (`--profile auto`), idle and next to two busy-looping
 
 Needs root and a writable cpu cgroup controller.
 
-    python benchmarks/bench_straggle.py [--agents 4] [--rounds 10] [--quota 0.05] [--epochs N]
+    python benchmarks/bench_straggle.py [--agents 4] [--rounds 10] [--quota 0.05] [--period-us 100000] [--epochs N]
         [--model mlp|lenet5 --dataset digits|mnist5k] [--skip-identical] [--out benchmarks/results/straggle.json]
 """
 
@@ -40,15 +40,16 @@ from senseshield.strategies.base import StrategyOptions
 from senseshield.trials.trial import _cpu_cgroup_mount, in_cgroup, set_cpu_quota
 
 
-def quota_group(share: float) -> tuple[Path, callable]:
-    """A cgroup with ``share`` of one CPU and the fleet ``wrap`` hook that starts a process in it."""
+def quota_group(share: float, period_us: int = 100_000) -> Path:
+    """A cgroup with ``share`` of one CPU per ``period_us`` (the kernel's default 100 ms; the
+    trials use 10 ms, ``senseshield.trials.trial.CPU_PERIOD_US``)."""
     found = _cpu_cgroup_mount()
     if os.geteuid() != 0 or found is None:
         sys.exit("bench_straggle needs root and a cpu cgroup controller (cgroup v1 cpu or v2 cpu.max).")
     version, root = found
     group = root / f"senseshield-straggle-{os.getpid()}"
     group.mkdir(exist_ok=True)
-    set_cpu_quota(group, version, share, period_us=100_000)  # the kernel's default period, not the trials' 10 ms
+    set_cpu_quota(group, version, share, period_us=period_us)
     return group
 
 
@@ -122,6 +123,9 @@ def main() -> None:
     parser.add_argument("--agents", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--quota", type=float, default=0.05, help="CPU share of the slow agent (0.05 = 5 %% of a CPU)")
+    parser.add_argument("--period-us", type=int, default=100_000,
+                        help="the quota's period in us (default: the kernel's 100 ms; the trials use 10000): the slow "
+                             "agent runs its share of each period, then waits for the next")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/straggle.json"))
     parser.add_argument("--epochs", type=int, default=None, help="local epochs per round (default: the job's, 2; more: training dominates the round)")
     parser.add_argument("--model", default="mlp", help="the job's model (e.g. lenet5 with --dataset mnist5k)")
@@ -131,12 +135,12 @@ def main() -> None:
     args = parser.parse_args()
     result: dict = {"machine": f"{cpu_name()}, {os.cpu_count()} vCPUs, {platform.system()}",
                     "date": time.strftime("%Y-%m-%d"), "agents": args.agents, "rounds": args.rounds,
-                    "quota": args.quota, "epochs": args.epochs, "model": args.model, "dataset": args.dataset,
+                    "quota": args.quota, "period_us": args.period_us, "epochs": args.epochs, "model": args.model, "dataset": args.dataset,
                     "runs": [], "identical": []}
     slow = agent_ids(args.agents)[-1]
     result["slow_agent"] = slow
     if not args.skip_fleet:
-        group = quota_group(args.quota)
+        group = quota_group(args.quota, args.period_us)
         try:
             for limit in (None, 2.0):
                 with tempfile.TemporaryDirectory() as tmp:
