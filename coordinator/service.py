@@ -629,8 +629,9 @@ class Coordinator(Service):
         if o.straggle_limit is None and deadline is None:
             return {}
         n_train = {a: self.agents[a].hello.n_samples for a in ids}
+        cut_before = {a for a in ids if self.steps_of.get(a, self.full_steps_of(a)) < self.full_steps_of(a)}
         steps = plan_local_steps(n_train, train_config(self.config), step_s=step_s, other_s=other,
-                                 limit=o.straggle_limit, deadline_s=deadline, margin=margin)
+                                 limit=o.straggle_limit, deadline_s=deadline, margin=margin, cut=cut_before)
         full = {a: self.full_steps_of(a) for a in ids}
         cut = {a: s for a, s in steps.items() if s < full[a]}
         if cut:

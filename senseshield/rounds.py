@@ -270,12 +270,15 @@ def _local_update(
 def plan_local_steps(
     n_train: dict[str, int], train: TrainConfig, *, step_s: dict[str, float], other_s: dict[str, float] | None = None,
     limit: float | None, deadline_s: float | None = None, margin: float = 1.0,
+    cut: set[str] | None = None,
 ) -> dict[str, int]:
     """Local steps of every device this round (:func:`senseshield.engine.work.local_steps`):
     full work (``epochs x ceil(n / batch)``) unless its predicted round (``other_s`` + steps x
     ``step_s``, any common unit) would exceed ``limit`` x the quickest device's or the
     deadline. The simulator gives ``step_s = 1 / cpu_speed`` (the job's declared speeds), the
-    coordinator what the devices measured (and a ``margin`` below the limit for their spread)."""
+    coordinator what the devices measured (and a ``margin`` below the limit for their spread,
+    and ``cut``: the devices on partial work in the last round, whose step times were measured
+    on a few steps)."""
     from senseshield.engine.work import local_steps
 
     ids = sorted(n_train)
@@ -284,7 +287,8 @@ def plan_local_steps(
         return {a: int(f) for a, f in zip(ids, full)}
     other = np.array([(other_s or {}).get(a, 0.0) for a in ids], dtype=np.float64)
     steps = local_steps(step_s=np.array([step_s[a] for a in ids], dtype=np.float64), other_s=other, full=full,
-                        limit=limit, deadline_s=deadline_s, margin=margin)
+                        limit=limit, deadline_s=deadline_s, margin=margin,
+                        measured_in_full=np.array([a not in (cut or set()) for a in ids]))
     return {a: int(s) for a, s in zip(ids, steps)}
 
 

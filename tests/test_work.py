@@ -226,3 +226,13 @@ def test_a_fast_device_with_a_slow_upload_is_not_cut_for_nothing():
     steps = local_steps(step_s=np.array([0.001, 0.001, 0.005]), other_s=np.array([0.05, 0.05, 0.12]),
                         full=np.array([23, 23, 23]), limit=2.0, margin=0.8)
     assert steps.tolist() == [23, 23, 1]
+
+
+def test_a_cut_devices_step_time_is_not_extrapolated_to_full_work():
+    # digits/MLP at 5 % of a CPU (100-ms quota periods): c003's one-step rounds took ~1 ms of
+    # training (the step fitted into a period's remainder), so 23 steps looked like 23 ms, within
+    # the slack; trained in full they took 0.9 s (a 9x round)
+    args = dict(step_s=np.array([0.001, 0.001, 0.001]), other_s=np.array([0.05, 0.05, 0.25]),
+                full=np.array([23, 23, 23]), limit=2.0, margin=0.8)
+    assert local_steps(**args).tolist() == [23, 23, 23]
+    assert local_steps(**args, measured_in_full=np.array([True, True, False])).tolist() == [23, 23, 1]

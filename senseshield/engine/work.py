@@ -159,6 +159,7 @@ def local_steps(
     headroom: float = 0.8,
     margin: float = 1.0,
     min_steps: int = 1,
+    measured_in_full: np.ndarray | None = None,
 ) -> np.ndarray:
     """Local steps per device so that no device's predicted round is much longer than the
     quickest one's.
@@ -174,7 +175,10 @@ def local_steps(
     ``[min(min_steps, full[i]), full[i]]``, and in full when its whole training fits in the
     target's slack over the quickest device's full round (``full[i] step_s[i] <= T -
     quickest``): if its other work alone passes ``T``, fewer cheap steps would not make its
-    round much shorter. ``margin`` (in (0, 1]) plans below the limit when the times are measured: a
+    round much shorter. That rule needs ``step_s[i]`` measured at full work
+    (``measured_in_full[i]``, default all True): a device's seconds per step measured on one or
+    two steps do not extrapolate under a CPU quota (one MLP step fits into what is left of a
+    100-ms period; 23 of them took 0.9 s, a 9x round). ``margin`` (in (0, 1]) plans below the limit when the times are measured: a
     round's straggling compares its slowest device's round to that round's quickest, and both
     vary from round to round around the medians the prediction uses (1: the declared speeds
     of the simulator, exact). The quickest device always trains in full when
@@ -221,6 +225,8 @@ def local_steps(
     # rounds of 60 ms: a fast device was planned 3 of 23 steps). Not more than that: a slow
     # device given the slack's worth of steps paid in whole 100-ms quota periods (straggling 4.5)
     cheap = planned * step <= max(target - quickest, 0.0)
+    if measured_in_full is not None:
+        cheap &= np.asarray(measured_in_full, dtype=bool)
     fit[cheap] = planned[cheap]
     return np.clip(fit, np.minimum(min_steps, planned), planned).astype(np.int64)
 
