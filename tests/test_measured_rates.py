@@ -63,15 +63,13 @@ def _cpu_cgroup() -> tuple[str, Path] | None:
 def test_a_cpu_quota_lowers_the_measured_encryption_rate_a_busy_neighbour_does_not(tmp_path):
     """The same measurement in three processes: alone, next to two busy-looping processes (a
     neighbour's hog on this 2-core machine), and inside a real 10 % cgroup CPU quota."""
+    from senseshield.trials.trial import set_cpu_quota
+
     version, root = _cpu_cgroup()
     group = root / f"senseshield-test-{os.getpid()}"
     group.mkdir()
     try:
-        if version == "v2":
-            (group / "cpu.max").write_text("10000 100000")
-        else:
-            (group / "cpu.cfs_period_us").write_text("100000")
-            (group / "cpu.cfs_quota_us").write_text("10000")
+        assert set_cpu_quota(group, version, 0.10, period_us=100_000) == (10_000, 100_000)
         from senseshield.he import SCHEMES
 
         import pickle

@@ -112,17 +112,18 @@ def device_work(rounds, *, k: int = 5) -> tuple[float, float] | None:  # noqa: A
     round under a CPU quota can fit its one step into what is left of a 100-ms period (8 ms
     where steps take 60 ms), and planned from it alone the next round got 16 steps (a 7x
     round, bench_straggle with LeNet-5). None without a usable round."""
-    usable = [(r, ph, n, b) for r, ph, n, b in rounds if n and sum(ph.get(x, 0.0) for x in SCALED_PHASES) > 0]
+    # (round, seconds that grow with the steps, steps, the phases, busy_s) of the usable rounds
+    usable = [(r, t, n, ph, b) for r, ph, n, b in rounds
+              if n and (t := sum(ph.get(x, 0.0) for x in SCALED_PHASES)) > 0]
     if sum(1 for r, *_ in usable if r > 1) >= 2:
         usable = [x for x in usable if x[0] > 1]
     usable = usable[-k:]
-    scaled = [sum(ph.get(x, 0.0) for x in SCALED_PHASES) for _, ph, _, _ in usable]
-    fit = step_seconds(scaled, [n for _, _, n, _ in usable], k=k)
+    fit = step_seconds([t for _, t, *_ in usable], [n for _, _, n, *_ in usable], k=k)
     if fit is None:
         return None
     later = any(r > 1 for r, *_ in usable)  # round 1's other work is its warm-up's: left out when it can be
     beyond = [b - t if b is not None else sum(ph.get(x, 0.0) for x in ("mask", "noise", "encrypt"))
-              for t, (r, ph, _, b) in zip(scaled, usable) if r > 1 or not later]
+              for r, t, _, ph, b in usable if r > 1 or not later]
     return fit[1], (recent_median(beyond, k=k) or 0.0) + fit[0]
 
 
