@@ -74,7 +74,7 @@ def serve(
     from coordinator.service import Coordinator
     from senseshield.runtime.service import leave
     from senseshield.job import load_job, with_shape
-    from senseshield.runtime.jobsig import is_signed_job, read_job_bytes
+    from senseshield.runtime.jobsig import is_signed_job, read_job_bytes, signed_nonce
 
     flags = {"rounds": rounds, "dataset": dataset, "model": model, "partition": partition, "seed": seed,
              "local_epochs": local_epochs, "batch_size": batch_size, "lr": lr, "key_bits": key_bits,
@@ -114,11 +114,13 @@ def serve(
         )
         # restarted with the same --job: the checkpointed job resumes, and a long-running
         # coordinator (a service restarted by its supervisor) does not run a finished one again
+        # (a signed job is booked under its nonce: each signature runs once)
         booked = [r.spec for r in server.book.records.values() if not once or r.state in OPEN]
         queue = [server.open_signed(e[1], repr(str(e[0]))) if isinstance(e, tuple) else (e, b"", "") for e in jobs]
         for spec, frame, operator in queue:
-            if spec not in booked:
-                server.submit(spec, signed=frame, operator=operator)
+            nonce = signed_nonce(frame) if frame else ""
+            if (nonce and nonce not in server.book.records) or (not nonce and spec not in booked):
+                server.submit(spec, nonce or None, signed=frame, operator=operator)
         server.link.secure(**security)
         server.install_signal_handlers()
         server.serve()

@@ -192,7 +192,8 @@ class Coordinator(Service):
 
     def open_signed(self, data: bytes, where: str) -> tuple[Job, bytes, str]:
         """(job, frame, operator) of a signed job file (``senseshield job sign``), checked as
-        the key server will check it; ConfigError naming ``where`` and what is wrong."""
+        the key server will check it; ConfigError naming ``where`` and what is wrong. It runs
+        under the nonce it was signed with (:func:`signed_nonce`)."""
         operator, job = check_signed_job(data, self.trust, fleet=self.fleet, where=where)
         return job, data, operator
 
@@ -214,7 +215,8 @@ class Coordinator(Service):
             self._reply(self.replies[msg.request_id])
             return
         try:
-            record = self.submit(job_from_dict(msg.job, where="job"), signed=item.frame.raw, operator=item.sender)
+            record = self.submit(job_from_dict(msg.job, where="job"), msg.nonce or None, signed=item.frame.raw,
+                                 operator=item.sender)
             reply = JobReply(request_id=msg.request_id, accepted=True, job_id=record.id)
         except ConfigError as exc:
             self.log.warning("job refused: %s", exc)

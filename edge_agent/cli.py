@@ -48,6 +48,7 @@ def join(
     min_he_ratio: Annotated[Optional[float], typer.Option(help="In a job that encrypts, encrypt at least this fraction of the parameters whatever budget the coordinator assigns, and never send an update that encrypts less (0..1; default: the profile's min_he_ratio, else 0).")] = None,
     require_he: Annotated[bool, typer.Option("--require-he", help="Decline jobs whose strategy encrypts nothing, even without a --min-he-ratio floor.")] = False,
     allow_plaintext: Annotated[bool, typer.Option("--allow-plaintext", help="With a --min-he-ratio floor, still take jobs whose strategy encrypts nothing (e.g. fedavg, dp-fedavg; default: decline them).")] = False,
+    allow_unsigned_jobs: Annotated[bool, typer.Option("--allow-unsigned-jobs", help="Take jobs no operator signed (the coordinator alone may then start jobs and choose their run ids and initial models). Off: a job must be signed by an operator the trust file pins, under the nonce and initial model it signed (docs/security.md).")] = False,
     log_level: LogLevel = defaults.LOG_LEVEL,
     once: Annotated[bool, typer.Option("--once", help="Exit when the first job ends (default: stay connected and take every job).")] = False,
     device_class: Annotated[Optional[str], typer.Option(help="What a job's select.device_class matches (default: the declared profile's name, else the board).")] = None,
@@ -66,6 +67,7 @@ def join(
     development(insecure_dev)
     starting("edge agent", agent_id or socket.gethostname(), broker, fleet)  # before the imports below
     from edge_agent.profile import is_measured, load_profile
+    from edge_agent.padlog import FILE_NAME as PAD_LOG
     from edge_agent.service import DataSpec, EdgeAgent
     from senseshield.runtime.service import leave
     from senseshield.device_noise import check_noise_seed
@@ -102,13 +104,15 @@ def join(
         device_class = device_class or declared
         name = agent_id or socket.gethostname()
         home = model_dir if model_dir is not None else Path.home() / ".senseshield" / fleet / name
-        me, trusted = identity_and_trust(name, identity, home / "identity" / "agent.key", trust, fleet)
+        identity_file = identity if identity is not None else home / "identity" / "agent.key"
+        me, trusted = identity_and_trust(name, identity, identity_file, trust, fleet)
         agent = EdgeAgent(
             broker, fleet=fleet, agent_id=name, identity=me, trust=trusted, bandwidth=device.bandwidth, cpu_speed=device.cpu_speed, profile=device.model_dump(mode="json"), data=spec, threads=threads,
             protocol=check_mqtt(mqtt), kill_at_round=kill_at_round, fail_at_round=fail_at_round,
             lose_plan_at_round=lose_plan_at_round, model_dir=model_dir, once=once,
             device_class=device_class, labels=labels, require_he=require_he, allow_plaintext=allow_plaintext,
             min_he_ratio=min_he_ratio if min_he_ratio is not None else (device.min_he_ratio or 0.0), noise=noise,
+            allow_unsigned_jobs=allow_unsigned_jobs, pad_log=identity_file.parent / PAD_LOG,
         )
         agent.link.secure(**security)
         agent.install_signal_handlers()

@@ -49,10 +49,40 @@ def train(strategy, model, start: np.ndarray, state: ClientState, data: LocalDat
 
 def round_key(public: PublicKey | None, exchange, fleet: str, run_id: str, r: int, plan: RoundPlan):  # noqa: ANN001, ANN201
     """The key this device encrypts round ``r`` with: the masked scheme's pads are this
-    device's (``exchange``) and the key server's alone, for this round; None: no encryption."""
+    device's (``exchange``) and the key server's alone, for this round, cluster, plan and
+    ring; None: no encryption."""
     if public is None:
         return None
-    return public.for_contributor(exchange, round_context(fleet, run_id, r, plan.cluster), ring_bits=plan.ring_bits)
+    return public.for_contributor(exchange, pad_context(fleet, run_id, r, plan), ring_bits=plan.ring_bits)
+
+
+def pad_context(fleet: str, run_id: str, r: int, plan: RoundPlan) -> bytes:
+    """The context this device's pads of round ``r`` are derived in (the receipt signs the plan's digest)."""
+    return round_context(fleet, run_id, r, plan.cluster, plan.digest())
+
+
+def plan_refusal(strategy, public: PublicKey | None, plan: RoundPlan, n_samples: int) -> str | None:  # noqa: ANN001
+    """Why this device refuses ``plan`` (one sentence, without the round), or None: every
+    field the job decides is what this device computes from the job itself. The coordinator
+    chooses the cluster, the budget (raised to the device's floor), the deadline and the
+    steps; it does not choose the key's block size, the consensus step or the masked ring:
+    the ring must be the job's ``ring_bits`` when it names one, 64 for a strategy that adds
+    noise to what it masks, and may be 32 only while this device's own weight fits the 32-bit
+    head-room (the members' total, which the device cannot see, is the key server's to check)."""
+    block = public.block_size if public is not None else 1
+    if public is not None and plan.block_size != block:
+        return f"the plan's block size {plan.block_size} is not the job key's {block}"
+    if plan.negotiate != strategy.negotiates:
+        return (f"the plan {'asks for' if plan.negotiate else 'skips'} a consensus mask, which the job's strategy "
+                f"{strategy.name!r} {'does not use' if plan.negotiate else 'needs'}")
+    if public is not None and public.needs_contributors:  # the masked scheme: its ring
+        alone = strategy.ring_bits([n_samples])  # the ring of a cluster of this device alone
+        option = strategy.options.ring_bits
+        allowed = {alone} if option != "auto" or alone == 64 else {32, 64}
+        if plan.ring_bits not in allowed:
+            return (f"the plan's ring is {plan.ring_bits} bits, but the job (ring_bits {option!r}, strategy "
+                    f"{strategy.name!r}, this device's {n_samples} samples) allows {sorted(allowed)}")
+    return None
 
 
 @dataclass(frozen=True)
@@ -119,4 +149,5 @@ def receipt(run_id: str, plan: RoundPlan, update, message: UpdateMessage, start:
         mask_digest=hashlib.sha256(message.mask.tobytes()).hexdigest(),
         ciphertext_digest=hashlib.sha256(message.ciphertext).hexdigest() if message.ciphertext else "",
         fingerprint=fingerprint, start_digest=model_digest(start), shares=int(message.report.get("shares", 0)),
+        plan_digest=plan.digest(),
     )

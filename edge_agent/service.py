@@ -62,7 +62,10 @@ from edge_agent.dataspec import DataSpec  # noqa: F401 (re-exported: edge_agent.
 from edge_agent.costs import inference_latency, measure_costs, warm_inference
 from edge_agent.evaluate import Applied, apply_and_evaluate, round_metrics
 from edge_agent.prepare import PreparedRun, prepare
-from edge_agent.round import needs_fingerprint, protect, receipt, round_key, train
+from edge_agent.padlog import FILE_NAME as PAD_LOG, PadLog, slot_of
+from edge_agent.round import needs_fingerprint, pad_context, plan_refusal, protect, receipt, round_key, train
+from senseshield.development import development_mode
+from senseshield.runtime.jobsig import job_refusal
 from senseshield.data.local import check_source
 from senseshield.job import Job, announced_run
 
@@ -147,6 +150,8 @@ class EdgeAgent(Service):
         require_he: bool = False,
         allow_plaintext: bool = False,
         noise: DeviceNoise = SECRET,
+        allow_unsigned_jobs: bool = False,
+        pad_log: Path | None = None,
     ) -> None:
         """``min_he_ratio``: in a job that encrypts, this agent encrypts at least this fraction
         of its parameters whatever budget the coordinator assigns (the budget is raised to it)
@@ -156,7 +161,10 @@ class EdgeAgent(Service):
         connected and takes every job the coordinator runs. ``device_class`` and ``labels``
         are what a job's ``select`` matches. ``noise``: where this device's privacy draws come
         from (secret; a replayable seed only in development mode, see
-        :func:`senseshield.device_noise.check_noise_seed`)."""
+        :func:`senseshield.device_noise.check_noise_seed`). ``allow_unsigned_jobs``: take jobs
+        no operator signed (otherwise only in development mode or without a trust file).
+        ``pad_log``: the file of the rounds this device has masked in (:mod:`edge_agent.padlog`;
+        default: in ``model_dir``; ``edge-agent join`` keeps it beside the identity)."""
         if not agent_id or any(c in agent_id for c in "/+#"):
             raise ConfigError(f"Agent id {agent_id!r} is not allowed; use letters, digits, '-' or '_'.")
         if not 0.0 <= min_he_ratio <= 1.0:
@@ -173,6 +181,11 @@ class EdgeAgent(Service):
         self.min_he_ratio, self.require_he, self.allow_plaintext = float(min_he_ratio), require_he, allow_plaintext
         self.model_dir = Path(model_dir) if model_dir is not None else Path.home() / ".senseshield" / fleet / agent_id
         self.model_dir.mkdir(parents=True, exist_ok=True)
+        # a device masks one vector per round of a job, ever (across cancels, jobs and restarts)
+        self.pad_log = PadLog(pad_log if pad_log is not None else self.model_dir / PAD_LOG)
+        # every job config must be one an operator signed, unless told otherwise (as the key server)
+        self.require_signed_jobs = not (allow_unsigned_jobs or development_mode() or self.trust.tofu)
+        self.refused_configs: set[tuple[str, str]] = set()  # (run id, reason) already logged
         if model_dir is None:
             log.info("keeping this device's models in %s (--model-dir to change)", self.model_dir)
         self.once = once
@@ -222,6 +235,15 @@ class EdgeAgent(Service):
         if item.sender != "coordinator":
             raise ProtocolError(f"fleet/config from {item.sender!r}; only the coordinator may set it.")
         msg: FleetConfig = item.message
+        # every config, whatever its run id: a config under a known run id must still be the
+        # job an operator signed, with the nonce and initial model it signed
+        refusal = job_refusal(msg.run_id, msg.config, msg.submission, self.trust, fleet=self.fleet,
+                              required=self.require_signed_jobs, initial=msg.initial)
+        if refusal is not None:
+            if (msg.run_id, refusal) not in self.refused_configs:
+                self.refused_configs.add((msg.run_id, refusal))
+                self.log.error("not taking it: %s", refusal)
+            return
         if self.run is not None and msg.run_id == self.run.run_id:
             return
         if msg.run_id in self.declined or (self.pending_config is not None and self.pending_config.msg.run_id == msg.run_id):
@@ -509,6 +531,17 @@ class EdgeAgent(Service):
             if run.last_update is not None and run.last_update[0] == r:
                 self.link.publish(f"agents/{self.agent_id}/update", run.last_update[1])
             return
+        slot = slot_of(self.fleet, run.run_id, r)
+        if self.public is not None and slot in self.pad_log.used:  # sent before (another run of the job, a restart)
+            run.done_rounds.add(r)
+            self.log.error("round %d of job %s: %s", r, run.run_id, self.pad_log.refusal(slot, b"", b""))
+            return
+        refusal = plan_refusal(self.strategy, self.public, plan, run.data.n_train)
+        if refusal is not None:
+            run.done_rounds.add(r)
+            self.log.error("round %d of job %s: refusing the coordinator's plan: %s; the round is skipped", r,
+                           run.run_id, refusal)
+            return
         if self.kill_at_round == r:
             import os
             import signal
@@ -581,6 +614,14 @@ class EdgeAgent(Service):
                            round=r)
         t_serialize += time.perf_counter() - t
         t = time.perf_counter()
+        if message.ciphertext:  # the pads of this round are used now: recorded (fsynced) before they leave
+            context = pad_context(self.fleet, run.run_id, r, plan)
+            refused = self.pad_log.refusal(slot, context, message.ciphertext)
+            if refused is not None:
+                run.done_rounds.add(r)
+                self.log.error("round %d of job %s: %s", r, run.run_id, refused)
+                return
+            self.pad_log.record(slot, context, message.ciphertext)
         self.link.publish(f"agents/{self.agent_id}/update", frame)
         t_upload = time.perf_counter() - t
         run.last_update = (r, frame)

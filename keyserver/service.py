@@ -40,7 +40,7 @@ from senseshield import defaults
 from senseshield.engine.aggregation import decrypt_aggregate
 from senseshield.errors import ConfigError, ProtocolError
 from senseshield.he import SCHEMES, PublicKey, SecretKey
-from senseshield.he.base import job_key, round_context
+from senseshield.he.base import job_key, model_digest, round_context
 from senseshield.he.fingerprint import SEED_BYTES
 from senseshield.he.packed import STRUCTURES
 from senseshield.development import development_mode
@@ -67,6 +67,7 @@ from senseshield.job import Job, announced_run
 log = logging.getLogger("senseshield.keyserver")
 
 NO_KEY_ID = "none"  # announced when the run's strategy encrypts nothing
+JOB_ENTRY = "job|"  # ledger entries of the jobs (nonces) served: "job|<run id>" -> when
 
 
 def load_or_generate(key_dir: Path, scheme: str, key_bits: int, structure: str = "subgroup") -> SecretKey:
@@ -187,10 +188,14 @@ class KeyServer(Service):
         msg: FleetConfig = item.message  # type: ignore[assignment]
         if item.sender != "coordinator":
             raise ProtocolError(f"fleet/config from {item.sender!r}; only the coordinator may set it.")
+        config, strategy, scheme = announced_run(msg.config)  # checked before anything changes
+        # every config is checked, whatever its run id: the run id is the signed job's nonce
+        # and a config re-sent under the current run must still be that very job
+        if self._refuse_unsigned(msg):
+            return
         if msg.run_id == self.run_id:
             return
-        config, strategy, scheme = announced_run(msg.config)  # checked before anything changes
-        if self._refuse_unsigned(msg):
+        if self._served_elsewhere(msg.run_id):
             return
         self.run_id, self.config, self.initial = msg.run_id, config, msg.initial.copy()
         self.models, self.results = {}, {}
@@ -217,13 +222,36 @@ class KeyServer(Service):
         """True (logged, and announced for the run so the coordinator fails the job at once)
         if the run is not the job an operator signed (:func:`job_refusal`)."""
         reason = job_refusal(msg.run_id, msg.config, msg.submission, self.trust, fleet=self.fleet,
-                             required=self.require_signed_jobs)
+                             required=self.require_signed_jobs, initial=msg.initial)
         if reason is None:
             return False
-        self.log.error("%s", reason)
-        self.send("keys/public", PublicKeyAnnouncement(scheme="", key_id=NO_KEY_ID, key=b"", run_id=msg.run_id,
-                                                       refused=reason), retain=True)
+        self._refuse_run(msg.run_id, reason)
         return True
+
+    def _refuse_run(self, run_id: str, reason: str) -> None:
+        """Log ``reason`` and announce it for ``run_id`` (the coordinator fails that job at once)."""
+        self.log.error("%s", reason)
+        self.send("keys/public", PublicKeyAnnouncement(scheme="", key_id=NO_KEY_ID, key=b"", run_id=run_id,
+                                                       refused=reason), retain=True)
+
+    def _served_elsewhere(self, run_id: str) -> bool:
+        """True (refused, announced) if job ``run_id`` was already served and is not the run
+        this key server's checkpoint resumes: each job (nonce) is served as one run, so no
+        round of it is unmasked twice, whatever the coordinator re-sends."""
+        if JOB_ENTRY + run_id not in self.ledger or self._checkpoint_run() == run_id:
+            return False
+        self._refuse_run(run_id, f"Job {run_id} is refused: this key server already served it "
+                                 f"({self.ledger[JOB_ENTRY + run_id]}) and a job runs once; the operator signs a "
+                                 "new job (a new nonce) to run it again.")
+        return True
+
+    def _checkpoint_run(self) -> str | None:
+        """The run id of the checkpoint in the key directory (None: none)."""
+        path = self._state_path()
+        if not path.exists():
+            return None
+        with np.load(path) as data:
+            return json.loads(bytes(data["meta"]).decode()).get("run_id")
 
     def _on_request(self, item: Inbound) -> None:
         msg: AggregateRequest = item.message  # type: ignore[assignment]
@@ -253,8 +281,9 @@ class KeyServer(Service):
         aggregate = aggregate_from_message(msg, self.public, round=r, size=self.initial.size)
         t = time.perf_counter()
         prints: dict[str, str] = {}
+        plans: dict[str, str] = {}  # contributor -> the plan digest its receipt signs (its pads' context)
         try:
-            refusal, weights = self._verify(r, k, msg, aggregate, prints)
+            refusal, weights = self._verify(r, k, msg, aggregate, prints, plans)
         except ProtocolError as exc:  # a malformed receipt or ciphertext: a verdict, not silence
             refusal, weights = str(exc), {}
         distinct = sorted(weights)
@@ -279,7 +308,7 @@ class KeyServer(Service):
         if aggregate.ciphertext is not None and self.public.needs_contributors:  # masked: remove exactly their pads
             masks = msg.contributor_masks() if self.public.ragged_masks else {}  # checked against the receipts
             secret.bind_contributions(aggregate.ciphertext, [(self.boxes[r][a], weights[a]) for a in distinct],
-                                      round_context(self.fleet, self.run_id, r, k),
+                                      [round_context(self.fleet, self.run_id, r, k, plans[a]) for a in distinct],
                                       masks=[masks[a] for a in distinct] if masks else None)
 
         def decrypt() -> tuple[np.ndarray, float]:  # a worker thread: pure computation
@@ -393,6 +422,9 @@ class KeyServer(Service):
             return
         if self.plans and r < max(self.plans):
             raise ProtocolError(f"Round plan {r} comes after round {max(self.plans)}; rounds only move forward.")
+        if JOB_ENTRY + self.run_id not in self.ledger:  # the job is served from now on (before its checkpoint)
+            self.ledger[JOB_ENTRY + self.run_id] = f"first round opened at {time.strftime('%Y-%m-%d %H:%M:%S')}"
+            write_atomic(self._ledger_path(), json.dumps(self.ledger, sort_keys=True), mode=0o600)
         self.plans[r] = plan
         self.seeds[r] = os.urandom(SEED_BYTES)
         context = f"{self.fleet}/{self.run_id}/{r}".encode()
@@ -414,18 +446,19 @@ class KeyServer(Service):
                       {k: len(v) for k, v in plan.items()}, len(sealed))
 
     def _verify(self, r: int, k: int, msg: AggregateRequest, aggregate,  # noqa: ANN001
-                prints: dict[str, str]) -> tuple[str | None, dict[str, int]]:
+                prints: dict[str, str], plans: dict[str, str]) -> tuple[str | None, dict[str, int]]:
         """keyserver.verify.verify over this round's bookkeeping; the ledger entries of an
         aggregate that may be decrypted are kept until it is spent."""
         checks = Checks(
             trust=self.trust, run_id=self.run_id, plan=self.plans.get(r),
             taken={**self.spent.get(r, {}), **self.reserved.get(r, {})}, public=self.public, secret=self.secret,
             seed=self.seeds.get(r), boxes=self.boxes.get(r, {}), ledger=self.ledger,
+            start_digest=model_digest(self.models.get(k, (0, self.initial))[1]),
             min_contributors=self.min_contributors, min_fraction=self.min_fraction,
             min_encryptors=self.min_encryptors,
             job_min_encryptors=self.config.options.min_encryptors if self.config is not None else 1,
             allow_unverifiable=self.allow_unverifiable, log=self.log)
-        refusal, weights, entries = verify(checks, r, k, msg, aggregate, prints)
+        refusal, weights, entries = verify(checks, r, k, msg, aggregate, prints, plans)
         if refusal is None and entries:
             self._ledger_keys[(r, k)] = entries
         return refusal, weights

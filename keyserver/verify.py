@@ -61,6 +61,7 @@ class Checks:
     seed: bytes | None  # the round's challenge seed
     boxes: dict[str, bytes]  # the round's box keys: agent -> X25519 key
     ledger: dict[str, str]  # across jobs: "key|agent|starting model" -> "run/round/cluster"
+    start_digest: str  # model_digest of the cluster's current model: what every contribution trained from
     min_contributors: int
     min_fraction: float
     min_encryptors: int  # the operator's (--min-encryptors)
@@ -70,13 +71,17 @@ class Checks:
 
 
 def verify(checks: Checks, r: int, k: int, msg: AggregateRequest, aggregate,  # noqa: ANN001
-           prints: dict[str, str]) -> tuple[str | None, dict[str, int], dict[str, str]]:
+           prints: dict[str, str], plans: dict[str, str] | None = None,
+           ) -> tuple[str | None, dict[str, int], dict[str, str]]:
     """``(None, {contributor: weight}, ledger entries)`` if round ``r``'s aggregate of cluster
     ``k`` may be decrypted, else ``(reason, {}, {})``: the plan, every receipt's signature, round, run,
     cluster and membership, no contribution used twice in the round, the minimum of
     contributors, the weights, (shared-mask schemes) every receipt signs the aggregate's
     mask, (verifiable schemes) the fingerprint equation, and (the masked scheme) a box
-    key for every contributor. ``prints`` receives each contributor's signed fingerprint (hex).
+    key for every contributor, and every encrypted contribution trained from the cluster's
+    current model (``start_digest``: the coordinator cannot have a round trained again from an
+    older model). ``prints`` receives each contributor's signed fingerprint (hex), ``plans``
+    each contributor's signed plan digest (its masked pads' context).
     The ledger entries (contributor -> "key|agent|starting model") are the service's to
     record once the aggregate is decrypted."""
     c = checks
@@ -160,6 +165,10 @@ def verify(checks: Checks, r: int, k: int, msg: AggregateRequest, aggregate,  # 
         unsigned = sorted(a for a in names if not receipts[a].start_digest)
         if unsigned:
             return f"the receipts of {unsigned} do not sign the model they trained from", {}, {}
+        stale = sorted(a for a in names if receipts[a].start_digest != c.start_digest)
+        if stale:
+            return (f"the receipts of {stale} sign a model they trained from that is not cluster {k}'s current "
+                    f"model (SHA-256 {c.start_digest[:16]}...); a round trains from the cluster's latest model"), {}, {}
         # (within a job the round's own ledger applies: a later round trains anew, even from
         # the same model after a refused round)
         used = sorted((a, c.ledger[e]) for a, e in entries.items()
@@ -170,6 +179,8 @@ def verify(checks: Checks, r: int, k: int, msg: AggregateRequest, aggregate,  # 
             return (f"the contribution of {a!r} from this starting model was already decrypted in job {run} "
                     f"(round {rr}, cluster {kk}); a contribution enters one aggregate across jobs, so "
                     "run the job from another initial model (another seed)"), {}, {}
+    if plans is not None:
+        plans.update({a: receipts[a].plan_digest for a in names})
     return None, {a: receipts[a].n_samples for a in names}, entries
 
 

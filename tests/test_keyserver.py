@@ -20,11 +20,11 @@ from senseshield.engine.aggregation import aggregate_updates, decrypt_aggregate,
 from senseshield.rounds import apply_mean
 from senseshield.errors import ConfigError
 from senseshield.he import SCHEMES
-from senseshield.he.base import job_key, round_context
+from senseshield.he.base import job_key, model_digest, round_context
 from senseshield.strategies import STRATEGIES
-from senseshield.job import Job
+from senseshield.job import Job, initial_model
 from senseshield.runtime.identity import Identity, Trust, unb64
-from senseshield.runtime.jobsig import sign_job
+from senseshield.runtime.jobsig import sign_job, signed_nonce
 from senseshield.runtime.protocol.messages import (
     AggregateResult,
     Challenge,
@@ -53,8 +53,9 @@ class Harness:
     their identities (so it can be an honest agent or a deviating coordinator)."""
 
     def __init__(self, url: str, key_dir, *, min_contributors: int = 2, min_fraction: float = 0.0,  # noqa: ANN001
-                 workers: int | None = None, allow_unverifiable: bool = False) -> None:
-        self.ids = {n: Identity.generate(n) for n in ["keyserver", "coordinator", "operator", *AGENTS]}
+                 workers: int | None = None, allow_unverifiable: bool = False,
+                 ids: dict[str, Identity] | None = None) -> None:
+        self.ids = ids or {n: Identity.generate(n) for n in ["keyserver", "coordinator", "operator", *AGENTS]}
         roles = {n: ("agent" if n in AGENTS else n) for n in self.ids}
         self.trust = Trust.for_identities({n: (i, roles[n]) for n, i in self.ids.items()}, fleet=FLEET)
         self.server = KeyServer(url, fleet=FLEET, key_dir=key_dir, min_contributors=min_contributors,
@@ -97,23 +98,42 @@ class Harness:
         raise AssertionError(f"no {cls.__name__} within {timeout} s")
 
     # -- the run --------------------------------------------------------------------------
-    def start_run(self, strategy: str = "sensecrypt", run: str = "run-1", scheme: str | None = "packed-paillier",
-                  *, submission: bytes | None = None, config: Job | None = None) -> object:
-        """Publish the run's fleet/config as the coordinator, with the job the operator signed
-        (``submission``: other bytes; ``config``: another job than the signed one)."""
-        self.run = run
-        job = Job(strategy=strategy, model="linear", clients=2, key_bits=1024,
-                  scheme=None if strategy in ("plaintext", "masked") else scheme)
+    def job(self, strategy: str = "sensecrypt", scheme: str | None = "packed-paillier", **over) -> Job:  # noqa: ANN003
+        """The harness's job: the linear model on 8x8 inputs and 10 classes (SIZE parameters)."""
+        return Job(strategy=strategy, model="linear", clients=2, key_bits=1024, input_shape=[1, 8, 8], num_classes=10,
+                   scheme=None if strategy in ("plaintext", "masked") else scheme, **over)
+
+    def start_run(self, strategy: str = "sensecrypt", run: str | None = None, scheme: str | None = "packed-paillier",
+                  *, submission: bytes | None = None, config: Job | None = None, job: Job | None = None,
+                  initial: np.ndarray | None = None) -> object:
+        """Publish the run's fleet/config as the coordinator, with ``job`` (default :meth:`job`)
+        as the operator signed it, under its nonce and its initial model (``submission``:
+        other bytes; ``config``: another job than the signed one; ``run``: another run id;
+        ``initial``: another initial model)."""
+        job = job or self.job(strategy, scheme)
         if submission is None:
             submission = sign_job(job, self.ids["operator"], fleet=FLEET)
+        self.run = run or signed_nonce(submission) or "run-unsigned"
+        self.submission, self.signed = submission, job
+        self.initial = initial if initial is not None else initial_model(job, (1, 8, 8), 10)[1]
         self.send("fleet/config", FleetConfig(run_id=self.run, config=(config or job).model_dump(mode="json"),
                                               input_shape=[1, 8, 8], num_classes=10, round_deadline=30,
-                                              initial=np.zeros(SIZE), submission=submission))
+                                              initial=self.initial, submission=submission))
         announcement, _ = self.wait(PublicKeyAnnouncement)
+        while announcement.run_id != self.run:  # the retained announcement of an earlier run
+            announcement, _ = self.wait(PublicKeyAnnouncement)
         self.public = SCHEMES.get(announcement.scheme).public_key_from_bytes(announcement.key) if announcement.scheme else None
         # as the coordinator aggregates: per-client masks on the masked scheme are ragged
-        self.public = job_key(self.public, per_client_masks=STRATEGIES.get(strategy).per_client_masks)
+        self.public = job_key(self.public, per_client_masks=STRATEGIES.get(job.strategy).per_client_masks)
         return announcement
+
+    def resume(self) -> object:
+        """The current job's fleet/config again (as a restarted coordinator sends it)."""
+        return self.start_run(job=self.signed, submission=self.submission, run=self.run, initial=self.initial)
+
+    def current(self, cluster: int) -> str:
+        """model_digest of the key server's current model of ``cluster`` (what an honest round trains from)."""
+        return model_digest(self.server.models.get(cluster, (0, self.initial))[1])
 
     def open_round(self, r: int, clusters: dict[int, list[str]]) -> None:
         self.send("keyserver/rounds", RoundOpen(run_id=self.run, clusters={str(k): v for k, v in clusters.items()}),
@@ -132,7 +152,7 @@ class Harness:
     def contribution(self, agent: str, r: int, cluster: int, *, seed_round: int | None = None, n: int = 10,  # noqa: ANN201
                      start: str | None = None, blocks: range = range(4), shares: int = 0):
         """An honest agent's update (``blocks`` encrypted) and its signed receipt;
-        ``start``: the model it trained from (default: the cluster's model of round r - 1)."""
+        ``start``: the digest of the model it trained from (default: the cluster's current model)."""
         mask = np.zeros(SIZE, bool)
         if self.public is not None:
             B = self.public.block_size
@@ -149,7 +169,7 @@ class Harness:
         receipt = Receipt(run_id=run, cluster=cluster, n_samples=n, key_id=self.public.key_id if self.public else "",
                           mask_digest=hashlib.sha256(pack_mask(mask).tobytes()).hexdigest(),
                           ciphertext_digest=hashlib.sha256(cipher).hexdigest() if cipher else "", fingerprint=fp,
-                          start_digest=hashlib.sha256((start or f"{run}/{cluster}/{r - 1}").encode()).hexdigest(),
+                          start_digest=start or self.current(cluster),
                           shares=shares)
         return update, to_frame(receipt, fleet=FLEET, sender=agent, round=r, signer=self.ids[agent])
 
@@ -251,7 +271,7 @@ def test_masked_aggregates_unmask_only_as_the_signed_sum(harness):
     assert result.accepted, result.reason
     model, _ = harness.wait(ClusterModel)
     expected = sum(harness.deltas[(x, 1)] for x in "abc") / 3  # equal weights: the plain mean
-    assert np.allclose(model.weights, expected, atol=1e-6)
+    assert np.allclose(model.weights - harness.initial, expected, atol=1e-6)
     # a forged subset: only d's update summed, but d's and e's receipts named: refused at the
     # fingerprint check, before any pad is removed (nothing unmasked, nothing spent)
     d, e = (harness.contribution(x, 1, 1) for x in "de")
@@ -278,7 +298,7 @@ def test_masked_aggregates_unmask_only_as_the_signed_sum(harness):
     # cluster 1's model never moved (both rounds refused): round 3 trains from the same starting
     # model as round 1, and within one job that is a new contribution, accepted
     harness.open_round(3, plan)
-    d3, e3 = (harness.contribution(x, 3, 1, start="run-1/1/0") for x in "de")
+    d3, e3 = (harness.contribution(x, 3, 1) for x in "de")
     result = harness.verdict(3, harness.request(3, 1, [d3, e3]))
     assert result.accepted, result.reason
     assert harness.thread.is_alive()
@@ -327,7 +347,7 @@ def test_a_bad_fingerprint_costs_only_its_sender(harness, strategy):
     assert list(result.excluded) == ["c"] and "does not match the fingerprint it signed" in result.excluded["c"]
     model, _ = harness.wait(ClusterModel)
     expected = (harness.deltas[("a", 1)] + harness.deltas[("b", 1)]) / 2
-    assert np.allclose(model.weights, expected, atol=1e-4)
+    assert np.allclose(model.weights - harness.initial, expected, atol=1e-4)
     assert harness.server.spent[1] == {"a": 0, "b": 0}
     # cluster 1: e's first update is bad, its later genuine one replaces it
     d, e = (harness.contribution(x, 1, 1) for x in "de")
@@ -342,26 +362,35 @@ def test_a_bad_fingerprint_costs_only_its_sender(harness, strategy):
 
 @pytest.mark.parametrize("strategy", ["masked", "sensecrypt"])
 def test_a_rerun_job_cannot_have_the_same_contributions_decrypted_again(mosquitto, tmp_path, strategy):
-    """Issue 22 item 3: job 1 decrypts a+b from the initial model; job 2 (same key, same
-    starting model, other pairings) is refused naming the agent and job 1, after a key
-    server restart too; from another starting model (another seed) job 2 goes on."""
+    """Job 1 decrypts a+b and c+d from the initial model. The operator signs the same job
+    again (job 2: same key, same initial model, a new nonce) and the coordinator pairs the
+    agents otherwise: refused naming the agent and job 1, after a key server restart too.
+    Job 1's own signed config again (its nonce) is refused: a job is served once. A job from
+    another initial model (another seed) goes on."""
     h = Harness(mosquitto.url, tmp_path / "keys")
+    ids = h.ids
     try:
-        h.start_run(strategy, run="job-1")
+        h.start_run(strategy)
+        first, first_signed = h.run, h.submission
         h.open_round(1, {0: ["a", "b"], 1: ["c", "d"]})
         for cluster, pair in ((0, "ab"), (1, "cd")):
-            parts = [h.contribution(x, 1, cluster, start="initial") for x in pair]
+            parts = [h.contribution(x, 1, cluster) for x in pair]
             assert h.verdict(1, h.request(1, cluster, parts)).accepted
     finally:
         h.stop()
-    h = Harness(mosquitto.url, tmp_path / "keys")  # restarted: the ledger is on disk
+    h = Harness(mosquitto.url, tmp_path / "keys", ids=ids)  # restarted: the ledger is on disk
     try:
-        h.start_run(strategy, run="job-2")
+        h.start_run(strategy)
+        assert h.run != first
         h.open_round(1, {0: ["a", "c"], 1: ["b", "d"]})
-        result = h.verdict(1, h.request(1, 0, [h.contribution(x, 1, 0, start="initial") for x in "ac"]))
+        result = h.verdict(1, h.request(1, 0, [h.contribution(x, 1, 0) for x in "ac"]))
         assert not result.accepted
-        assert "contribution of 'a' from this starting model was already decrypted in job job-1" in result.reason
-        result = h.verdict(1, h.request(1, 1, [h.contribution(x, 1, 1, start="another seed") for x in "bd"]))
+        assert f"contribution of 'a' from this starting model was already decrypted in job {first}" in result.reason
+        replayed = h.start_run(strategy, submission=first_signed, job=h.signed)
+        assert replayed.refused.startswith(f"Job {first} is refused: this key server already served it")
+        assert not h.start_run(strategy, job=h.job(strategy, seed=1)).refused  # another initial model
+        h.open_round(1, {0: ["a", "c"], 1: ["b", "d"]})
+        result = h.verdict(1, h.request(1, 1, [h.contribution(x, 1, 1) for x in "bd"]))
         assert result.accepted, result.reason
     finally:
         h.stop()
@@ -375,7 +404,7 @@ def test_a_contribution_enters_one_decrypted_aggregate_per_round_even_after_a_re
         a, b = h.contribution("a", 1, 0), h.contribution("b", 1, 0)
         assert h.verdict(1, h.request(1, 0, [a, b])).accepted
         # the same round's plan again with another split is refused (pinned)
-        h.send("keyserver/rounds", RoundOpen(run_id="run-1", clusters={"0": ["a", "c"], "1": ["b", "d"]}), round=1)
+        h.send("keyserver/rounds", RoundOpen(run_id=h.run, clusters={"0": ["a", "c"], "1": ["b", "d"]}), round=1)
         time.sleep(0.5)
         assert any("already opened with another plan" in r for r in h.server.rejected)
     finally:
@@ -393,7 +422,7 @@ def test_a_contribution_enters_one_decrypted_aggregate_per_round_even_after_a_re
     time.sleep(1.0)
     try:
         h.got.clear()
-        h.start_run()
+        h.resume()
         assert again.spent[1] == {"a": 0, "b": 0} and again.plans[1] == {0: ["a", "b"], 1: ["c", "d"]}
         # the re-sent request of round 1 cluster 0 gets the recorded verdict, not a second decryption
         assert h.verdict(1, h.request(1, 0, [a, b])).accepted
@@ -434,7 +463,7 @@ def test_clusters_decrypted_concurrently_give_the_models_of_a_serial_decryption(
         assert secret.structure == "subgroup"
         for k in (0, 1):
             aggregate = aggregate_updates([u for u, _ in parts[k]], h.public, round=1, cluster=k)
-            serial = apply_mean(np.zeros(SIZE), decrypt_aggregate(aggregate, secret, threads=1), server_lr=1.0)
+            serial = apply_mean(h.initial, decrypt_aggregate(aggregate, secret, threads=1), server_lr=1.0)
             assert all(np.array_equal(w, serial.astype(np.float32)) for w in models[k])
         assert h.server.spent == {1: {"a": 0, "b": 0, "c": 1, "d": 1}} and h.server.reserved == {1: {}}
         assert not h.server.pending and h.server.models[0][0] == 1
@@ -502,8 +531,8 @@ def test_a_block_fewer_than_k_agents_encrypted_is_never_decrypted(harness, caplo
     B = harness.public.block_size
     for r, attack in ((1, "k1"), (2, "mask"), (3, None)):
         harness.open_round(r, plan)
-        a = harness.contribution("a", r, 0, blocks=range(3), start=f"s{r}")
-        b = harness.contribution("b", r, 0, blocks=range(2), start=f"s{r}")
+        a = harness.contribution("a", r, 0, blocks=range(3))
+        b = harness.contribution("b", r, 0, blocks=range(2))
         if attack == "k1":
             result = harness.verdict(r, harness.request(r, 0, [a, b], min_encryptors=1))
             assert not result.accepted
@@ -521,7 +550,7 @@ def test_a_block_fewer_than_k_agents_encrypted_is_never_decrypted(harness, caplo
             assert result.accepted, result.reason
             model, got = harness.wait(ClusterModel)
             assert got == r
-            weights = np.asarray(model.weights, dtype=np.float64)
+            weights = np.asarray(model.weights, dtype=np.float64) - harness.initial.astype(np.float32)
             sealed = slice(2 * B, 3 * B)
             # block 2: b's plaintext alone (float32 on the wire); a's value there never enters
             np.testing.assert_allclose(weights[sealed], harness.deltas[("b", r)][sealed].astype(np.float32), atol=1e-6)
@@ -555,29 +584,40 @@ def test_only_a_job_an_operator_signed_is_served(harness, caplog):
     operator's name with its own key), or whose config is not the signed job (another seed)
     is refused: the key server announces the refusal for that run in one sentence naming it
     and why, logs it, takes nothing of the run and keeps serving; the genuine job is served."""
-    job = Job(strategy="sensecrypt", model="linear", clients=2, key_bits=1024, scheme="packed-paillier")
-    coordinator = harness.ids["coordinator"]
+    job = harness.job()
+    coordinator, operator = harness.ids["coordinator"], harness.ids["operator"]
     submit = JobSubmit(request_id="r1", job=job.model_dump(mode="json"))
+    genuine = sign_job(job, operator, fleet=FLEET)
+    initial = initial_model(job, (1, 8, 8), 10)[1]
+    moved = initial.copy()
+    moved[7] = np.nextafter(np.float32(moved[7]), np.float32(np.inf))  # one float32 ULP in one weight
     cases = {
         "run-unsigned": ({"submission": b""}, "it carries no job signed by an operator of fleet 'ks'"),
         "run-by-coordinator": ({"submission": to_frame(submit, fleet=FLEET, sender="coordinator", round=0, signer=coordinator)},
                                "it is signed by 'coordinator', which the trust file pins as 'coordinator', not as an operator"),
         "run-posing": ({"submission": to_frame(submit, fleet=FLEET, sender="operator", round=0, signer=coordinator)},
                        "Frame from 'operator' is signed with key"),
-        "run-other-fleet": ({"submission": sign_job(job, harness.ids["operator"], fleet="other")},
+        "run-other-fleet": ({"submission": sign_job(job, operator, fleet="other")},
                             "it is signed for fleet 'other', not 'ks'"),
         "run-seed": ({"config": job.model_copy(update={"seed": job.seed + 1})},
                      f"its configuration is not the job 'operator' signed (seed is {job.seed + 1}, signed {job.seed})"),
+        "run-no-nonce": ({"submission": to_frame(submit, fleet=FLEET, sender="operator", round=0, signer=operator)},
+                         "carries no nonce"),
+        "run-renamed": ({"submission": genuine}, f"'operator' signed this job as run {signed_nonce(genuine)}"),
+        signed_nonce(genuine): ({"submission": genuine, "initial": moved}, "is not the one 'operator' signed"),
     }
     for run, (kwargs, why) in cases.items():
-        announcement = harness.start_run(run=run, **kwargs)
+        announcement = harness.start_run(run=run, job=job, **kwargs)
         assert (announcement.run_id, announcement.scheme, announcement.key) == (run, "", b"")
         assert announcement.refused.startswith(f"Job {run} is refused: ") and why in announcement.refused, announcement.refused
         assert announcement.refused in caplog.text
     assert harness.server.run_id is None and harness.thread.is_alive()  # nothing of a refused run was taken
-    announcement = harness.start_run(run="run-genuine")
+    announcement = harness.start_run(job=job, submission=genuine)
     assert not announcement.refused and announcement.scheme == "packed-paillier"
-    assert harness.server.run_id == "run-genuine"
+    assert harness.server.run_id == signed_nonce(genuine)
+    # the same run id again with a moved initial model: refused, whatever the run id
+    announcement = harness.start_run(job=job, submission=genuine, run=signed_nonce(genuine), initial=moved)
+    assert "is not the one 'operator' signed" in announcement.refused
 
 
 def test_a_sum_of_fewer_contributors_than_the_noise_shares_is_never_unmasked(harness):

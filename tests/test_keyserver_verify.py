@@ -57,7 +57,8 @@ def _request(world, parts):
 def _checks(world, **over) -> Checks:
     secret, _, trust, seed = world
     args = dict(trust=trust, run_id=RUN, plan={0: ["a", "b", "c", "d"]}, taken={}, public=secret.public_key,
-                secret=secret, seed=seed, boxes={a: b"box" for a in "abcd"}, ledger={}, min_contributors=2,
+                secret=secret, seed=seed, boxes={a: b"box" for a in "abcd"}, ledger={},
+                start_digest=hashlib.sha256(b"start").hexdigest(), min_contributors=2,
                 min_fraction=0.0, min_encryptors=1, job_min_encryptors=1, allow_unverifiable=False,
                 log=logging.getLogger("test.verify"))
     return Checks(**{**args, **over})
@@ -84,6 +85,9 @@ def test_each_refusal_names_what_is_wrong(world):
         "already decrypted in job run-0 (round 2, cluster 0)": _checks(
             world, ledger={f"{world[0].public_key.key_id}|a|{hashlib.sha256(b'start').hexdigest()}": "run-0/2/0"}),
         "no box key for ['c'] in round 1": _checks(world, boxes={"a": b"x", "b": b"x"}),
+        # a coordinator that has a round trained again from an older model
+        "the receipts of ['a', 'b', 'c'] sign a model they trained from that is not cluster 0's current model": _checks(
+            world, start_digest=hashlib.sha256(b"the next model").hexdigest()),
     }
     for needle, checks in cases.items():
         refusal, weights, entries = verify(checks, R, 0, *_request(world, parts), {})

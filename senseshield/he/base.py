@@ -269,9 +269,10 @@ class SecretKey(ABC):
         (``threads``: decryption threads, where the scheme can use them)."""
 
     def bind_contributions(self, vector: EncryptedVector, contributions: Sequence[tuple[bytes, int]],
-                           context: bytes, masks: Sequence[np.ndarray] | None = None) -> None:
+                           context: bytes | Sequence[bytes], masks: Sequence[np.ndarray] | None = None) -> None:
         """Name the verified contributors of aggregate ``vector`` before :meth:`decrypt`:
-        (box key, weight) each, from their signed receipts, and the context of the round;
+        (box key, weight) each, from their signed receipts, and the context of the round (one,
+        or one per contribution: :func:`round_context` with the plan each receipt signs);
         ``masks``: with per-client masks, each one's signed mask (np.packbits), in the same order.
         Public-key schemes decrypt without them (no-op); the masked scheme removes exactly
         these contributors' pads (each only where it masked)."""
@@ -376,10 +377,13 @@ def model_digest(weights: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(weights, dtype=np.float32).tobytes()).hexdigest()
 
 
-def round_context(fleet: str, run_id: str, round: int, cluster: int) -> bytes:
-    """What binds a contribution to one round of one cluster of one job (the masked scheme's
-    pads are derived in it, so a masked vector is worthless anywhere else)."""
-    return f"{fleet}/{run_id}/{int(round)}/{int(cluster)}".encode()
+def round_context(fleet: str, run_id: str, round: int, cluster: int, plan_digest: str = "") -> bytes:
+    """What binds a contribution to one round of one cluster of one job, under one round
+    plan (``plan_digest``: :meth:`RoundPlan.digest`, signed in the receipt; "" in the
+    simulator, which has no plan message). The masked scheme's pads are derived in it (and
+    in the ring, :func:`senseshield.he.masked.pad_key`), so a masked vector is worthless
+    anywhere else. ``run_id`` is the operator-signed job nonce on a fleet."""
+    return f"{fleet}/{run_id}/{int(round)}/{int(cluster)}/{plan_digest}".encode()
 
 
 def short_hash(*chunks: bytes) -> str:

@@ -10,10 +10,16 @@ the public half, signed by the key server's identity). Each agent already has an
 box key pinned in the fleet's trust file. For round ``r`` of cluster ``k`` agent ``a`` and
 the key server both compute
 
-    pad_key(a) = HKDF-SHA256(X25519(agent, key server), info = "senseshield-mask" | fleet/run/r/k)
+    pad_key(a) = HKDF-SHA256(X25519(agent, key server),
+                             info = "senseshield-mask" | ring | fleet/job/r/k/plan)
 
 and expand it with ChaCha20 into one 64-bit word per model position: the pad ``p_a[i]``.
-Nobody else can compute it (the coordinator holds neither secret).
+Nobody else can compute it (the coordinator holds neither secret). ``job`` is the nonce
+the operator signed (the coordinator cannot choose it), ``plan`` the digest of the round
+plan the agent masked under (signed in its receipt), ``ring`` 32 or 64: whatever the
+coordinator changes gives another, independent pad. The agent keeps a durable record of
+every (job, round) it has masked in and never masks a second, different vector in one
+(:mod:`edge_agent.padlog`), so no pad is used twice whatever the coordinator says.
 
 Encoding (all arithmetic modulo 2^64; modulo 2^32 in the 32-bit ring, below)
 ---------------------------------------------------------------------------
@@ -219,10 +225,13 @@ Exchange = Callable[[bytes], bytes]
 """X25519 with the contributor's own private key: peer public key -> shared secret."""
 
 
-def pad_key(shared: bytes, context: bytes) -> bytes:
-    """The 32-byte ChaCha20 key of one contributor's pads in one context (fleet/run/round/cluster)."""
+def pad_key(shared: bytes, context: bytes, ring: Ring) -> bytes:
+    """The 32-byte ChaCha20 key of one contributor's pads in one context
+    (fleet/job/round/cluster/plan, :func:`senseshield.he.base.round_context`) and ring: the
+    ring is in the key, so the same context read as 32-bit and as 64-bit words gives two
+    independent pads (one keystream read both ways would be a pad used twice)."""
     return HKDF(algorithm=hashes.SHA256(), length=32, salt=None,
-                info=b"senseshield-mask\0" + context).derive(shared)
+                info=b"senseshield-mask\0" + f"ring{ring.bits}".encode() + b"\0" + context).derive(shared)
 
 
 def pads(key: bytes, positions: np.ndarray, ring: Ring = RING64) -> np.ndarray:
@@ -333,7 +342,8 @@ class MaskedPublicKey(PublicKey):
         """This key bound to one contributor in one context: its :meth:`encrypt` masks with
         the pads only that contributor and the key server can compute, modulo ``2^ring_bits``
         (the round's ring, :func:`choose_ring`)."""
-        bound = MaskedPublicKey(self.box, pad=pad_key(exchange(self.box), context), ring=ring_of(ring_bits))
+        ring = ring_of(ring_bits)
+        bound = MaskedPublicKey(self.box, pad=pad_key(exchange(self.box), context, ring), ring=ring)
         bound.ragged_masks = self.ragged_masks
         return bound
 
@@ -572,20 +582,26 @@ class MaskedSecretKey(SecretKey):
     def public_key(self) -> MaskedPublicKey:
         return self._public
 
-    def contributor_pad_key(self, contributor_box: bytes, context: bytes) -> bytes:
-        """The pad key contributor ``contributor_box`` derived in ``context`` (same as its own)."""
-        return pad_key(self._private.exchange(X25519PublicKey.from_public_bytes(contributor_box)), context)
+    def contributor_pad_key(self, contributor_box: bytes, context: bytes, ring: Ring = RING64) -> bytes:
+        """The pad key contributor ``contributor_box`` derived in ``context`` and ``ring`` (same as its own)."""
+        return pad_key(self._private.exchange(X25519PublicKey.from_public_bytes(contributor_box)), context, ring)
 
     def bind_contributions(self, vector: EncryptedVector, contributions: Sequence[tuple[bytes, int]],
-                           context: bytes, masks: Sequence[np.ndarray] | None = None) -> None:
+                           context: bytes | Sequence[bytes], masks: Sequence[np.ndarray] | None = None) -> None:
         """Name the contributors of aggregate ``vector``: (box key, weight) from their signed
-        receipts, and the context their pads were made in; :meth:`decrypt` removes exactly these.
-        ``masks`` (ragged masks): each contributor's signed mask (np.packbits over the model),
-        in the order of ``contributions``; its pads are removed only where it masked."""
+        receipts, and the context their pads were made in (one for all, or one per
+        contribution: each receipt signs the plan it was made under); :meth:`decrypt`
+        removes exactly these. ``masks`` (ragged masks): each contributor's signed mask
+        (np.packbits over the model), in the order of ``contributions``; its pads are
+        removed only where it masked."""
         if masks is not None and len(masks) != len(contributions):
             raise ProtocolError(f"{len(masks)} masks for {len(contributions)} contributions.")
+        contexts = [bytes(context)] * len(contributions) if isinstance(context, (bytes, bytearray)) else \
+            [bytes(c) for c in context]
+        if len(contexts) != len(contributions):
+            raise ProtocolError(f"{len(contexts)} contexts for {len(contributions)} contributions.")
         vector.meta["contributions"] = [(bytes(box), int(w)) for box, w in contributions]
-        vector.meta["context"] = bytes(context)
+        vector.meta["context"] = contexts
         vector.meta["masks"] = None if masks is None else [np.asarray(m, dtype=np.uint8) for m in masks]
 
     def decrypt(self, vector: EncryptedVector, *, threads: int = 1) -> np.ndarray:
@@ -608,7 +624,7 @@ class MaskedSecretKey(SecretKey):
                 if vector.positions.size and int(vector.positions[-1]) >= bits.size:
                     raise ProtocolError("A contributor's mask is shorter than the aggregate.")
                 rows = np.flatnonzero(bits[vector.positions])
-            pad = pads(self.contributor_pad_key(box, vector.meta["context"]), vector.positions[rows], ring)
+            pad = pads(self.contributor_pad_key(box, vector.meta["context"][i], ring), vector.positions[rows], ring)
             if weight == 1:
                 words[rows] -= pad
             else:

@@ -132,8 +132,9 @@ class JobClient:
 
     def submit(self, job: Job, *, timeout: float = 60.0) -> str:
         """Queue ``job``; returns its id. ConfigError with the coordinator's reason if refused."""
-        reply = self._ask("jobs/submit", JobSubmit(request_id=uuid.uuid4().hex[:12], job=job.model_dump(mode="json")),
-                          timeout)
+        from senseshield.runtime.jobsig import job_submission
+
+        reply = self._ask("jobs/submit", job_submission(job), timeout)
         if not reply.accepted:
             raise ConfigError(f"The coordinator refused the job: {reply.reason}")
         return reply.job_id

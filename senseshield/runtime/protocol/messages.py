@@ -254,6 +254,18 @@ class RoundPlan(Message):
     def mask(self) -> np.ndarray | None:
         return unpack_mask(self.shared_mask, self.size) if self.has_shared_mask else None
 
+    def digest(self) -> str:
+        """SHA-256 of everything this plan asks of the device (every field but the deadline,
+        which a re-sent plan may move): it enters the masked scheme's pad key and the
+        receipt, so a pad made under one plan is worthless under another."""
+        import hashlib
+        import json
+
+        fields = self.model_dump(mode="json", exclude={"deadline", "shared_mask"})
+        digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode())
+        digest.update(b"\0" + np.ascontiguousarray(self.shared_mask, dtype=np.uint8).tobytes())
+        return digest.hexdigest()
+
 
 @message
 class Proposal(Message):
@@ -347,11 +359,20 @@ class RoundFailure(Message):
 @message
 class JobSubmit(Message):
     """``jobs/submit`` (operator -> coordinator): a job to queue (a :class:`senseshield.job.Job`
-    as JSON); the answer goes to ``jobs/replies/<request_id>``."""
+    as JSON); the answer goes to ``jobs/replies/<request_id>``.
+
+    ``nonce`` (version 2): the job's id and run id, drawn by the operator's machine when it
+    signs the job: the coordinator cannot choose a run id, and the key server serves each
+    nonce as one job only. ``initial_digest``: SHA-256 of the job's float32 initial model
+    (:func:`senseshield.he.base.model_digest`), which the key server and every device check
+    against the model the coordinator forwards (:func:`senseshield.runtime.jobsig.job_refusal`)."""
 
     schema_name: ClassVar[str] = "job-submit"
+    version: ClassVar[int] = 2
     request_id: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     job: dict[str, Any]
+    nonce: str = Field("", pattern=r"^(j-[0-9a-f]{16})?$")
+    initial_digest: str = Field("", pattern=r"^([0-9a-f]{64})?$")
 
 
 @message
@@ -516,10 +537,12 @@ class Receipt(Message):
     re-run jobs). ``shares`` (version 3, distributed DP): the number of contributors the
     agent sized its noise share for; the key server decrypts no sum of fewer contributors,
     so every sum it unmasks carries at least the job's noise, whatever the coordinator
-    planned."""
+    planned. ``plan_digest`` (version 4): :meth:`RoundPlan.digest` of the plan the update was
+    made under; the masked scheme's pads of this contribution are derived with it
+    (:func:`senseshield.he.base.round_context`), so the key server removes them with it."""
 
     schema_name: ClassVar[str] = "receipt"
-    version: ClassVar[int] = 3
+    version: ClassVar[int] = 4
     sections: ClassVar[dict[str, str]] = {"fingerprint": "bytes"}
     run_id: str
     cluster: int = Field(ge=0)
@@ -530,6 +553,7 @@ class Receipt(Message):
     fingerprint: bytes = b""  # empty when nothing is encrypted or the scheme is not verifiable
     start_digest: str = Field("", max_length=64)  # SHA-256 of the float32 model trained from
     shares: int = Field(0, ge=0, le=1 << 20)  # distributed DP: contributors its noise share is sized for (0: none)
+    plan_digest: str = Field("", max_length=64)  # RoundPlan.digest() of the plan it was made under
 
 
 @message
