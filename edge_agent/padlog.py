@@ -39,7 +39,7 @@ class PadLog:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.used: dict[str, tuple[str, str]] = {}  # slot -> (context digest, ciphertext digest)
-        self._cut = False  # the file ends in a cut line: the next record starts on a line of its own
+        self._cut: int | None = None  # the file ends in a cut line: its length without it (cut before the next record)
         if self.path.is_symlink():
             raise ConfigError(f"The pad log {self.path} is a symbolic link; give the file itself.")
         if self.path.exists():
@@ -56,7 +56,8 @@ class PadLog:
                     raise ConfigError(f"The pad log {self.path} has a broken line {n}; restore it from a backup "
                                       "(it records the rounds this device has masked in).")
                 self.used.setdefault(parts[0], (parts[1], parts[2]))
-            self._cut = bool(text) and not text.endswith("\n")
+            if text and not text.endswith("\n"):
+                self._cut = len(text[: text.rfind("\n") + 1].encode())
 
     def refusal(self, slot: str, context: bytes, ciphertext: bytes) -> str | None:
         """Why ``ciphertext`` masked in ``context`` must not be sent in ``slot`` (one sentence
@@ -75,8 +76,10 @@ class PadLog:
         if slot in self.used:
             return
         entry = (_digest(context), _digest(ciphertext))
-        line = ("\n" if self._cut else "") + _LINE.format(slot=slot, context=entry[0], ciphertext=entry[1])
+        line = _LINE.format(slot=slot, context=entry[0], ciphertext=entry[1])
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self._cut is not None:  # the cut line's frame was never sent: drop it
+            os.truncate(self.path, self._cut)
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
                      0o600)
         try:
@@ -84,7 +87,7 @@ class PadLog:
             os.fsync(fd)
         finally:
             os.close(fd)
-        self.used[slot], self._cut = entry, False
+        self.used[slot], self._cut = entry, None
 
 
 def _digest(data: bytes) -> str:
