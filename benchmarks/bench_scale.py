@@ -53,7 +53,7 @@ from senseshield.data import load_dataset  # noqa: E402
 from senseshield.data.shards import shards  # noqa: E402
 from senseshield.bench.he import _cpu_model  # noqa: E402
 from senseshield.he import SCHEMES  # noqa: E402
-from senseshield.he.base import round_context  # noqa: E402
+from senseshield.he.base import model_digest, round_context  # noqa: E402
 from senseshield.job import Job, announced_run, build_job_model, train_config  # noqa: E402
 from senseshield.device_noise import DeviceNoise  # noqa: E402
 from senseshield.rounds import choice_report, client_bootstrap, client_seed, local_update, protect_local  # noqa: E402
@@ -117,6 +117,8 @@ class LoadGenerator:
         self.bytes_sent = 0
         self.done = threading.Event()
         self.run_id: str | None = None
+        self.starts: dict[tuple[int, int], str] = {}  # (cluster, round) -> model_digest of its model
+        self.waiting_model: dict[tuple[int, int], list] = {}  # updates waiting for the model they start from
         self.public = None
         self.key_seen = False
         self.seeds: dict[tuple[str, int], bytes] = {}
@@ -199,6 +201,9 @@ class LoadGenerator:
                 self._update(agent, frame.round, plan, shared)
         elif isinstance(msg, ClusterModel):
             if msg.run_id == self.run_id:
+                self.starts[(msg.cluster, frame.round)] = model_digest(msg.weights)
+                for agent, r, plan, shared in self.waiting_model.pop((msg.cluster, frame.round), []):
+                    self._update(agent, r, plan, shared)
                 self._metrics(msg.cluster, frame.round, msg.weights)
         elif isinstance(msg, Notice):
             if msg.run_id == self.run_id and msg.kind in ("done", "cancelled"):
@@ -250,6 +255,10 @@ class LoadGenerator:
         if verifiable and (agent, r) not in self.seeds:
             self.waiting.setdefault(r, []).append((agent, plan, shared))
             return
+        start = self.starts.get((plan.cluster, plan.model_round)) if plan.model_round else model_digest(self.initial)
+        if start is None:  # the model it starts from has not arrived yet
+            self.waiting_model.setdefault((plan.cluster, plan.model_round), []).append((agent, r, plan, shared))
+            return
         t = self.template(agent)
         digest = hashlib.sha256(np.packbits(shared).tobytes()).hexdigest() if shared is not None else ""
         key = (t, plan.cluster, plan.encryption_budget, plan.block_size, digest)
@@ -259,8 +268,9 @@ class LoadGenerator:
         if key not in self.cache:  # encrypt this template's update once; every agent replays it
             context = ClientContext(f"template-{t}", 1, plan.cluster, plan.encryption_budget, shared, plan.block_size,
                                     participants=plan.participants, noise_multiplier=plan.noise_multiplier)
-            public = (self.public.for_contributor(self.ids[agent].exchange, round_context(self.name, self.run_id, r, plan.cluster),
-                                                    ring_bits=plan.ring_bits)
+            public = (self.public.for_contributor(self.ids[agent].exchange,
+                                                  round_context(self.name, self.run_id, r, plan.cluster, plan.digest()),
+                                                  ring_bits=plan.ring_bits)
                       if own else self.public)
             update, choice = protect_local(self.strategy, context, self.local[t], public,
                                            n_samples=self.samples(t), rng=DeviceNoise().generator("protect", round=1, index=t))
@@ -279,7 +289,7 @@ class LoadGenerator:
             ciphertext_digest=hashlib.sha256(message.ciphertext).hexdigest() if message.ciphertext else "",
             fingerprint=fp,
             # replayed template updates: the digest names the cluster model of the round they stand for
-            start_digest=hashlib.sha256(f"{self.run_id}/{plan.cluster}/{plan.model_round}".encode()).hexdigest())
+            start_digest=start, plan_digest=plan.digest())
         signed = to_frame(receipt, fleet=self.name, sender=agent, round=r, signer=self.ids[agent])
         self.send(agent, f"agents/{agent}/update", message.model_copy(update={"receipt": signed}), r)
         self.sent_updates.setdefault(r, set()).add(agent)

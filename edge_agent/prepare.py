@@ -14,7 +14,7 @@ from senseshield.data import load_dataset
 from senseshield.data.local import describe_data, load_local_data
 from senseshield.data.shards import shards
 from senseshield.errors import ConfigError
-from senseshield.job import Job, announced_run, build_job_model, device_index
+from senseshield.job import Job, announced_run, device_index, initial_model
 from senseshield.rounds import LocalData
 from senseshield.runtime.protocol.messages import FleetConfig
 
@@ -37,9 +37,13 @@ class PreparedRun:
     count: int
 
 
-def prepare(msg: FleetConfig, spec: DataSpec, agent_id: str) -> PreparedRun:
+def prepare(msg: FleetConfig, spec: DataSpec, agent_id: str, *, rebuild_initial: bool = False) -> PreparedRun:
     """Check a new run's config against this device (config fields, strategy, the local
-    dataset's shapes, the model's size) and load its data; ProtocolError/ConfigError."""
+    dataset's shapes, the model's size) and load its data; ProtocolError/ConfigError.
+    ``rebuild_initial``: the initial model must be the one the job's seed builds here (a
+    signed job whose operator could not build its model signs no initial digest; the
+    device checks the coordinator's initial model itself)."""
+    from senseshield.he.base import model_digest
     from senseshield.training import layout_of
 
     config, strategy, _ = announced_run(msg.config)
@@ -48,9 +52,12 @@ def prepare(msg: FleetConfig, spec: DataSpec, agent_id: str) -> PreparedRun:
         index, count = spec.index if spec.index is not None else device_index(agent_id), 1
     else:
         data, index, count = shard_data(config, msg, spec)
-    model = build_job_model(config, tuple(msg.input_shape), msg.num_classes)
+    model, initial = initial_model(config, tuple(msg.input_shape), msg.num_classes)
     if layout_of(model).size != msg.initial.size:
         raise ConfigError(f"The run's model {config.model!r} has {msg.initial.size} parameters; here it has {layout_of(model).size}; versions differ.")
+    if rebuild_initial and model_digest(initial) != model_digest(msg.initial):
+        raise ConfigError(f"The run's initial model is not the one the signed job's seed {config.seed} builds for "
+                          f"model {config.model!r} here; a coordinator cannot move the model a job starts from.")
     return PreparedRun(msg, config, strategy, data, model, index, count)
 
 

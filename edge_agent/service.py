@@ -65,7 +65,7 @@ from edge_agent.prepare import PreparedRun, prepare
 from edge_agent.padlog import FILE_NAME as PAD_LOG, PadLog, slot_of
 from edge_agent.round import needs_fingerprint, pad_context, plan_refusal, protect, receipt, round_key, train
 from senseshield.development import development_mode
-from senseshield.runtime.jobsig import job_refusal
+from senseshield.runtime.jobsig import job_refusal, signed_initial
 from senseshield.data.local import check_source
 from senseshield.job import Job, announced_run
 
@@ -235,6 +235,7 @@ class EdgeAgent(Service):
         if item.sender != "coordinator":
             raise ProtocolError(f"fleet/config from {item.sender!r}; only the coordinator may set it.")
         msg: FleetConfig = item.message
+        announced_run(msg.config)  # a forged or broken config is rejected here
         # every config, whatever its run id: a config under a known run id must still be the
         # job an operator signed, with the nonce and initial model it signed
         refusal = job_refusal(msg.run_id, msg.config, msg.submission, self.trust, fleet=self.fleet,
@@ -428,7 +429,9 @@ class EdgeAgent(Service):
         """The job checked against this device, its data loaded (:func:`edge_agent.prepare.prepare`),
         on this agent's torch threads."""
         self._torch()
-        return prepare(msg, self.data_spec, self.agent_id)
+        # a signed job without an initial digest: the device rebuilds the model from its seed
+        rebuild = self.require_signed_jobs and not signed_initial(msg.submission)
+        return prepare(msg, self.data_spec, self.agent_id, rebuild_initial=rebuild)
 
     def _join(self, prepared: PreparedRun) -> None:
         """Set up for a new run: data, model, hello, bootstrap vector, synthetic data."""

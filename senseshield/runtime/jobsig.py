@@ -41,13 +41,27 @@ def new_nonce() -> str:
 
 def initial_digest(job: Job) -> str:
     """SHA-256 of ``job``'s float32 initial model (built from its seed and model, as the
-    coordinator builds it), or "" when the job has no input shape to build it with."""
+    coordinator builds it), or "" when it cannot be built here (no input shape, or a model of
+    the user's that only the fleet's hosts can import): the agents then rebuild it from the
+    signed seed and model themselves (:func:`edge_agent.prepare.prepare`)."""
     from senseshield.job import initial_model
 
     if job.input_shape is None or job.num_classes is None:
         return ""
-    _, weights = initial_model(job, tuple(job.input_shape), job.num_classes)
+    try:
+        _, weights = initial_model(job, tuple(job.input_shape), job.num_classes)
+    except ConfigError:
+        return ""
     return model_digest(weights)
+
+
+def signed_initial(submission: bytes) -> str:
+    """The initial model digest a submission signs ("" if none or no submission); its
+    signature is :func:`job_refusal`'s to check."""
+    if not submission:
+        return ""
+    message = from_frame(decode_frame(submission))
+    return message.initial_digest if isinstance(message, JobSubmit) else ""
 
 
 def job_submission(job: Job) -> JobSubmit:
@@ -133,7 +147,8 @@ def job_refusal(run_id: str, config: dict[str, Any], submission: bytes, trust: T
     The key server and every agent ask it of every ``fleet/config``, whatever its run id.
     A submission must be an operator's signature of this very job: the same configuration,
     the run id it signed (its nonce: the coordinator cannot choose or re-use another) and the
-    initial model it signed (its digest). Without a submission the run is served only when
+    initial model it signed (its digest; a job signed where its model could not be built
+    carries none, and the agents rebuild the model from the signed seed instead). Without a submission the run is served only when
     ``required`` is False (development mode, ``--allow-unsigned-jobs`` or no trust file); a
     submission, when given, is always checked."""
     if not submission:
@@ -164,10 +179,6 @@ def job_refusal(run_id: str, config: dict[str, Any], submission: bytes, trust: T
     if initial is not None and signed_msg.initial_digest and model_digest(initial) != signed_msg.initial_digest:
         return (f"Job {run_id} is refused: its initial model (SHA-256 {model_digest(initial)[:16]}...) is not the one "
                 f"{operator!r} signed ({signed_msg.initial_digest[:16]}...).")
-    if initial is not None and not signed_msg.initial_digest and required:
-        return (f"Job {run_id} is refused: the job {operator!r} signed does not name its initial model "
-                "(no input shape to build it with when it was signed); give input_shape and num_classes, or a "
-                "built-in dataset, and sign it again.")
     return None
 
 
