@@ -9,8 +9,9 @@ agent's values at the positions that agent alone encrypted. Reported per setting
 of the agents' encrypted values recovered (mean and max over agents and rounds), the share of
 union positions left sealed, and the final accuracy. Settings: equal budgets; one agent's
 partner at a 1 % budget (declared slow profile); min_encryptors 1 (the papers' rule) vs 2,
-and nested masks (``masks=nested``: one cluster ranking, prefixes capped so every encrypted
-block has two encryptors) with min_encryptors 2. ``encrypted_per_round``: values encrypted
+and nested masks (``masks=nested``: one cluster ranking, prefixes capped so every block of
+the prefixes has two encryptors, plus each agent's own solver mask, whose blocks no other
+agent picked are sealed) with min_encryptors 2. ``encrypted_per_round``: values encrypted
 per round over all agents (the HE work).
 ``chance``: the same score for guessing the other agents' plaintext mean (what is left
 of the attack when the encryptor's value is not in the mean).

@@ -116,4 +116,6 @@ class JobBook:
     def save(self) -> None:
         if self.path is None:
             return
-        write_atomic(self.path, json.dumps([asdict(r) for r in self.records.values()]))
+        # nothing secret: jobs, states and events (published on jobs/board) and the signed
+        # submissions (forwarded to the key server and the agents in fleet/config)
+        write_atomic(self.path, json.dumps([asdict(r) for r in self.records.values()]), mode=0o644)

@@ -1271,7 +1271,7 @@ class Coordinator(Service):
         if self.plan is not None and state != "running":
             report = self.report()
             if self.job_out is not None:
-                write_atomic(self.job_out / "report.json", json.dumps(report.model_dump(mode="json"), indent=2))
+                write_atomic(self.job_out / "report.json", json.dumps(report.model_dump(mode="json"), indent=2), mode=0o644)
                 self.book.set(record, out=str(self.job_out))
         final = report.final_metric if report is not None else None
         self.book.set(record, state=state, reason=reason, metric=final if final is not None else record.metric,

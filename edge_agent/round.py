@@ -111,11 +111,17 @@ def protect(strategy, local, plan: RoundPlan, shared: np.ndarray | None, *, agen
     context = ClientContext(
         agent_id, r, plan.cluster, budget, shared, plan.block_size,
         participants=plan.participants, noise_multiplier=plan.noise_multiplier,
+        min_encrypted=min_he_ratio if public is not None else 0.0,
     )
     update, choice = protect_local(
         strategy, context, local, key, n_samples=n_samples,
         rng=noise.generator("protect", round=r, index=index), min_encrypted=min_he_ratio if public else 0.0,
     )
+    if "own_blocks_added" in choice.info:
+        blocks, given, after = choice.info["own_blocks_added"]
+        log.warning("round %d: the coordinator's nested mask (%.4f of the parameters) left out %d of this device's "
+                    "most sensitive blocks (its own mask at budget %.4f); encrypting them too (%.4f of the parameters)",
+                    r, given, blocks, budget, after)
     if "topped_up" in choice.info:
         before, after = choice.info["topped_up"]
         log.warning("round %d: the mask encrypted %.4f; topped up to %.4f with the most sensitive blocks "

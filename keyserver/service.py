@@ -90,7 +90,7 @@ def load_or_generate(key_dir: Path, scheme: str, key_bits: int, structure: str =
     t = time.perf_counter()
     secret = factory.generate(**options)
     write_secret(path, secret.to_bytes(include_secret=True))
-    write_atomic(key_dir / (path.stem + ".pub"), secret.public_key.to_bytes())
+    write_atomic(key_dir / (path.stem + ".pub"), secret.public_key.to_bytes(), mode=0o644)
     log.info("generated %s key %s%s in %.1f s; secret in %s", scheme, secret.public_key.key_id, _structure(secret),
              time.perf_counter() - t, path)
     return secret

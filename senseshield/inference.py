@@ -408,8 +408,9 @@ def export_onnx(
     )
     from senseshield.runtime.files import write_atomic
 
-    write_atomic(out_path, data)
-    write_atomic(sidecar_path(out_path), sidecar.to_json().encode("utf-8"))
+    # an export is the publishing step: the model is written for the runtimes that serve it
+    write_atomic(out_path, data, mode=0o644)
+    write_atomic(sidecar_path(out_path), sidecar.to_json().encode("utf-8"), mode=0o644)
     return sidecar
 
 

@@ -62,3 +62,39 @@ def test_the_devices_encryption_floor_raises_the_coordinators_budget(caplog):
         protected = _round(public, budget=0.0, min_he_ratio=0.5)[3]
     assert "encryption budget 0.0000 is below this device's minimum 0.5000" in caplog.text
     assert protected is not None and float(protected.update.mask.mean()) >= 0.5
+
+
+def test_a_nested_mask_of_the_least_sensitive_blocks_leaves_the_devices_top_blocks_encrypted(caplog):
+    """The coordinator writes the device's least sensitive 5 % of blocks as its nested mask
+    (the measured attack): the device still encrypts its own most sensitive blocks up to its
+    budget (raised to its --min-he-ratio floor), keeps the coordinator's blocks, and says so
+    in one warning line."""
+    from senseshield.engine.masks import block_scores
+    from senseshield.runtime.protocol.messages import pack_mask
+
+    job = JOB.model_copy(update={"options": JOB.options.model_copy(update={"masks": "nested"})})
+    public, _ = key_pair("masked", 0)
+    _, initial = initial_model(job, (1, 8, 8), 10)
+    msg = FleetConfig(run_id="j-1", config=job.model_dump(mode="json"), input_shape=[1, 8, 8], num_classes=10,
+                      round_deadline=30, initial=initial)
+    prepared = prepare(msg, DataSpec(shard=(1, 4)), "a1")
+    state, noise = ClientState(), DeviceNoise(replay_seed=7)
+    probe = RoundPlan(cluster=0, encryption_budget=0.1, deadline=0.0, block_size=8, size=initial.size,
+                      shared_mask=np.zeros(0, np.uint8))
+    local = train(prepared.strategy, prepared.model, initial, state, prepared.data, prepared.config, probe, 1, 1, noise)
+    per_block = block_scores(local.sensitivity, block_size=8)
+    order = np.argsort(-per_block, kind="stable")
+    worst = np.zeros(per_block.size, bool)
+    worst[order[-max(1, int(0.05 * per_block.size)):]] = True
+    hostile = np.repeat(worst, 8)[: initial.size]
+    plan = probe.model_copy(update={"has_shared_mask": True, "shared_mask": pack_mask(hostile)})
+    key = round_key(public, IDENTITY.exchange, "f", "j-1", 1, plan)
+    with caplog.at_level(logging.WARNING, logger="senseshield.agent"):
+        protected = protect(prepared.strategy, local, plan, plan.mask(), agent_id="a1", r=1, public=public, key=key,
+                            state=state, n_samples=prepared.data.n_train, noise=noise, index=1, min_he_ratio=0.25)
+    assert protected is not None
+    sent = protected.update.mask
+    own = np.repeat(np.isin(np.arange(per_block.size), order[:int(0.25 * per_block.size)]), 8)[: initial.size]
+    assert sent[own].all() and sent[hostile].all()  # its top blocks at the floor, and the given ones
+    assert "left out" in caplog.text and "most sensitive blocks" in caplog.text
+    assert len([line for line in caplog.text.splitlines() if "nested mask" in line]) == 1

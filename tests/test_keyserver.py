@@ -207,6 +207,22 @@ def test_keys_are_private_on_disk_and_only_public_material_is_announced(harness,
     assert format(int(primes["p"], 16), "x").encode() not in announcement.key
 
 
+def test_the_checkpoint_and_ledger_are_private_and_the_public_key_is_public(harness, tmp_path):
+    """The key server's checkpoint (its challenge seeds, sealed challenges, models) and its
+    ledger are 0600 from their first write (write_atomic's default), not left to the key
+    directory's 0700; only the public key file is written for others to read."""
+    harness.start_run()
+    harness.open_round(1, {0: ["a", "b"]})
+    result = harness.verdict(1, harness.request(1, 0, [harness.contribution(x, 1, 0) for x in "ab"]))
+    assert result.accepted, result.reason
+    key_dir = tmp_path / "keys"
+    for name in (f"models-{FLEET}.npz", f"ledger-{FLEET}.json"):
+        assert stat.S_IMODE((key_dir / name).stat().st_mode) == 0o600, name
+    assert json.loads((key_dir / f"ledger-{FLEET}.json").read_text())  # the round's contributions are in it
+    (public_file,) = key_dir.glob("packed-paillier-*.pub")
+    assert stat.S_IMODE(public_file.stat().st_mode) & 0o044  # readable by others (0644 before the umask)
+
+
 def test_honest_aggregates_pass_and_each_attack_is_refused_with_its_reason(harness):
     """Forged contributor names, a single ciphertext under three genuine receipts, overlapping
     aggregates (a fresh cluster id; a contribution signed for another cluster), a replay into a

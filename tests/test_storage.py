@@ -23,8 +23,8 @@ from tests.test_fleet import keyserver_models, wait_for
 
 
 def test_a_failed_write_leaves_the_old_file_and_no_temporary_one(tmp_path, monkeypatch):
-    path = write_atomic(tmp_path / "a" / "report.json", "old")
-    assert path.read_text() == "old" and path.stat().st_mode & 0o777 == 0o666 & ~_umask()
+    path = write_atomic(tmp_path / "a" / "report.json", "old", mode=0o644)
+    assert path.read_text() == "old" and path.stat().st_mode & 0o777 == 0o644 & ~_umask()
     real_fsync = os.fsync
 
     def full(fd: int) -> None:
@@ -39,6 +39,22 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary_one(tmp_path, monke
     (tmp_path / "models").write_text("")
     with pytest.raises(StorageError, match="Not a directory"):
         write_atomic(tmp_path / "models" / "round-1" / "cluster-0.npy", b"x")
+
+
+def test_a_new_file_is_private_unless_its_caller_makes_it_public(tmp_path):
+    """write_atomic's default is 0600, whatever the umask; a file once public and written
+    again with the default becomes private (the file is created anew, its old mode is not
+    kept); mode=0o644 is the public mode, under the umask."""
+    old = os.umask(0)
+    try:
+        secret = write_atomic(tmp_path / "ledger.json", "{}")
+        assert secret.stat().st_mode & 0o777 == 0o600
+        public = write_atomic(tmp_path / "report.json", "{}", mode=0o644)
+        assert public.stat().st_mode & 0o777 == 0o644
+        write_atomic(public, "{}")
+        assert public.stat().st_mode & 0o777 == 0o600
+    finally:
+        os.umask(old)
 
 
 def test_a_planted_temporary_name_is_never_written_through(tmp_path):

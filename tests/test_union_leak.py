@@ -28,12 +28,15 @@ def test_the_union_block_attack_is_at_chance_under_the_k_rule(k):
         assert hits == chance < attacked / 2  # what is left is the guess of the others' mean
 
 
-def test_nested_masks_leave_nothing_to_attack_and_nothing_sealed():
-    """masks=nested: every encrypted block has two encryptors, slow partner included, so the
-    attacker has no single-encryptor value and no position is sealed."""
+def test_nested_masks_leave_only_the_devices_own_additions_sealed_and_the_attack_at_chance():
+    """masks=nested: every block of the plan's prefixes has two encryptors, slow partner
+    included; what is left with one encryptor is what a device added of its own most
+    sensitive blocks (its floor, which the coordinator's prefix cannot lower), all sealed by
+    the k rule, so the attacker does no better than guessing the others' mean."""
     tally = Tally()
     job = Job(strategy="sensecrypt", dataset="digits", model="mlp", clients=4, rounds=1, seed=1, partition="iid",
               cpu=[8.0, 8.0, 8.0, 0.08], bandwidth=[100.0, 100.0, 100.0, 1.0], options={"masks": "nested"})
     result = run_simulation(job, noise_seed=1, observe=tally.observe)
-    assert tally.encrypted > 0 and tally.alone == 0 and tally.recovered == 0
-    assert result.rounds[0].sealed_positions == 0
+    assert tally.encrypted > 0 and tally.alone < 0.05 * tally.encrypted
+    assert result.rounds[0].sealed_positions == tally.alone  # every single-encryptor position is sealed
+    assert tally.recovered == tally.chance

@@ -99,7 +99,7 @@ def sign(
         frame = sign_job(job, Identity.load_or_create(name, identity), fleet=fleet)
         if trust is not None:
             check_signed_job(frame, Trust.load(trust, fleet=fleet), fleet=fleet, where=repr(str(out_file)))
-        write_atomic(out_file, frame)
+        write_atomic(out_file, frame, mode=0o644)  # sent to the coordinator, key server and agents
     except (ConfigError, StorageError) as exc:
         fail(str(exc))
     console.print(f"job {job.label} signed by {name} for fleet {fleet!r}: {out_file}")

@@ -819,6 +819,48 @@ def nested_block_masks(
     return out
 
 
+def with_own_blocks(
+    mask: np.ndarray,
+    own: np.ndarray,
+    scores: np.ndarray,
+    *,
+    alpha: float,
+    floor: float = 0.0,
+    block_size: int = 1,
+) -> tuple[np.ndarray, int]:
+    """``mask`` (chosen by someone else: the coordinator's nested prefix) united with the
+    device's own protection, and how many blocks that added.
+
+    The device's own protection is ``own`` (the mask its solver picks on its own sensitivity
+    at its budget ``alpha``, a prefix of its own ranking of block sums), raised to its
+    ``floor`` (``--min-he-ratio``: its most sensitive blocks until that fraction of the
+    positions, as :func:`top_up_mask` adds them to an empty mask), and at least its most
+    sensitive block for a positive ``alpha``. It is a set, not a fraction: whatever ``mask``
+    says, those blocks are encrypted, so a mask can add to a device's protection but never
+    replace it (a mask of its least sensitive blocks still leaves its most sensitive ones
+    encrypted). ``mask`` is never shrunk; the result is ``mask | protection`` exactly.
+    """
+    m = np.asarray(mask)
+    o = np.asarray(own)
+    for name, v in (("mask", m), ("own", o)):
+        if v.dtype != np.bool_ or v.ndim != 1:
+            raise ConfigError(f"{name} must be a 1-D boolean array (one entry per position).")
+    a = _alpha(alpha)
+    size = _positive_int("block_size", block_size)
+    g = _score_vector("scores", scores, non_negative=True)
+    if not m.size == o.size == g.size:
+        raise ConfigError(f"mask, own and scores have {m.size}, {o.size} and {g.size} entries; they must match.")
+    protection = o | top_up_mask(np.zeros(g.size, dtype=bool), g, fraction=floor, block_size=size)
+    if a > 0 and g.size and not protection.any():  # the most sensitive block, ties lower index first
+        top = int(np.argmax(block_scores(g, block_size=size)))
+        protection[top * size:(top + 1) * size] = True
+    added = protection & ~m
+    if not added.any():
+        return m.copy(), 0
+    blocks = int(np.count_nonzero(np.logical_or.reduceat(added, np.arange(0, g.size, size))))
+    return m | protection, blocks
+
+
 def top_fraction_block_mask(scores: np.ndarray, *, ratio: float, block_size: int) -> np.ndarray:
     """:func:`top_fraction_mask` over block sums, expanded to positions (block-aligned)."""
     s = np.asarray(scores, dtype=np.float64)

@@ -9,8 +9,12 @@ sentence naming the path and the reason, which stops a service (exit 74) instead
 it go on with files it could not save.
 
 Every file the services write goes through here: the coordinator's report, cluster models,
-checkpoint and job book, the key server's checkpoint and secret key files, the agents' ONNX
-models.
+checkpoint and job book, the key server's checkpoint, ledger and secret key files, the agents'
+ONNX models.
+
+A new file is 0600 unless the caller says otherwise: only its owner can read it, whatever
+the directory it lands in. A file meant to be read by others (a report, a public key, a trust
+file, a signed job, an exported model) is written with ``mode=0o644`` at its call site.
 """
 
 from __future__ import annotations
@@ -24,10 +28,12 @@ from pathlib import Path
 from senseshield.errors import StorageError
 
 
-def write_atomic(path: str | Path, data: bytes | str, *, mode: int = 0o666) -> Path:
+def write_atomic(path: str | Path, data: bytes | str, *, mode: int = 0o600) -> Path:
     """Replace ``path`` with ``data`` (str: UTF-8) atomically; its directory is created if
-    missing. ``mode`` is the new file's permission before the umask (0o600 for secrets: the
-    file is never readable by others, not even for a moment). :class:`StorageError` if
+    missing. ``mode`` is the new file's permission before the umask: by default 0600, so the
+    file is never readable by others, not even for a moment (a key server's checkpoint and
+    ledger, a coordinator's checkpoint); ``0o644`` only for a file meant to be read by others.
+    The file is created anew, so the old file's mode is not kept. :class:`StorageError` if
     anything fails; then ``path`` is as it was and no temporary file is left."""
     path = Path(path)
     raw = data.encode() if isinstance(data, str) else bytes(data)

@@ -89,8 +89,9 @@ def job_file(config: Job, options: "FleetOptions", path: Path, operator: Identit
     job = with_shape(config.model_copy(update={
         "clients": options.agents, "min_devices": options.agents, "round_deadline": deadline,
     }))
-    write_atomic(path.with_suffix(".yaml"), yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False))
-    return write_atomic(path, sign_job(job, operator, fleet=options.fleet))
+    # the job is no secret: the coordinator forwards the signed frame to the key server and the agents
+    write_atomic(path.with_suffix(".yaml"), yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False), mode=0o644)
+    return write_atomic(path, sign_job(job, operator, fleet=options.fleet), mode=0o644)
 
 
 class Fleet:
@@ -328,7 +329,7 @@ class Fleet:
             raise ConfigError(f"The coordinator failed (exit {coordinator.returncode}): {' / '.join(tail)}")
         data = json.loads(report.read_text())
         self._augment(data)
-        write_atomic(report, json.dumps(data, indent=2))
+        write_atomic(report, json.dumps(data, indent=2), mode=0o644)
         return data
 
     def _augment(self, data: dict) -> None:
@@ -393,5 +394,5 @@ def fleet_up(config: Job, options: FleetOptions, progress: Progress | None = Non
     report["exit_codes"] = fleet.stop()
     if options.data and all(d is not None for d in options.data):  # the devices' own data, not the job's dataset
         report["dataset"], report["partition"] = data_label(options.data), "devices"
-    write_atomic(Path(options.out) / "report.json", json.dumps(report, indent=2))
+    write_atomic(Path(options.out) / "report.json", json.dumps(report, indent=2), mode=0o644)
     return report

@@ -304,7 +304,7 @@ class Trust:
         if self.signature is not None:
             data.update(serial=self.serial, signed_by=self.signed_by, signature=b64(self.signature))
         data["principals"] = {n: p.as_dict() for n, p in sorted(self.principals.items())}
-        return write_atomic(path, json.dumps(data, indent=2) + "\n")
+        return write_atomic(path, json.dumps(data, indent=2) + "\n", mode=0o644)  # distributed to every host
 
     @classmethod
     def next_serial(cls, path: str | Path, fleet: str) -> int:

@@ -91,7 +91,9 @@ class StrategyOptions(BaseModel):
             "sensitivity every round) or 'nested' (issue 22: the cluster ranks blocks once by its "
             "members' mean bootstrap sensitivity and each member encrypts the prefix of that one "
             "ranking the solver picks at its budget, the largest min_encryptors-1 prefixes capped "
-            "at the next, so every encrypted block has at least min_encryptors encryptors)."
+            "at the next, so every encrypted block has at least min_encryptors encryptors; each "
+            "member also encrypts its own most sensitive blocks up to its budget, which the "
+            "prefix adds to but never replaces: such a block fewer encrypt is sealed)."
         ),
     )
     straggle_limit: float | None = Field(
@@ -433,6 +435,9 @@ class ClientContext:
     block_size: int = 1  # mask granularity of the HE scheme (PublicKey.block_size)
     participants: int = 1  # |K^t|, clients sampled this round in this cluster
     noise_multiplier: float | None = None  # sigma of this run (calibrated if target epsilon)
+    # the device's own floor (--min-he-ratio; 0 in the simulator): nested masks keep its most
+    # sensitive blocks up to this fraction whatever mask the coordinator sends
+    min_encrypted: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ import numpy as np
 
 from senseshield.engine.clustering import cluster_clients
 from senseshield.engine.dp import relative_noise
-from senseshield.engine.masks import nested_block_masks, solve_block_mask
+from senseshield.engine.masks import nested_block_masks, solve_block_mask, with_own_blocks
 from senseshield.strategies.base import (
     STRATEGIES,
     BootstrapReport,
@@ -70,7 +70,9 @@ class SenseCrypt(Strategy):
 
     def planned_mask(self, plan, client_id, members, *, size, block_size=1):  # type: ignore[no-untyped-def]
         """Nested masks (``masks='nested'``): ``client_id``'s prefix of its cluster's ranking,
-        capped among the round's ``members`` (:func:`~senseshield.engine.masks.nested_block_masks`)."""
+        capped among the round's ``members`` (:func:`~senseshield.engine.masks.nested_block_masks`).
+        The device adds its own top blocks to it (:meth:`select_mask`): a floor this mask
+        cannot lower."""
         if self.options.masks != "nested":
             return super().planned_mask(plan, client_id, members, size=size, block_size=block_size)
         k = plan.cluster_of[client_id]
@@ -164,9 +166,6 @@ class SenseCrypt(Strategy):
         self, context: ClientContext, *, sensitivity: np.ndarray, weights: np.ndarray
     ) -> MaskChoice:
         o = self.options
-        if o.masks == "nested":
-            assert context.shared_mask is not None, "nested masks come with the round plan"
-            return MaskChoice(context.shared_mask.copy(), {"nested": True})
         solution = solve_block_mask(
             sensitivity,
             block_size=context.block_size,
@@ -177,6 +176,17 @@ class SenseCrypt(Strategy):
             eta_mi=o.eta_mi,
             bins=o.mi_bins,
         )
+        if o.masks == "nested":
+            assert context.shared_mask is not None, "nested masks come with the round plan"
+            # The coordinator's prefix can add to this device's protection, never replace it:
+            # what its own solver picks (raised to its floor) is encrypted whatever the plan says.
+            given = np.asarray(context.shared_mask, dtype=bool)
+            mask, added = with_own_blocks(given, solution.mask, sensitivity, alpha=context.encryption_budget,
+                                          floor=context.min_encrypted, block_size=context.block_size)
+            nested: dict = {"nested": True}
+            if added:
+                nested["own_blocks_added"] = [added, float(given.mean()), float(mask.mean())]
+            return MaskChoice(mask, nested)
         info = {
             "feasible": solution.feasible,
             "violations": list(solution.violations),

@@ -868,7 +868,7 @@ def run_trial(
 def _write(path: Path, data: dict) -> None:
     from senseshield.runtime.files import write_atomic
 
-    write_atomic(path, json.dumps(data, indent=2))
+    write_atomic(path, json.dumps(data, indent=2), mode=0o644)
 
 
 def _machine() -> dict:
