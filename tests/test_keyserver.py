@@ -37,6 +37,7 @@ from senseshield.runtime.protocol.messages import (
     aggregate_to_message,
     from_frame,
     pack_mask,
+    plain_digest,
     to_frame,
 )
 from senseshield.runtime.identity import SEALED_SEED_BYTES
@@ -150,7 +151,7 @@ class Harness:
                           mask_digest=hashlib.sha256(pack_mask(mask).tobytes()).hexdigest(),
                           ciphertext_digest=hashlib.sha256(cipher).hexdigest() if cipher else "", fingerprint=fp,
                           start_digest=hashlib.sha256((start or f"{run}/{cluster}/{r - 1}").encode()).hexdigest(),
-                          shares=shares)
+                          shares=shares, plain_digest=plain_digest(np.zeros(0, np.uint8), update.plaintext))
         return update, to_frame(receipt, fleet=FLEET, sender=agent, round=r, signer=self.ids[agent])
 
     def request(self, r: int, cluster: int, parts: list, *, contributors: list[str] | None = None,  # noqa: ANN001

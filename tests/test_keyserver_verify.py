@@ -16,7 +16,7 @@ from senseshield.he import SCHEMES
 from senseshield.he.base import round_context
 from senseshield.he.fingerprint import SEED_BYTES
 from senseshield.runtime.identity import Identity, Trust
-from senseshield.runtime.protocol.messages import Receipt, aggregate_to_message, pack_mask, to_frame
+from senseshield.runtime.protocol.messages import Receipt, aggregate_to_message, pack_mask, plain_digest, to_frame
 
 FLEET, RUN, SIZE, R = "f", "run-1", 24, 1
 
@@ -43,7 +43,8 @@ def _part(world, agent: str, *, stale: bool = False, n: int = 10):
     receipt = Receipt(run_id=RUN, cluster=0, n_samples=n, key_id=public.key_id,
                       mask_digest=hashlib.sha256(pack_mask(mask).tobytes()).hexdigest(),
                       ciphertext_digest=hashlib.sha256(cipher).hexdigest(), fingerprint=fp,
-                      start_digest=hashlib.sha256(b"start").hexdigest())
+                      start_digest=hashlib.sha256(b"start").hexdigest(),
+                      plain_digest=plain_digest(np.zeros(0, np.uint8), update.plaintext))
     return update, to_frame(receipt, fleet=FLEET, sender=agent, round=R, signer=ids[agent])
 
 
