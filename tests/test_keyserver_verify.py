@@ -94,6 +94,8 @@ def test_each_refusal_names_what_is_wrong(world):
     assert "the contributor list ['a', 'b'] is not the signed receipts' ['a', 'b', 'c']" in refusal
     refusal, _, _ = verify(_checks(world), R, 0, msg.model_copy(update={"total_weight": 31}), aggregate, {})
     assert refusal == "the aggregate weighs 31 samples; the receipts sign 30"
+    refusal, _, _ = verify(_checks(world), R, 0, msg.model_copy(update={"plains": b""}), aggregate, {})
+    assert refusal.startswith("the aggregate carries no plaintext parts of its contributors")
 
 
 def test_two_bad_fingerprints_are_refused_at_the_check_and_both_named_by_the_attempt_that_passes(world):
