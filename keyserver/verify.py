@@ -18,7 +18,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from senseshield.engine.aggregation import PlainContribution, recompute_plain_side, thin_positions, thin_report
+from senseshield.engine.aggregation import (
+    PlainContribution,
+    recompute_plain_side,
+    thin_positions,
+    thin_report,
+    unit_starts,
+)
 from senseshield.he import PublicKey, SecretKey
 from senseshield.runtime.identity import Trust, check_frame
 from senseshield.runtime.protocol.envelope import decode_frame
@@ -305,7 +311,7 @@ def _declared_differs(public, msg: AggregateRequest, ciphertext, side) -> str | 
 
 def _units(public, ciphertext) -> int:  # noqa: ANN001
     """The ciphertext units (positions, or blocks of ``block_size``) of an aggregate."""
-    return int(np.unique(np.asarray(ciphertext.positions) // public.block_size).size)
+    return int(unit_starts(ciphertext.positions, public.block_size).size)
 
 
 def _differing(a: np.ndarray, b: np.ndarray, size: int | None = None) -> int:

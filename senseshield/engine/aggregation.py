@@ -222,6 +222,13 @@ def check_plain_part(who: str, *, size: int, mask: np.ndarray, withheld: np.ndar
         raise ProtocolError(f"{who} claims {n_samples} samples; at least 1 is required.")
 
 
+def unit_starts(positions: np.ndarray, block_size: int) -> np.ndarray:
+    """Indices of the first of each unit (``block_size`` consecutive model positions) in the
+    sorted ``positions`` of a ciphertext."""
+    units = np.asarray(positions, dtype=np.int64) // max(1, int(block_size))
+    return np.flatnonzero(np.concatenate([[True], units[1:] != units[:-1]])) if units.size else units
+
+
 def thin_positions(packed: Sequence[np.ndarray], union: np.ndarray, min_encryptors: int) -> np.ndarray:
     """Union positions that 1..``min_encryptors``-1 of the ``packed`` masks (np.packbits)
     encrypt (bool, like ``union``)."""
@@ -433,8 +440,8 @@ class StreamingAggregate:
                 raise ProtocolError("An encrypted aggregate's plaintext side needs its public key.")
             fold = self.accumulator.fold(like)
             block = self.public_key.block_size if self.public_key is not None else 1
-            first = np.unique(np.asarray(like.positions) // block, return_index=True)[1]
-            units = self.position_weight[np.asarray(like.positions)[first]]
+            positions = np.asarray(like.positions)
+            units = self.position_weight[positions[unit_starts(positions, block)]]
         return PlainSide(plain_sum=plain_sum, position_weight=weights, thin_mask=thin, thin_sum=thin_sum,
                          fold=fold, unit_weights=units, union=self.union.copy())
 
