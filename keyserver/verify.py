@@ -1,7 +1,8 @@
 """The key server's checks of an aggregate request before anything is decrypted
 (:func:`verify`, with the k-encryptors rule of per-client-mask schemes,
-:func:`check_encryptors`), and the contributors it names at fault after a refusal at the
-fingerprint check (:func:`at_fault`).
+:func:`check_encryptors`, and the plaintext side of verifiable aggregates recomputed from the
+contributors' signed plaintext parts, :func:`check_plain_side`), and the contributors it
+names at fault after a refusal at the fingerprint check (:func:`at_fault`).
 
 Pure over what the service hands in (:class:`Checks`: the round's pinned plan, its
 challenge seed and box keys, the contributions already taken, the key, the ledger, the
@@ -88,8 +89,9 @@ def verify(checks: Checks, r: int, k: int, msg: AggregateRequest, aggregate,  # 
     ``k`` may be decrypted, else ``(reason, {}, {})``: the plan, every receipt's signature, round, run,
     cluster and membership, no contribution used twice in the round, the minimum of
     contributors, the weights, (shared-mask schemes) every receipt signs the aggregate's
-    mask, (verifiable schemes) the fingerprint equation, and (the masked scheme) a box
-    key for every contributor. ``prints`` receives each contributor's signed fingerprint (hex).
+    mask, (verifiable schemes) the fingerprint equation and the plaintext side the key
+    server recomputes (:func:`check_plain_side`; decryption then uses its own), and (the
+    masked scheme) a box key for every contributor. ``prints`` receives each contributor's signed fingerprint (hex).
     The ledger entries (contributor -> "key|agent|starting model") are the service's to
     record once the aggregate is decrypted."""
     c = checks
