@@ -75,6 +75,7 @@ from senseshield.runtime.protocol.messages import (  # noqa: E402
     RoundPlan,
     from_frame,
     pack_mask,
+    plain_digest,
     to_frame,
     unpack_mask,
     update_to_message,
@@ -287,7 +288,7 @@ class LoadGenerator:
             key_id=self.public.key_id if self.public is not None else "",
             mask_digest=hashlib.sha256(message.mask.tobytes()).hexdigest(),
             ciphertext_digest=hashlib.sha256(message.ciphertext).hexdigest() if message.ciphertext else "",
-            fingerprint=fp,
+            fingerprint=fp, plain_digest=plain_digest(message.withheld, message.plaintext),
             # replayed template updates: the digest names the cluster model of the round they stand for
             start_digest=start, plan_digest=plan.digest())
         signed = to_frame(receipt, fleet=self.name, sender=agent, round=r, signer=self.ids[agent])

@@ -103,11 +103,13 @@ def check_facts(plan: FleetPlan | None, agents: dict[str, AgentInfo], model_size
 
 
 def check_receipt(trust: Trust, receipt: bytes, *, agent_id: str, r: int, run_id: str, cluster: int, n_samples: int,
-                  ciphertext: bytes, verifiable: bool) -> None:
+                  ciphertext: bytes, verifiable: bool, plain: bytes) -> None:
     """The update's ``receipt`` must be the agent's own signed statement about this update
     (the key server checks it again, and the fingerprint): one bad receipt would make the
     whole cluster's aggregate refused. ``verifiable``: the update encrypts under a key whose
-    aggregates are checked against fingerprints (the receipt must carry one)."""
+    aggregates are checked against fingerprints (the receipt must carry one); ``plain``: the
+    update's plaintext part (:func:`~senseshield.runtime.protocol.messages.plain_part`),
+    whose digest the receipt signs."""
     if not receipt:
         raise ProtocolError(f"Update of {agent_id!r} carries no signed receipt.")
     frame = decode_frame(receipt)
@@ -119,6 +121,8 @@ def check_receipt(trust: Trust, receipt: bytes, *, agent_id: str, r: int, run_id
         raise ProtocolError(f"Update of {agent_id!r} carries a receipt for another run, cluster or sample count.")
     if statement.ciphertext_digest != (hashlib.sha256(ciphertext).hexdigest() if ciphertext else ""):
         raise ProtocolError(f"Update of {agent_id!r} carries a receipt for another ciphertext.")
+    if statement.plain_digest != hashlib.sha256(plain).hexdigest():
+        raise ProtocolError(f"Update of {agent_id!r} carries a receipt for another plaintext part.")
     if bool(statement.fingerprint) != bool(ciphertext and verifiable):
         raise ProtocolError(f"Update of {agent_id!r} carries a receipt without the fingerprint of its ciphertext.")
 

@@ -54,6 +54,7 @@ from senseshield.runtime.protocol.messages import (
     Status,
     UpdateMessage,
     pack_mask,
+    plain_part,
     unpack_mask,
     update_from_message,
 )
@@ -836,7 +837,7 @@ class Coordinator(Service):
         (coordinator.rounds.check_receipt)."""
         check_receipt(self.trust, msg.receipt, agent_id=agent_id, r=r, run_id=self.run_id, cluster=msg.cluster,
                       n_samples=msg.n_samples, ciphertext=msg.ciphertext,
-                      verifiable=self.keys.verifiable)
+                      verifiable=self.keys.verifiable, plain=plain_part(msg.withheld, msg.plaintext))
 
     def _check_floor(self, agent_id: str, r: int, he_ratio: float, cr: ClusterRound) -> None:
         """An update must encrypt what the device's budget asks for (coordinator.rounds.floor_refusal):

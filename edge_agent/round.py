@@ -29,7 +29,7 @@ from senseshield.rounds import (
     merge_personal,
     protect_local,
 )
-from senseshield.runtime.protocol.messages import Receipt, RoundPlan, UpdateMessage, update_to_message
+from senseshield.runtime.protocol.messages import Receipt, RoundPlan, UpdateMessage, plain_digest, update_to_message
 from senseshield.strategies import ClientContext
 
 log = logging.getLogger("senseshield.agent")
@@ -147,8 +147,9 @@ def needs_fingerprint(update, public: PublicKey | None) -> bool:  # noqa: ANN001
 def receipt(run_id: str, plan: RoundPlan, update, message: UpdateMessage, start: np.ndarray,  # noqa: ANN001
             public: PublicKey | None, fingerprint: bytes) -> Receipt:
     """What the update's signed receipt states: its job, cluster, sample count, key, the
-    digests of its mask and ciphertext, the ciphertext's ``fingerprint`` under the round's
-    challenge, and the digest of the cluster model ``start`` it was trained from."""
+    digests of its mask, ciphertext and plaintext part, the ciphertext's ``fingerprint``
+    under the round's challenge, and the digest of the cluster model ``start`` it was
+    trained from."""
     return Receipt(
         run_id=run_id, cluster=plan.cluster, n_samples=update.n_samples,
         key_id=public.key_id if public is not None else "",
@@ -156,4 +157,5 @@ def receipt(run_id: str, plan: RoundPlan, update, message: UpdateMessage, start:
         ciphertext_digest=hashlib.sha256(message.ciphertext).hexdigest() if message.ciphertext else "",
         fingerprint=fingerprint, start_digest=model_digest(start), shares=int(message.report.get("shares", 0)),
         plan_digest=plan.digest(),
+        plain_digest=plain_digest(message.withheld, message.plaintext),
     )

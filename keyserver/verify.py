@@ -1,7 +1,8 @@
 """The key server's checks of an aggregate request before anything is decrypted
 (:func:`verify`, with the k-encryptors rule of per-client-mask schemes,
-:func:`check_encryptors`), and the contributors it names at fault after a refusal at the
-fingerprint check (:func:`at_fault`).
+:func:`check_encryptors`, and the plaintext side of verifiable aggregates recomputed from the
+contributors' signed plaintext parts, :func:`check_plain_side`), and the contributors it
+names at fault after a refusal at the fingerprint check (:func:`at_fault`).
 
 Pure over what the service hands in (:class:`Checks`: the round's pinned plan, its
 challenge seed and box keys, the contributions already taken, the key, the ledger, the
@@ -18,11 +19,24 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from senseshield.engine.aggregation import thin_positions, thin_report
+from senseshield.engine.aggregation import (
+    PlainContribution,
+    recompute_plain_side,
+    thin_positions,
+    thin_report,
+    unit_starts,
+)
 from senseshield.he import PublicKey, SecretKey
 from senseshield.runtime.identity import Trust, check_frame
 from senseshield.runtime.protocol.envelope import decode_frame
-from senseshield.runtime.protocol.messages import AggregateRequest, Receipt, from_frame, pack_mask, unpack_frames
+from senseshield.runtime.protocol.messages import (
+    AggregateRequest,
+    Receipt,
+    from_frame,
+    pack_mask,
+    parse_plain_part,
+    unpack_frames,
+)
 
 FINGERPRINT_MISMATCH = "the aggregate is not the product of the signed contributions"
 """How a refusal at the fingerprint check begins (the one refusal after which the coordinator
@@ -77,11 +91,12 @@ def verify(checks: Checks, r: int, k: int, msg: AggregateRequest, aggregate,  # 
     ``k`` may be decrypted, else ``(reason, {}, {})``: the plan, every receipt's signature, round, run,
     cluster and membership, no contribution used twice in the round, the minimum of
     contributors, the weights, (shared-mask schemes) every receipt signs the aggregate's
-    mask, (verifiable schemes) the fingerprint equation, and (the masked scheme) a box
-    key for every contributor, and every encrypted contribution trained from the cluster's
-    current model (``start_digest``: the coordinator cannot have a round trained again from an
-    older model). ``prints`` receives each contributor's signed fingerprint (hex), ``plans``
-    each contributor's signed plan digest (its masked pads' context).
+    mask, (verifiable schemes) the fingerprint equation and the plaintext side the key
+    server recomputes (:func:`check_plain_side`; decryption then uses its own), (the masked
+    scheme) a box key for every contributor, and every encrypted contribution trained from
+    the cluster's current model (``start_digest``: the coordinator cannot have a round trained
+    again from an older model). ``prints`` receives each contributor's signed fingerprint
+    (hex), ``plans`` each contributor's signed plan digest (its masked pads' context).
     The ledger entries (contributor -> "key|agent|starting model") are the service's to
     record once the aggregate is decrypted."""
     c = checks
@@ -140,6 +155,8 @@ def verify(checks: Checks, r: int, k: int, msg: AggregateRequest, aggregate,  # 
         parts = [(rc.fingerprint, 1 if public.prefolds_weight else rc.n_samples)
                  for rc in receipts.values() if rc.fingerprint]
         prints.update({a: rc.fingerprint.hex() for a, rc in receipts.items()})
+        # with the fold the coordinator declares, which must then be the key server's own
+        # (check_plain_side): the equation holds with the recomputed fold
         if not c.secret.verify_aggregate(ciphertext, c.seed, parts, msg.plain_fold):
             return (f"{FINGERPRINT_MISMATCH} under round {r}'s challenge (forged, altered or from "
                     "another round, or one contributor's update does not match the fingerprint it signed)"), {}, {}
@@ -155,6 +172,12 @@ def verify(checks: Checks, r: int, k: int, msg: AggregateRequest, aggregate,  # 
             return f"no box key for {unknown} in round {r}; their contributions cannot be unmasked", {}, {}
     if ciphertext is not None and public is not None and public.ragged_masks:
         refusal = check_encryptors(c, r, k, msg, aggregate, receipts)
+        if refusal is not None:
+            return refusal, {}, {}
+    if ciphertext is not None and public is not None and public.verifiable:
+        # what the aggregate adds in plaintext is the key server's own recomputation, never
+        # the coordinator's word (which must equal it)
+        refusal = check_plain_side(c, msg, aggregate, receipts)
         if refusal is not None:
             return refusal, {}, {}
     entries: dict[str, str] = {}
@@ -191,11 +214,12 @@ def check_encryptors(checks: Checks, r: int, k: int, msg: AggregateRequest, aggr
     positions fewer than k encrypted stay sealed (``aggregate.thin_mask``), and an
     aggregate that does not leave exactly those to its plaintext senders is refused."""
     need = max(checks.min_encryptors, checks.job_min_encryptors)
-    if need <= 1 and not checks.public.needs_contributors:  # masked: the masks say whose pads go where
-        return None
+    if need <= 1 and not checks.public.needs_contributors and not checks.public.verifiable:
+        return None  # (masked: the masks say whose pads go where; verifiable: the plaintext side is recomputed)
     masks = msg.contributor_masks()
     if not masks and need <= 1:
-        return "the aggregate carries no contributor masks; per-client masked pads are removed where each mask says"
+        return ("the aggregate carries no contributor masks; with per-client masks the key server needs each "
+                "contributor's signed mask (its pads, the encryptors per position, the plaintext side)")
     if not masks:
         return (f"the aggregate carries no contributor masks; this key server decrypts no position fewer than "
                 f"{need} agents encrypted (--min-encryptors {checks.min_encryptors}) and counts them from the masks")
@@ -221,3 +245,105 @@ def check_encryptors(checks: Checks, r: int, k: int, msg: AggregateRequest, aggr
                         "sealed (first: %s)", r, k, said["positions"], said["blocks_total"], need,
                         "; ".join(f"block {b} by {a}" for b, a in said["blocks"]))
     return None
+
+
+def check_plain_side(checks: Checks, msg: AggregateRequest, aggregate, receipts: dict) -> str | None:  # noqa: ANN001
+    """What a verifiable aggregate adds in plaintext, recomputed from its contributors'
+    plaintext parts (each checked against the digest its receipt signs), their signed masks
+    and sample counts (:func:`~senseshield.engine.aggregation.recompute_plain_side`): an
+    aggregate that declares another plaintext fold (the one its fingerprint equation was
+    checked with), other plaintext sums, position, block or sealed weights or sums is
+    refused, naming what differs. Else None, and ``aggregate`` carries the key server's own
+    plaintext sums and weights, which decryption uses."""
+    side, refusal = _recompute(checks, msg, aggregate, receipts)
+    if refusal is None:
+        refusal = _declared_differs(checks.public, msg, aggregate.ciphertext, side)
+    if refusal is not None:
+        return refusal
+    aggregate.plain_sum, aggregate.position_weight = side.plain_sum, side.position_weight
+    aggregate.thin_mask, aggregate.thin_sum = side.thin_mask, side.thin_sum
+    return None
+
+
+def _recompute(checks: Checks, msg: AggregateRequest, aggregate, receipts: dict):  # noqa: ANN001, ANN202
+    """``(PlainSide, None)`` from the contributors' signed plaintext parts and masks, or
+    ``(None, reason)``."""
+    public = checks.public
+    if not public.ragged_masks and msg.plain_fold:
+        units = _units(public, aggregate.ciphertext)
+        return None, (f"the aggregate folds plaintext into {_nonzero_units(msg.plain_fold, units)} of its {units} "
+                      "ciphertext units, positions every contributor encrypted (a shared-mask scheme: nobody sends "
+                      "plaintext there)")
+    plains = msg.contributor_plains()
+    if not plains:
+        return None, ("the aggregate carries no plaintext parts of its contributors; the key server recomputes what "
+                      "an aggregate adds in plaintext from them")
+    wrong = sorted(a for a, part in plains.items() if hashlib.sha256(part).hexdigest() != receipts[a].plain_digest)
+    if wrong:
+        return None, f"the plaintext parts of {wrong} are not the ones their receipts sign"
+    masks = ({a: np.unpackbits(m, count=msg.size).astype(bool) for a, m in msg.contributor_masks().items()}
+             if public.ragged_masks else dict.fromkeys(plains, aggregate.union_mask))
+    if sorted(masks) != sorted(plains):
+        return None, "the aggregate's contributor masks do not name its contributors"
+    parts = [PlainContribution(a, receipts[a].n_samples, masks[a], *parse_plain_part(plains[a], msg.size))
+             for a in sorted(plains)]
+    need = max(checks.min_encryptors, checks.job_min_encryptors) if public.ragged_masks else 1
+    side = recompute_plain_side(public, aggregate, parts, min_encryptors=need)
+    if not np.array_equal(side.union, aggregate.union_mask):
+        return None, "the aggregate's union mask is not the union of its contributors' signed masks"
+    return side, None
+
+
+def _declared_differs(public, msg: AggregateRequest, ciphertext, side) -> str | None:  # noqa: ANN001
+    """What the coordinator declares of the plaintext side against the key server's ``side``:
+    the first difference, in one sentence, or None."""
+    units = _units(public, ciphertext)
+    if msg.plain_fold != side.fold:
+        if not side.fold:
+            return (f"the aggregate folds plaintext into {_nonzero_units(msg.plain_fold, units)} of its {units} "
+                    "ciphertext units, positions every contributor encrypted (no contributor sent plaintext there)")
+        return (f"the plaintext folded into the aggregate's ciphertext differs from its contributors' signed "
+                f"plaintext parts at {_differing_units(msg.plain_fold, side.fold, units)} of its {units} units")
+    if not np.array_equal(msg.plain_sum, side.plain_sum):
+        return (f"the aggregate's plaintext sums differ from its contributors' signed plaintext parts at "
+                f"{_differing(msg.plain_sum, side.plain_sum)} of {side.plain_sum.size} positions")
+    weights = side.position_weight if side.position_weight is not None else np.zeros(0)
+    if not np.array_equal(msg.position_weight, weights):
+        return (f"the aggregate's position weights differ from its contributors' signed masks, withheld zones and "
+                f"sample counts at {_differing(msg.position_weight, weights, msg.size)} of {msg.size} positions")
+    thin_sum = side.thin_sum if side.thin_sum is not None else np.zeros(0)
+    if not np.array_equal(msg.thin_sum, thin_sum):
+        return (f"the plaintext senders' sums at the sealed positions differ from their signed plaintext parts at "
+                f"{_differing(msg.thin_sum, thin_sum)} of {thin_sum.size} positions")
+    carried = public.unit_weights(ciphertext)
+    if carried is not None and not np.array_equal(carried, side.unit_weights):
+        return (f"the aggregate's block weights differ from its contributors' signed sample counts at "
+                f"{_differing(carried, side.unit_weights)} of {units} blocks")
+    return None
+
+
+def _units(public, ciphertext) -> int:  # noqa: ANN001
+    """The ciphertext units (positions, or blocks of ``block_size``) of an aggregate."""
+    return int(unit_starts(ciphertext.positions, public.block_size).size)
+
+
+def _differing(a: np.ndarray, b: np.ndarray, size: int | None = None) -> int:
+    """Positions where ``a`` and ``b`` differ (an empty array reads as zeros; ``size``: its length)."""
+    n = size if size is not None else max(a.size, b.size)
+    a = a if a.size else np.zeros(n)
+    b = b if b.size else np.zeros(n)
+    return int(np.count_nonzero(a != b)) if a.shape == b.shape else n
+
+
+def _nonzero_units(fold: bytes, units: int) -> int:
+    """Units of a plaintext fold (``units`` equal chunks) that are not zero."""
+    return _differing_units(fold, b"", units)
+
+
+def _differing_units(a: bytes, b: bytes, units: int) -> int:
+    """Units (``units`` equal chunks; empty: all zero) where two plaintext folds differ."""
+    width = max(len(a), len(b)) // max(units, 1)
+    if not width or any(len(x) not in (0, width * units) for x in (a, b)):
+        return units
+    a, b = a or bytes(width * units), b or bytes(width * units)
+    return sum(a[i * width : (i + 1) * width] != b[i * width : (i + 1) * width] for i in range(units))

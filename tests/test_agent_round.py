@@ -17,7 +17,7 @@ from senseshield.he.base import model_digest
 from senseshield.job import Job, initial_model, key_pair
 from senseshield.rounds import ClientState
 from senseshield.runtime.identity import Identity
-from senseshield.runtime.protocol.messages import FleetConfig, RoundPlan
+from senseshield.runtime.protocol.messages import FleetConfig, RoundPlan, plain_part
 
 JOB = Job(strategy="sensecrypt", model="linear", clients=4, rounds=2, scheme="masked")
 IDENTITY = Identity.generate("a1")
@@ -53,6 +53,7 @@ def test_a_round_gives_the_same_update_from_the_same_inputs_and_its_receipt_stat
     assert stated.fingerprint == fp
     assert stated.start_digest == model_digest(initial) and stated.key_id == public.key_id
     assert stated.ciphertext_digest == hashlib.sha256(message.ciphertext).hexdigest()
+    assert stated.plain_digest == hashlib.sha256(plain_part(message.withheld, message.plaintext)).hexdigest()
     assert stated.n_samples == protected.update.n_samples
 
 

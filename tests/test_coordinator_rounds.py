@@ -21,6 +21,7 @@ from senseshield.strategies.base import StrategyOptions
 
 FLEET, RUN = "f", "j-1"
 CIPHER = b"ciphertext bytes"
+PLAIN = b"plaintext part bytes"
 
 
 @pytest.fixture(scope="module")
@@ -30,12 +31,14 @@ def ids() -> dict[str, Identity]:
 
 def _receipt(ids, *, sender="a0", signer="a0", r=2, run=RUN, cluster=0, n=100, cipher=CIPHER, fp=b"fp") -> bytes:
     receipt = Receipt(run_id=run, cluster=cluster, n_samples=n, key_id="k", mask_digest="0" * 64,
-                      ciphertext_digest=hashlib.sha256(cipher).hexdigest() if cipher else "", fingerprint=fp)
+                      ciphertext_digest=hashlib.sha256(cipher).hexdigest() if cipher else "", fingerprint=fp,
+                      plain_digest=hashlib.sha256(PLAIN).hexdigest())
     return to_frame(receipt, fleet=FLEET, sender=sender, round=r, signer=ids[signer])
 
 
 def _check(trust, frame, **over) -> None:
-    args = dict(agent_id="a0", r=2, run_id=RUN, cluster=0, n_samples=100, ciphertext=CIPHER, verifiable=True)
+    args = dict(agent_id="a0", r=2, run_id=RUN, cluster=0, n_samples=100, ciphertext=CIPHER, verifiable=True,
+                plain=PLAIN)
     check_receipt(trust, frame, **{**args, **over})
 
 
@@ -50,6 +53,7 @@ def test_a_receipt_must_be_the_agents_own_statement_about_this_update(ids):
         "for another run, cluster or sample count": (_receipt(ids, run="j-2"), {}),
         "for another run, cluster or sample count.": (_receipt(ids, n=99), {}),
         "carries a receipt for another ciphertext": (_receipt(ids), {"ciphertext": b"other bytes"}),
+        "carries a receipt for another plaintext part": (_receipt(ids), {"plain": b"other bytes"}),
         "without the fingerprint of its ciphertext": (_receipt(ids, fp=b""), {}),
     }
     for needle, (frame, over) in cases.items():

@@ -21,6 +21,9 @@ from senseshield.rounds import apply_mean
 from senseshield.errors import ConfigError
 from senseshield.he import SCHEMES
 from senseshield.he.base import job_key, model_digest, round_context
+from senseshield.he.fingerprint import bytes_ints, ints_bytes
+from senseshield.he.masked import encode, ring_of_words
+from senseshield.he.packed import _pack
 from senseshield.strategies import STRATEGIES
 from senseshield.job import Job, initial_model
 from senseshield.runtime.identity import Identity, Trust, unb64
@@ -36,7 +39,9 @@ from senseshield.runtime.protocol.messages import (
     RoundOpen,
     aggregate_to_message,
     from_frame,
+    pack_frames,
     pack_mask,
+    plain_digest,
     to_frame,
 )
 from senseshield.runtime.identity import SEALED_SEED_BYTES
@@ -170,7 +175,7 @@ class Harness:
                           mask_digest=hashlib.sha256(pack_mask(mask).tobytes()).hexdigest(),
                           ciphertext_digest=hashlib.sha256(cipher).hexdigest() if cipher else "", fingerprint=fp,
                           start_digest=start or self.current(cluster),
-                          shares=shares)
+                          shares=shares, plain_digest=plain_digest(np.zeros(0, np.uint8), update.plaintext))
         return update, to_frame(receipt, fleet=FLEET, sender=agent, round=r, signer=self.ids[agent])
 
     def request(self, r: int, cluster: int, parts: list, *, contributors: list[str] | None = None,  # noqa: ANN001
@@ -647,3 +652,118 @@ def test_a_sum_of_fewer_contributors_than_the_noise_shares_is_never_unmasked(har
     assert not result.accepted and "fewer than the 3 the noise shares" in result.reason
     result = harness.verdict(1, harness.request(1, 1, [harness.contribution(x, 1, 1, shares=2) for x in "de"]))
     assert result.accepted, result.reason
+
+
+def bent(harness, msg, shift: float):  # noqa: ANN001, ANN201
+    """A deviating coordinator's aggregate: ``shift`` added to the mean at every encrypted
+    position (the ciphertext changed by ``W · enc(shift)`` per position, ``W`` the total
+    weight) and declared as plaintext folded in, so the fingerprint equation still holds."""
+    public, W = harness.public, msg.total_weight
+    vector = public.vector_from_bytes(msg.ciphertext)
+    if public.scheme == "masked":
+        ring = ring_of_words(vector.payload)
+        d = encode(np.full(vector.positions.size, shift), ring) * ring.dtype(W)
+        fold = (np.frombuffer(msg.plain_fold, dtype=f">u{ring.word_bytes}").astype(ring.dtype) if msg.plain_fold
+                else np.zeros(vector.positions.size, ring.dtype))
+        vector.payload = vector.payload + d
+        declared = (fold + d).astype(f">u{ring.word_bytes}").tobytes()
+    else:  # packed Paillier: every slot of every block moves by W · round(shift / step)
+        lay, B, n, payload = public.layout, public.block_size, public.n, vector.payload
+        lengths = np.bincount(np.searchsorted(payload.blocks, vector.positions // B), minlength=payload.blocks.size)
+        sums = np.zeros((lengths.size, B), dtype=np.int64)
+        for j, length in enumerate(lengths):
+            sums[j, :length] = W * int(round(shift / lay.step))
+        deltas = [int(d) for d in _pack(sums, lay.slot_bits)]
+        fold = bytes_ints(msg.plain_fold, public._key_bytes, lengths.size, "fold") if msg.plain_fold else [0] * lengths.size
+        payload.ciphertexts = [c * (1 + d * n) % (n * n) for c, d in zip(payload.ciphertexts, deltas)]
+        declared = ints_bytes([(f + d) % n for f, d in zip(fold, deltas)], public._key_bytes)
+    return msg.model_copy(update={"ciphertext": public.ciphertext_bytes(vector), "plain_fold": declared})
+
+
+def test_a_masked_aggregate_that_folds_plaintext_is_refused(harness):
+    """With ``masked`` every contributor masks every position and nobody sends plaintext. The
+    coordinator adds 0.3 to every value of the aggregate and declares the change as the
+    plaintext it folded in (the fingerprint equation holds; before the key server recomputed
+    the fold, this released a mean 0.300 higher at every parameter): refused in one
+    sentence, nothing unmasked or spent. The honest aggregate of the other cluster passes."""
+    harness.start_run("masked")
+    harness.open_round(1, {0: ["a", "b", "c"], 1: ["d", "e"]})
+    parts = [harness.contribution(x, 1, 0, blocks=range(SIZE)) for x in "abc"]  # every position masked
+    result = harness.verdict(1, bent(harness, harness.request(1, 0, parts), 0.3))
+    assert not result.accepted and not result.retry
+    assert (f"folds plaintext into {SIZE} of its {SIZE} ciphertext units, positions every contributor encrypted"
+            in result.reason), result.reason
+    assert not harness.server.spent.get(1)
+    result = harness.verdict(1, harness.request(1, 1, [harness.contribution(x, 1, 1, blocks=range(SIZE)) for x in "de"]))
+    assert result.accepted, result.reason
+    model, _ = harness.wait(ClusterModel)
+    np.testing.assert_allclose(model.weights - harness.initial, (harness.deltas[("d", 1)] + harness.deltas[("e", 1)]) / 2, atol=1e-6)
+
+
+@pytest.mark.parametrize("scheme", ["masked", "packed-paillier"])
+def test_a_per_client_mask_aggregate_whose_plaintext_side_was_bent_is_refused(harness, tmp_path, scheme):
+    """SenseCrypt's per-client masks over ``masked`` and over packed Paillier: a encrypts blocks
+    0-2, b blocks 0-1, c block 0 (block 2 stays sealed: one encryptor). The key server
+    recomputes what the aggregate adds in plaintext from the parts the receipts sign, so each
+    bend is refused naming what differs: the fold shifted by 0.3 with the ciphertext (the
+    fingerprints hold), the plaintext sums, the position weights, the sealed positions' sums,
+    (packed) the block weights, a plaintext part that is not the signed one. The honest
+    aggregate passes and its model is the serial decryption of the coordinator's aggregate,
+    bit for bit."""
+    harness.start_run(scheme=scheme)
+    plan = {0: ["a", "b", "c"]}
+
+    def sums(msg):  # noqa: ANN001, ANN202
+        return msg.model_copy(update={"plain_sum": msg.plain_sum + 0.3 * msg.total_weight})
+
+    def weights(msg):  # noqa: ANN001, ANN202
+        w = msg.position_weight.copy()
+        w[-1] -= 1
+        return msg.model_copy(update={"position_weight": w})
+
+    def sealed(msg):  # noqa: ANN001, ANN202
+        return msg.model_copy(update={"thin_sum": msg.thin_sum + 0.3})
+
+    def blocks(msg):  # noqa: ANN001, ANN202
+        vector = harness.public.vector_from_bytes(msg.ciphertext)
+        vector.payload.weights = np.asarray(vector.payload.weights) - 1
+        return msg.model_copy(update={"ciphertext": harness.public.ciphertext_bytes(vector)})
+
+    def part(msg):  # noqa: ANN001, ANN202
+        plains = msg.contributor_plains()
+        plains["b"] = plains["b"][:-4] + np.float32(0.3).tobytes()
+        return msg.model_copy(update={"plains": pack_frames([plains[a] for a in sorted(plains)])})
+
+    attacks = {
+        "fold": (lambda msg: bent(harness, msg, 0.3),
+                 "the plaintext folded into the aggregate's ciphertext differs from its contributors' signed plaintext"),
+        "sums": (sums, "the aggregate's plaintext sums differ from its contributors' signed plaintext parts at"),
+        "weights": (weights, "the aggregate's position weights differ from its contributors' signed masks"),
+        "sealed": (sealed, "the plaintext senders' sums at the sealed positions differ from their signed plaintext"),
+        "part": (part, "the plaintext parts of ['b'] are not the ones their receipts sign"),
+    }
+    if scheme == "packed-paillier":
+        attacks["blocks"] = (blocks, "the aggregate's block weights differ from its contributors' signed sample counts")
+    for r, (name, (attack, reason)) in enumerate([*attacks.items(), ("honest", (None, None))], start=1):
+        harness.open_round(r, plan)
+        parts = [harness.contribution(x, r, 0, blocks=range(n)) for x, n in (("a", 3), ("b", 2), ("c", 1))]
+        honest = harness.request(r, 0, parts)
+        assert honest.plain_fold and honest.thin_sum.size and honest.plain_sum.size  # every plaintext side in use
+        if attack is not None:
+            result = harness.verdict(r, attack(honest))
+            assert not result.accepted and reason in result.reason, (name, result.reason)
+            assert not harness.server.spent.get(r)
+            continue
+        result = harness.verdict(r, honest)
+        assert result.accepted, result.reason
+        model, got = harness.wait(ClusterModel)
+        assert got == r
+        (key_file,) = (tmp_path / "keys").glob(f"{scheme}*.key")
+        secret = SCHEMES.get(scheme).secret_key_from_bytes(key_file.read_bytes())
+        aggregate = aggregate_updates([u for u, _ in parts], harness.public, round=r, cluster=0, min_encryptors=2)
+        if harness.public.needs_contributors:
+            secret.bind_contributions(aggregate.ciphertext, [(harness.ids[a].box_key, 10) for a in "abc"],
+                                      round_context(FLEET, harness.run, r, 0),
+                                      masks=[aggregate.masks[a] for a in "abc"])
+        serial = apply_mean(harness.initial, decrypt_aggregate(aggregate, secret), server_lr=1.0)
+        np.testing.assert_array_equal(model.weights, serial.astype(np.float32))

@@ -16,7 +16,7 @@ from senseshield.he import SCHEMES
 from senseshield.he.base import round_context
 from senseshield.he.fingerprint import SEED_BYTES
 from senseshield.runtime.identity import Identity, Trust
-from senseshield.runtime.protocol.messages import Receipt, aggregate_to_message, pack_mask, to_frame
+from senseshield.runtime.protocol.messages import Receipt, aggregate_to_message, pack_mask, plain_digest, to_frame
 
 FLEET, RUN, SIZE, R = "f", "run-1", 24, 1
 
@@ -43,7 +43,8 @@ def _part(world, agent: str, *, stale: bool = False, n: int = 10):
     receipt = Receipt(run_id=RUN, cluster=0, n_samples=n, key_id=public.key_id,
                       mask_digest=hashlib.sha256(pack_mask(mask).tobytes()).hexdigest(),
                       ciphertext_digest=hashlib.sha256(cipher).hexdigest(), fingerprint=fp,
-                      start_digest=hashlib.sha256(b"start").hexdigest())
+                      start_digest=hashlib.sha256(b"start").hexdigest(),
+                      plain_digest=plain_digest(np.zeros(0, np.uint8), update.plaintext))
     return update, to_frame(receipt, fleet=FLEET, sender=agent, round=R, signer=ids[agent])
 
 
@@ -97,6 +98,8 @@ def test_each_refusal_names_what_is_wrong(world):
     assert "the contributor list ['a', 'b'] is not the signed receipts' ['a', 'b', 'c']" in refusal
     refusal, _, _ = verify(_checks(world), R, 0, msg.model_copy(update={"total_weight": 31}), aggregate, {})
     assert refusal == "the aggregate weighs 31 samples; the receipts sign 30"
+    refusal, _, _ = verify(_checks(world), R, 0, msg.model_copy(update={"plains": b""}), aggregate, {})
+    assert refusal.startswith("the aggregate carries no plaintext parts of its contributors")
 
 
 def test_two_bad_fingerprints_are_refused_at_the_check_and_both_named_by_the_attempt_that_passes(world):

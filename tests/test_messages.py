@@ -21,6 +21,8 @@ from senseshield.runtime.protocol.messages import (
     aggregate_to_message,
     from_frame,
     pack_mask,
+    parse_plain_part,
+    plain_part,
     to_frame,
     update_from_message,
     update_to_message,
@@ -89,6 +91,22 @@ def test_updates_and_aggregates_survive_the_wire_exactly(keys, scheme):
     assert isinstance(request, AggregateRequest) and request.contributors == ["c0", "c1", "c2"]
     via_wire = decrypt_aggregate(aggregate_from_message(request, pk, round=3, size=size), secret)
     np.testing.assert_array_equal(via_wire, direct)
+    # (version 4) every contributor's plaintext part, the bytes its receipt's digest covers
+    for name, part in request.contributor_plains().items():
+        sent = update_to_message(updates[int(name[1])], pk)
+        assert part == plain_part(sent.withheld, sent.plaintext)
+        withheld, plaintext = parse_plain_part(part, size)
+        assert np.array_equal(withheld, updates[int(name[1])].withheld) and np.array_equal(plaintext, sent.plaintext)
+
+
+def test_a_plaintext_part_that_does_not_fit_is_refused_with_one_sentence():
+    part = plain_part(pack_mask(np.array([1, 0, 0, 0, 0], bool)), np.arange(4, dtype=np.float32))
+    assert parse_plain_part(part, 5)[0].tolist() == [True, False, False, False, False]
+    assert parse_plain_part(plain_part(np.zeros(0, np.uint8), np.ones(3, np.float32)), 3)[0] is None
+    for bad, reason in ((part[:2], "shorter than its header"), (part[:-1], "does not hold a 1-byte bitset"),
+                        (b"\x00\x00\x00\x05" + part[4:], "needs 1 bytes")):
+        with pytest.raises(ProtocolError, match=reason):
+            parse_plain_part(bad, 5)
 
 
 def test_ciphertext_under_another_key_is_refused(keys):

@@ -120,6 +120,9 @@ class EncryptedAggregate:
     # every contributor's packed encryption mask (np.packbits; ragged schemes: the key server
     # recounts the encryptors from them, each checked against its signed receipt)
     masks: dict[str, np.ndarray] | None = None
+    # verifiable schemes: every contributor's plaintext part (withheld mask or None, float32
+    # values), for the key server to recompute the plaintext side (recompute_plain_side)
+    plains: dict[str, tuple[np.ndarray | None, np.ndarray]] | None = None
 
     @property
     def decrypted_mask(self) -> np.ndarray:
@@ -183,30 +186,47 @@ def validate_update(update: ProtectedUpdate, *, size: int, round: int) -> None:
     who = f"Update from {update.client_id!r}"
     if update.round != round:
         raise ProtocolError(f"{who} is for round {update.round}, not the current round {round}.")
-    if update.size != size or update.mask.shape != (size,):
+    if update.size != size:
         raise ProtocolError(f"{who} covers {update.mask.size} parameters; the model has {size}.")
-    n_masked = int(np.count_nonzero(update.mask))
-    n_withheld = 0
-    if update.withheld is not None:
-        if update.withheld.shape != (size,):
-            raise ProtocolError(f"{who} has a withheld mask of {update.withheld.size} positions; the model has {size}.")
-        if np.any(update.withheld & update.mask):
-            raise ProtocolError(f"{who} marks positions as both encrypted and withheld.")
-        n_withheld = int(np.count_nonzero(update.withheld))
-    expected = size - n_masked - n_withheld
-    if update.plaintext.shape != (expected,):
-        raise ProtocolError(
-            f"{who} has {update.plaintext.size} plaintext values; its masks leave {expected}."
-        )
-    if not np.all(np.isfinite(update.plaintext)):
-        raise ProtocolError(f"{who} contains NaN or inf in its plaintext part.")
-    if update.n_samples < 1:
-        raise ProtocolError(f"{who} claims {update.n_samples} samples; at least 1 is required.")
+    check_plain_part(who, size=size, mask=update.mask, withheld=update.withheld, plaintext=update.plaintext,
+                     n_samples=update.n_samples)
     cipher_positions = (
         update.ciphertext.positions if update.ciphertext is not None else np.empty(0, np.int64)
     )
     if not np.array_equal(cipher_positions, np.flatnonzero(update.mask)):
         raise ProtocolError(f"{who} has a ciphertext that does not match its mask.")
+
+
+def check_plain_part(who: str, *, size: int, mask: np.ndarray, withheld: np.ndarray | None, plaintext: np.ndarray,
+                     n_samples: int) -> None:
+    """An update's masks, plaintext part and sample count must fit a model of ``size``
+    parameters (raises :class:`ProtocolError` beginning with ``who``)."""
+    if mask.shape != (size,):
+        raise ProtocolError(f"{who} covers {mask.size} parameters; the model has {size}.")
+    n_masked = int(np.count_nonzero(mask))
+    n_withheld = 0
+    if withheld is not None:
+        if withheld.shape != (size,):
+            raise ProtocolError(f"{who} has a withheld mask of {withheld.size} positions; the model has {size}.")
+        if np.any(withheld & mask):
+            raise ProtocolError(f"{who} marks positions as both encrypted and withheld.")
+        n_withheld = int(np.count_nonzero(withheld))
+    expected = size - n_masked - n_withheld
+    if plaintext.shape != (expected,):
+        raise ProtocolError(
+            f"{who} has {plaintext.size} plaintext values; its masks leave {expected}."
+        )
+    if not np.all(np.isfinite(plaintext)):
+        raise ProtocolError(f"{who} contains NaN or inf in its plaintext part.")
+    if n_samples < 1:
+        raise ProtocolError(f"{who} claims {n_samples} samples; at least 1 is required.")
+
+
+def unit_starts(positions: np.ndarray, block_size: int) -> np.ndarray:
+    """Indices of the first of each unit (``block_size`` consecutive model positions) in the
+    sorted ``positions`` of a ciphertext."""
+    units = np.asarray(positions, dtype=np.int64) // max(1, int(block_size))
+    return np.flatnonzero(np.concatenate([[True], units[1:] != units[:-1]])) if units.size else units
 
 
 def thin_positions(packed: Sequence[np.ndarray], union: np.ndarray, min_encryptors: int) -> np.ndarray:
@@ -288,7 +308,13 @@ class StreamingAggregate:
     scheme's :class:`~senseshield.he.base.Accumulator` (packed Paillier: a running product
     per block, exact; other schemes keep the parts), plaintext to :class:`ExactSum` sums,
     so the result does not depend on the arrival order and memory does not grow with the
-    number of updates (packed Paillier, plaintext). A rejected update leaves it unchanged."""
+    number of updates (packed Paillier, plaintext). A rejected update leaves it unchanged.
+
+    The plaintext side alone (:meth:`add_plain`, :meth:`plain_side`) is what the key server
+    rebuilds from the contributors' signed plaintext parts (:func:`recompute_plain_side`):
+    the same code, so an honest coordinator's aggregate and the key server's recomputation
+    agree bit for bit. With a verifiable key the aggregate keeps each contributor's
+    plaintext part (references, no copy) for the aggregate request."""
 
     def __init__(self, public_key: PublicKey | None, *, size: int, round: int, cluster: int,
                  accumulator: Accumulator | None = None, min_encryptors: int = 1) -> None:
@@ -301,6 +327,9 @@ class StreamingAggregate:
         self.encryptors = np.zeros(self.size, dtype=np.int32)
         self.plain_weight = np.zeros(self.size, dtype=np.int64)
         self.masks: dict[str, np.ndarray] = {}
+        # the key server recomputes the plaintext side of a verifiable aggregate from these
+        self.plains: dict[str, tuple[np.ndarray | None, np.ndarray]] | None = (
+            {} if public_key is not None and public_key.verifiable else None)
         self.accumulator = accumulator if accumulator is not None else (
             public_key.accumulator(self.size) if public_key is not None else None)
         self.union = np.zeros(self.size, dtype=bool)
@@ -321,20 +350,38 @@ class StreamingAggregate:
                 raise ProtocolError("Encrypted updates arrived but the coordinator has no public key.")
             self.accumulator.add(CipherPart(update.ciphertext, update.n_samples,
                                             folded=self.public_key.prefolds_weight), key=update.client_id)
-        unmasked = update.plain_positions
-        values = update.plaintext.astype(np.float64)
+        self._fold_plain(update.client_id, update.n_samples, update.mask, update.withheld, update.plaintext)
+
+    def add_plain(self, part: "PlainContribution") -> None:
+        """Fold in the plaintext side of one contribution whose ciphertext is not here (the
+        key server's recomputation): its mask, withheld zone and plaintext values, checked
+        as :meth:`add` checks an update's."""
+        who = f"The plaintext part of {part.client_id!r}"
+        check_plain_part(who, size=self.size, mask=part.mask, withheld=part.withheld, plaintext=part.plaintext,
+                         n_samples=part.n_samples)
+        if part.client_id in self.contributors:
+            raise ProtocolError(f"{who} is given twice.")
+        self._fold_plain(part.client_id, part.n_samples, part.mask, part.withheld, part.plaintext)
+
+    def _fold_plain(self, client_id: str, n_samples: int, mask: np.ndarray, withheld: np.ndarray | None,
+                    plaintext: np.ndarray) -> None:
+        keep = ~mask if withheld is None else ~mask & ~withheld
+        unmasked = np.flatnonzero(keep)
+        values = plaintext.astype(np.float64)
         if self.accumulator is not None and unmasked.size:
-            self.accumulator.add(PlainPart(unmasked, values, update.n_samples), key=update.client_id)
-        self.union |= update.mask
-        self.plain.add(unmasked, update.n_samples * values)
-        self.position_weight += update.n_samples * update.sent
+            self.accumulator.add(PlainPart(unmasked, values, n_samples), key=client_id)
+        self.union |= mask
+        self.plain.add(unmasked, n_samples * values)
+        self.position_weight += n_samples if withheld is None else n_samples * ~withheld
         if self.ragged:  # the key server recounts the encryptors from these (signed) masks
-            self.encryptors += update.mask
-            self.plain_weight[unmasked] += update.n_samples
-            self.masks[update.client_id] = np.packbits(update.mask)
-        self.withheld |= update.withheld is not None
-        self.total_weight += int(update.n_samples)
-        self.contributors.append(update.client_id)
+            self.encryptors += mask
+            self.plain_weight[unmasked] += n_samples
+            self.masks[client_id] = np.packbits(mask)
+        if self.plains is not None:
+            self.plains[client_id] = (withheld, plaintext)
+        self.withheld |= withheld is not None
+        self.total_weight += int(n_samples)
+        self.contributors.append(client_id)
 
     def __len__(self) -> int:
         return len(self.contributors)
@@ -349,32 +396,101 @@ class StreamingAggregate:
             if self.accumulator is None:
                 raise ProtocolError("Encrypted updates arrived but the coordinator has no public key.")
             ciphertext = self.accumulator.result(union_positions)
-        plain = self.plain.value()
-        weights = self.position_weight.copy() if self.withheld else None
-        thin = masks = thin_sum = None
-        if self.ragged and union_positions.size:
-            thin = self.union & (self.encryptors < self.min_encryptors)
-            masks = dict(self.masks)
-            if thin.any():
-                weights = self.position_weight.copy()
-                weights[thin] = self.plain_weight[thin]
-                thin_sum = plain[thin]
-            else:
-                thin = None
+        plain_sum, weights, thin, thin_sum = self._plain_sums()
         return EncryptedAggregate(
             round=self.round,
             cluster=self.cluster,
             size=self.size,
             union_mask=self.union.copy(),
             ciphertext=ciphertext,
-            plain_sum=plain[~self.union],
+            plain_sum=plain_sum,
             total_weight=self.total_weight,
             contributors=sorted(self.contributors),
             position_weight=weights,
             thin_mask=thin,
             thin_sum=thin_sum,
-            masks=masks,
+            masks=dict(self.masks) if self.ragged and union_positions.size else None,
+            plains=dict(self.plains) if self.plains is not None else None,
         )
+
+    def _plain_sums(self) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+        """The aggregate's plaintext side outside the ciphertext: the sums at the positions
+        nobody encrypted, the position weights (None: the total weight everywhere), and the
+        thin positions with the plaintext senders' sums there (None, None: none)."""
+        plain = self.plain.value()
+        weights = self.position_weight.copy() if self.withheld else None
+        thin = thin_sum = None
+        if self.ragged and self.union.any():
+            thin = self.union & (self.encryptors < self.min_encryptors)
+            if thin.any():
+                weights = self.position_weight.copy()
+                weights[thin] = self.plain_weight[thin]
+                thin_sum = plain[thin]
+            else:
+                thin = None
+        return plain[~self.union], weights, thin, thin_sum
+
+    def plain_side(self, like: EncryptedVector | None) -> "PlainSide":
+        """The plaintext side of the parts added so far (:class:`PlainSide`); ``like``: the
+        aggregate's ciphertext, whose units the plaintext fold and the unit weights are of."""
+        plain_sum, weights, thin, thin_sum = self._plain_sums()
+        fold, units = b"", None
+        if like is not None:
+            if self.accumulator is None:
+                raise ProtocolError("An encrypted aggregate's plaintext side needs its public key.")
+            fold = self.accumulator.fold(like)
+            block = self.public_key.block_size if self.public_key is not None else 1
+            positions = np.asarray(like.positions)
+            units = self.position_weight[positions[unit_starts(positions, block)]]
+        return PlainSide(plain_sum=plain_sum, position_weight=weights, thin_mask=thin, thin_sum=thin_sum,
+                         fold=fold, unit_weights=units, union=self.union.copy())
+
+
+@dataclass(frozen=True)
+class PlainContribution:
+    """One contributor's plaintext side, as the key server knows it: the sample count and
+    mask its receipt signs, and its plaintext part (withheld zone, values) whose digest the
+    receipt signs."""
+
+    client_id: str
+    n_samples: int
+    mask: np.ndarray
+    withheld: np.ndarray | None
+    plaintext: np.ndarray
+
+
+@dataclass
+class PlainSide:
+    """What an aggregate adds in plaintext, recomputed from its contributors' plaintext parts
+    (:func:`recompute_plain_side`): ``plain_sum`` at the positions nobody encrypted,
+    ``position_weight`` (None: the total weight everywhere), the thin positions and their
+    plaintext senders' sums, ``fold``: the plaintext folded into each ciphertext unit
+    (:meth:`~senseshield.he.base.PublicKey.plain_fold`'s bytes), ``unit_weights``: the total
+    weight of each ciphertext unit's senders (what packed Paillier's block weights must
+    be), and the union of the contributors' masks."""
+
+    plain_sum: np.ndarray
+    position_weight: np.ndarray | None
+    thin_mask: np.ndarray | None
+    thin_sum: np.ndarray | None
+    fold: bytes
+    unit_weights: np.ndarray | None
+    union: np.ndarray
+
+
+def recompute_plain_side(public_key: PublicKey | None, aggregate: EncryptedAggregate,
+                         parts: Sequence[PlainContribution], *, min_encryptors: int = 1) -> PlainSide:
+    """The key server's side of a verifiable aggregate: its plaintext side rebuilt from the
+    contributors' ``parts`` with the coordinator's own code (:class:`StreamingAggregate`'s
+    plaintext half and the scheme's accumulator, fed the same :class:`PlainPart` objects),
+    never from what the coordinator declares. Pure; :class:`ProtocolError` for a part that
+    does not fit the model."""
+    running = StreamingAggregate(public_key, size=aggregate.size, round=aggregate.round, cluster=aggregate.cluster,
+                                 min_encryptors=min_encryptors)
+    running.plains = None  # nothing to forward
+    for part in sorted(parts, key=lambda p: p.client_id):
+        running.add_plain(part)
+    return running.plain_side(aggregate.ciphertext)
 
 
 def aggregate_updates(

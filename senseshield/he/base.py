@@ -102,6 +102,13 @@ class Accumulator(ABC):
     def result(self, positions: np.ndarray) -> EncryptedVector:
         """The aggregate at ``positions`` (the union mask), as :meth:`PublicKey.aggregate`."""
 
+    def fold(self, like: EncryptedVector) -> bytes:
+        """The plaintext the plaintext parts added so far fold into the units of ``like`` (an
+        aggregate under this key), in :meth:`PublicKey.plain_fold`'s bytes: what
+        :meth:`result` would fold in, computed by the same code. The key server's
+        recomputation adds only plaintext parts and calls this (verifiable schemes)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot recompute a plaintext fold.")
+
 
 class PartsAccumulator(Accumulator):
     """The generic accumulator: keeps the parts (memory grows with them) and calls the
@@ -120,6 +127,10 @@ class PartsAccumulator(Accumulator):
     def result(self, positions: np.ndarray) -> EncryptedVector:
         ordered = [part for _, _, part in sorted(self.parts, key=lambda e: (e[0], e[1]))]
         return self.public_key.aggregate(ordered, positions)
+
+    def fold(self, like: EncryptedVector) -> bytes:
+        ordered = [part for _, _, part in sorted(self.parts, key=lambda e: (e[0], e[1]))]
+        return self.public_key.plain_fold_of(like, [p for p in ordered if isinstance(p, PlainPart)])
 
 
 class PublicKey(ABC):
@@ -153,6 +164,18 @@ class PublicKey(ABC):
     def plain_fold(self, aggregate: EncryptedVector) -> bytes:
         """What an aggregate folded in as plaintext, unit by unit, for the key server's check."""
         raise NotImplementedError(f"{self.scheme} aggregates cannot be verified by fingerprints.")
+
+    def plain_fold_of(self, like: EncryptedVector, parts: Sequence[PlainPart]) -> bytes:
+        """:meth:`plain_fold` of an aggregate at the units of ``like`` whose plaintext parts
+        are ``parts``, computed by :meth:`aggregate`'s own code (schemes whose running
+        aggregate is :class:`PartsAccumulator`; the others' accumulators fold themselves)."""
+        raise NotImplementedError(f"{self.scheme} aggregates cannot be verified by fingerprints.")
+
+    def unit_weights(self, vector: EncryptedVector) -> np.ndarray | None:
+        """The total weight of each unit that an aggregate carries beside its ciphertexts and
+        that decryption uses (packed Paillier's block weights, whose offsets it removes);
+        None for a scheme without. The key server checks them against the signed counts."""
+        return None
 
     def verify_aggregate(self, aggregate: EncryptedVector, seed: bytes,
                          contributions: Sequence[tuple[bytes, int]], plain: bytes) -> bool:

@@ -316,6 +316,14 @@ def _runs(positions: np.ndarray) -> np.ndarray:
     return np.stack([starts, lengths], axis=1).astype(np.int64)
 
 
+def _fold_bytes(fold: np.ndarray | None) -> bytes:
+    """A plaintext fold (words of the ring) as the aggregate request carries it: big-endian
+    words, empty when nothing was folded in."""
+    if fold is None or not np.any(fold):
+        return b""
+    return np.asarray(fold).astype(f">u{ring_of_words(fold).word_bytes}").tobytes()
+
+
 class MaskedPublicKey(PublicKey):
     """The key server's X25519 public key. Unbound (the coordinator's), it adds masked
     vectors; bound to a contributor (:meth:`for_contributor`), it also masks."""
@@ -394,10 +402,7 @@ class MaskedPublicKey(PublicKey):
         return _dot(challenge_words(seed, vector.positions, ring), vector.payload, ring).to_bytes(8, "big")
 
     def plain_fold(self, aggregate: EncryptedVector) -> bytes:
-        fold = aggregate.meta.get("plain")
-        if fold is None or not np.any(fold):
-            return b""
-        return np.asarray(fold).astype(f">u{ring_of_words(fold).word_bytes}").tobytes()
+        return _fold_bytes(aggregate.meta.get("plain"))
 
     def verify_aggregate(self, aggregate: EncryptedVector, seed: bytes,
                          contributions: Sequence[tuple[bytes, int]], plain: bytes) -> bool:
@@ -556,15 +561,24 @@ class MaskedAccumulator(Accumulator):
         else:
             total = self.total
         ring = self.ring
+        fold = self._fold(positions, ring)
+        vector = EncryptedVector(SCHEME, self.public_key.key_id, positions, total + fold,
+                                 MaskedPublicKey._nbytes(positions, ring))
+        vector.meta["plain"] = fold  # what the key server's fingerprint check needs (plain_fold)
+        return vector
+
+    def _fold(self, positions: np.ndarray, ring: Ring) -> np.ndarray:
+        """``Σ w · enc(p)`` of the plaintext parts at ``positions`` (the masked ones), in ``ring``."""
         fold = np.zeros(positions.size, dtype=ring.dtype)
         for where, values, weight in self.plain:  # plaintext inside the masked positions, if any
             inside = np.isin(where, positions)
             if inside.any():
                 fold[np.searchsorted(positions, where[inside])] += encode(values[inside], ring) * ring.dtype(weight)
-        vector = EncryptedVector(SCHEME, self.public_key.key_id, positions, total + fold,
-                                 MaskedPublicKey._nbytes(positions, ring))
-        vector.meta["plain"] = fold  # what the key server's fingerprint check needs (plain_fold)
-        return vector
+        return fold
+
+    def fold(self, like: EncryptedVector) -> bytes:
+        self.public_key.check(like)
+        return _fold_bytes(self._fold(np.asarray(like.positions, dtype=np.int64), ring_of_words(like.payload)))
 
 
 class MaskedSecretKey(SecretKey):

@@ -926,8 +926,13 @@ class PackedPaillierPublicKey(PublicKey):
         return result
 
     def plain_fold(self, aggregate: EncryptedVector) -> bytes:
-        plain = aggregate.meta.get("plain") or [0] * len(aggregate.payload.ciphertexts)
+        return self._fold_bytes(aggregate.meta.get("plain") or [])
+
+    def _fold_bytes(self, plain: Sequence[int]) -> bytes:
         return b"" if not any(plain) else ints_bytes(plain, self._key_bytes)
+
+    def unit_weights(self, vector: EncryptedVector) -> np.ndarray:
+        return np.asarray(vector.payload.weights, dtype=np.int64)
 
     def verify_aggregate(self, aggregate: EncryptedVector, seed: bytes,
                          contributions: Sequence[tuple[bytes, int]], plain: bytes,
@@ -1181,12 +1186,7 @@ class PackedAccumulator(Accumulator):
             b = extra[0]
             raise ProtocolError(f"A ciphertext part encrypts block {b} (positions {b * B}..), which is outside "
                                 "the aggregate's positions.")
-        touched = self.plain_weight[ublocks] > 0
-        short = np.flatnonzero(touched & ((self.plain_min[ublocks] != ulengths) | (self.plain_max[ublocks] != ulengths)))
-        if short.size:
-            b = int(ublocks[short[0]])
-            raise ProtocolError(f"A plaintext part covers part of the {int(ulengths[short[0]])} aggregated positions "
-                                f"of block {b}; plaintext parts must cover whole blocks of the aggregate.")
+        plain, touched = self._fold(ublocks, ulengths)
         total = self.cipher_weight[ublocks] + self.plain_weight[ublocks]
         if np.any(total > lay.max_total_weight):
             j = int(np.argmax(total > lay.max_total_weight))
@@ -1197,16 +1197,8 @@ class PackedAccumulator(Accumulator):
                           "clipped before aggregation.", ClippingWarning, stacklevel=2)
         nsquare, n = pk._nsquare, pk._n_mpz
         acc = [self.products[b] for b in ublocks.tolist()]
-        plain = [0] * ublocks.size
-        rows = np.flatnonzero(touched)
-        if rows.size:
-            sums = np.zeros((rows.size, B), dtype=np.int64)
-            for i, j in enumerate(rows.tolist()):
-                start = int(ublocks[j]) * B
-                sums[i, : ulengths[j]] = self.plain[start : start + ulengths[j]]
-            for j, m in zip(rows.tolist(), _pack(sums, lay.slot_bits)):
-                acc[j] = acc[j] * (1 + m * n) % nsquare
-                plain[j] = int(m)
+        for j in np.flatnonzero(touched).tolist():
+            acc[j] = acc[j] * (1 + plain[j] * n) % nsquare
         return EncryptedVector(
             meta={"plain": plain},
             scheme=pk.scheme,
@@ -1216,6 +1208,32 @@ class PackedAccumulator(Accumulator):
                                   clipped=self.cipher_clipped + clipped),
             nbytes=ublocks.size * pk.ciphertext_nbytes,
         )
+
+
+    def _fold(self, ublocks: np.ndarray, ulengths: np.ndarray) -> tuple[list[int], np.ndarray]:
+        """The packed plaintext sums of the plaintext parts in each union block (0 where none
+        touched it) and which blocks they touched; :class:`ProtocolError` if a part covers a
+        block only in part."""
+        touched = self.plain_weight[ublocks] > 0
+        short = np.flatnonzero(touched & ((self.plain_min[ublocks] != ulengths) | (self.plain_max[ublocks] != ulengths)))
+        if short.size:
+            b = int(ublocks[short[0]])
+            raise ProtocolError(f"A plaintext part covers part of the {int(ulengths[short[0]])} aggregated positions "
+                                f"of block {b}; plaintext parts must cover whole blocks of the aggregate.")
+        B, plain = self.public.block_size, [0] * ublocks.size
+        rows = np.flatnonzero(touched)
+        if rows.size:
+            sums = np.zeros((rows.size, B), dtype=np.int64)
+            for i, j in enumerate(rows.tolist()):
+                start = int(ublocks[j]) * B
+                sums[i, : ulengths[j]] = self.plain[start : start + ulengths[j]]
+            for j, m in zip(rows.tolist(), _pack(sums, self.public.layout.slot_bits)):
+                plain[j] = int(m)
+        return plain, touched
+
+    def fold(self, like: EncryptedVector) -> bytes:
+        _, _, blocks, lengths = self.public._check_payload(like, "The aggregate")
+        return self.public._fold_bytes(self._fold(blocks, lengths)[0])
 
 
 class _PrimePair:

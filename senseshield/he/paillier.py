@@ -313,25 +313,10 @@ class PaillierPublicKey(PublicKey):
                 cipher_jobs.append((idx.tolist(), payload, weight))
             elif isinstance(part, PlainPart):
                 weight = check_weight(part.weight, k)
-                ppos = np.asarray(part.positions, dtype=np.int64).ravel()
-                pvals = np.asarray(part.values, dtype=np.float64).ravel()
-                if ppos.shape != pvals.shape:
-                    raise ProtocolError(
-                        f"Plaintext part {k} has {pvals.size} values for {ppos.size} positions."
-                    )
-                idx, inside = _locate(union, ppos)
-                if np.any(inside):
-                    idx, vals = idx[inside], pvals[inside]
-                    bad = np.flatnonzero(~np.isfinite(vals))
-                    if bad.size:
-                        raise ProtocolError(
-                            f"Plaintext part {k} has value {vals[bad[0]]} at position "
-                            f"{int(union[idx[bad[0]]])}; only finite values can be aggregated."
-                        )
-                    if np.unique(idx).size != idx.size:
-                        raise ProtocolError(f"Plaintext part {k} repeats a position.")
-                    max_abs_plain = max(max_abs_plain, float(np.max(np.abs(vals))))
-                    plain_jobs.append((idx, vals, weight))
+                job = self._plain_job(part, union, k)
+                if job is not None:
+                    max_abs_plain = max(max_abs_plain, float(np.max(np.abs(job[1]))))
+                    plain_jobs.append(job)
             else:
                 raise ProtocolError(
                     f"Part {k} is a {type(part).__name__}, not a CipherPart or PlainPart."
@@ -353,12 +338,7 @@ class PaillierPublicKey(PublicKey):
                     f"(|sum| * 2**{self._precision_bits} must stay below n/2)."
                 )
 
-        plain_sum = np.zeros(size, dtype=object)
-        for idx, vals, weight in plain_jobs:
-            encoded = np.empty(idx.size, dtype=object)
-            encoded[:] = _encode(vals, self._precision_bits)
-            plain_sum[idx] += encoded * weight
-
+        plain = self._fold(plain_jobs, size)
         acc: list[Any] = [None] * size
         powmod, mpz = gmpy2.powmod, gmpy2.mpz
         for idx_list, payload, weight in cipher_jobs:
@@ -371,12 +351,10 @@ class PaillierPublicKey(PublicKey):
                     t = powmod(c, weight, nsquare)
                     a = acc[j]
                     acc[j] = t if a is None else a * t % nsquare
-        plain = [0] * size
-        if plain_jobs:
-            n = self._n_mpz
-            for j in np.flatnonzero(plain_sum != 0).tolist():
-                plain[j] = int(plain_sum[j] % n)
-                acc[j] = acc[j] * (1 + n * plain[j]) % nsquare
+        n = self._n_mpz
+        for j, m in enumerate(plain):
+            if m:
+                acc[j] = acc[j] * (1 + n * m) % nsquare
 
         return EncryptedVector(
             meta={"plain": plain},
@@ -386,6 +364,54 @@ class PaillierPublicKey(PublicKey):
             payload=[int(a) for a in acc],
             nbytes=size * self.ciphertext_nbytes,
         )
+
+    def _plain_job(self, part: PlainPart, union: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, int] | None:
+        """Plaintext part ``k`` inside ``union``: (rows of the union, values, weight), checked;
+        None if it has no position there."""
+        weight = check_weight(part.weight, k)
+        ppos = np.asarray(part.positions, dtype=np.int64).ravel()
+        pvals = np.asarray(part.values, dtype=np.float64).ravel()
+        if ppos.shape != pvals.shape:
+            raise ProtocolError(
+                f"Plaintext part {k} has {pvals.size} values for {ppos.size} positions."
+            )
+        idx, inside = _locate(union, ppos)
+        if not np.any(inside):
+            return None
+        idx, vals = idx[inside], pvals[inside]
+        bad = np.flatnonzero(~np.isfinite(vals))
+        if bad.size:
+            raise ProtocolError(
+                f"Plaintext part {k} has value {vals[bad[0]]} at position "
+                f"{int(union[idx[bad[0]]])}; only finite values can be aggregated."
+            )
+        if np.unique(idx).size != idx.size:
+            raise ProtocolError(f"Plaintext part {k} repeats a position.")
+        return idx, vals, weight
+
+    def _fold(self, plain_jobs: Sequence[tuple[np.ndarray, np.ndarray, int]], size: int) -> list[int]:
+        """``Σ_j w_j m_j mod n`` per union row: the plaintext folded into each ciphertext."""
+        plain = [0] * size
+        if not plain_jobs:
+            return plain
+        plain_sum = np.zeros(size, dtype=object)
+        for idx, vals, weight in plain_jobs:
+            encoded = np.empty(idx.size, dtype=object)
+            encoded[:] = _encode(vals, self._precision_bits)
+            plain_sum[idx] += encoded * weight
+        n = self._n_mpz
+        for j in np.flatnonzero(plain_sum != 0).tolist():
+            plain[j] = int(plain_sum[j] % n)
+        return plain
+
+    def plain_fold_of(self, like: EncryptedVector, parts: Sequence[PlainPart]) -> bytes:
+        self.check(like)
+        union = np.asarray(like.positions, dtype=np.int64)
+        jobs = [job for k, part in enumerate(parts) if (job := self._plain_job(part, union, k)) is not None]
+        return self._fold_bytes(self._fold(jobs, union.size))
+
+    def _fold_bytes(self, plain: Sequence[int]) -> bytes:
+        return b"" if not any(plain) else ints_bytes(plain, _key_bytes(self._n))
 
     def select(self, vector: EncryptedVector, positions: np.ndarray) -> EncryptedVector | None:
         if len(positions) == 0:
@@ -406,8 +432,7 @@ class PaillierPublicKey(PublicKey):
         return int_bytes(value, 2 * _key_bytes(self._n))
 
     def plain_fold(self, aggregate: EncryptedVector) -> bytes:
-        plain = aggregate.meta.get("plain") or [0] * len(aggregate.payload)
-        return b"" if not any(plain) else ints_bytes(plain, _key_bytes(self._n))
+        return self._fold_bytes(aggregate.meta.get("plain") or [])
 
     def verify_aggregate(self, aggregate: EncryptedVector, seed: bytes,
                          contributions: Sequence[tuple[bytes, int]], plain: bytes) -> bool:

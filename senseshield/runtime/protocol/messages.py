@@ -21,6 +21,7 @@ message that exists is internally consistent; :func:`update_from_message` and
 
 from __future__ import annotations
 
+import hashlib
 from typing import Annotated, Any, ClassVar
 
 import numpy as np
@@ -461,13 +462,19 @@ class UpdateMessage(Message):
 
 @message
 class AggregateRequest(Message):
-    """``keyserver/requests``: a cluster's aggregate, for the key server to decrypt."""
+    """``keyserver/requests``: a cluster's aggregate, for the key server to decrypt.
+
+    ``plains`` (version 4, verifiable schemes): every contributor's plaintext part
+    (:func:`plain_part`, each checked against the digest its receipt signs), in the order of
+    sorted(contributors); the key server recomputes from them, the signed masks and sample
+    counts what the aggregate adds in plaintext (``plain_fold``, ``plain_sum``,
+    ``position_weight``, ``thin_sum``) and refuses an aggregate that declares anything else."""
 
     schema_name: ClassVar[str] = "aggregate-request"
-    version: ClassVar[int] = 3
+    version: ClassVar[int] = 4
     sections: ClassVar[dict[str, str]] = {
         "union_mask": "u8", "plain_sum": "f64", "position_weight": "f64", "ciphertext": "bytes",
-        "receipts": "bytes", "plain_fold": "bytes", "masks": "u8", "thin_sum": "f64",
+        "receipts": "bytes", "plain_fold": "bytes", "masks": "u8", "thin_sum": "f64", "plains": "bytes",
     }
     run_id: str
     cluster: int = Field(ge=0)
@@ -485,6 +492,7 @@ class AggregateRequest(Message):
     # plaintext senders' sums at the union positions fewer than the job's min_encryptors encrypted
     masks: np.ndarray = Field(default_factory=lambda: np.zeros(0, np.uint8))
     thin_sum: np.ndarray = Field(default_factory=lambda: np.zeros(0))
+    plains: bytes = b""  # (version 4) the contributors' plaintext parts (pack_frames of plain_part), sorted by name
 
     @model_validator(mode="after")
     def _consistent(self) -> "AggregateRequest":
@@ -523,6 +531,17 @@ class AggregateRequest(Message):
             unpack_mask(m, self.size)  # padding bits zero
         return masks
 
+    def contributor_plains(self) -> dict[str, bytes]:
+        """Every contributor's plaintext part (:func:`plain_part`, as its update carried it),
+        from section ``plains``; empty if none were sent."""
+        if not self.plains:
+            return {}
+        names = sorted(set(self.contributors))
+        parts = unpack_frames(self.plains, limit=plain_part_limit(self.size))
+        if len(parts) != len(names):
+            raise ProtocolError(f"The aggregate carries {len(parts)} plaintext parts for {len(names)} contributors.")
+        return dict(zip(names, parts))
+
 
 @message
 class Receipt(Message):
@@ -539,7 +558,10 @@ class Receipt(Message):
     so every sum it unmasks carries at least the job's noise, whatever the coordinator
     planned. ``plan_digest`` (version 4): :meth:`RoundPlan.digest` of the plan the update was
     made under; the masked scheme's pads of this contribution are derived with it
-    (:func:`senseshield.he.base.round_context`), so the key server removes them with it."""
+    (:func:`senseshield.he.base.round_context`), so the key server removes them with it.
+    ``plain_digest`` (version 4): the SHA-256 of the update's plaintext part
+    (:func:`plain_part`: its withheld bitset and its float32 ``plaintext`` section as sent);
+    the key server recomputes what the aggregate adds in plaintext from these parts."""
 
     schema_name: ClassVar[str] = "receipt"
     version: ClassVar[int] = 4
@@ -554,6 +576,7 @@ class Receipt(Message):
     start_digest: str = Field("", max_length=64)  # SHA-256 of the float32 model trained from
     shares: int = Field(0, ge=0, le=1 << 20)  # distributed DP: contributors its noise share is sized for (0: none)
     plan_digest: str = Field("", max_length=64)  # RoundPlan.digest() of the plan it was made under
+    plain_digest: str = Field("", max_length=64)  # SHA-256 of the update's plain_part (withheld bitset, plaintext)
 
 
 @message
@@ -671,7 +694,10 @@ def aggregate_to_message(
             fold = public_key.plain_fold(aggregate.ciphertext)
     weights = aggregate.position_weight
     masks = aggregate.masks or {}
+    plains = aggregate.plains or {}
     return AggregateRequest(
+        plains=pack_frames([plain_part(pack_mask(w) if w is not None else np.zeros(0, np.uint8), p)
+                            for w, p in (plains[a] for a in sorted(plains))]),
         masks=np.concatenate([masks[a] for a in sorted(masks)]) if masks else np.zeros(0, np.uint8),
         thin_sum=np.asarray(aggregate.thin_sum if aggregate.thin_sum is not None else [], dtype=np.float64),
         run_id=run_id,
@@ -735,3 +761,35 @@ def unpack_frames(data: bytes, *, limit: int = 1 << 16) -> list[bytes]:
         out.append(data[i + 4 : i + 4 + size])
         i += 4 + size
     return out
+
+
+def plain_part(withheld: np.ndarray, plaintext: np.ndarray) -> bytes:
+    """An update's plaintext part, as its receipt signs it (``Receipt.plain_digest``) and an
+    aggregate request carries it (``AggregateRequest.plains``): the length of the withheld
+    bitset (u32 big-endian; 0: nothing withheld), the bitset (the update's ``withheld``
+    section), then the float32 values of its ``plaintext`` section as sent (little-endian)."""
+    bits = np.asarray(withheld, dtype=np.uint8).tobytes()
+    return len(bits).to_bytes(4, "big") + bits + np.asarray(plaintext, dtype="<f4").tobytes()
+
+
+def plain_digest(withheld: np.ndarray, plaintext: np.ndarray) -> str:
+    """SHA-256 (hex) of :func:`plain_part`: what a receipt signs of its update's plaintext."""
+    return hashlib.sha256(plain_part(withheld, plaintext)).hexdigest()
+
+
+def plain_part_limit(size: int) -> int:
+    """The most bytes a :func:`plain_part` of a model of ``size`` parameters can take."""
+    return 4 + -(-size // 8) + 4 * size
+
+
+def parse_plain_part(data: bytes, size: int) -> tuple[np.ndarray | None, np.ndarray]:
+    """Inverse of :func:`plain_part` for a model of ``size`` parameters: the withheld mask
+    (None: nothing withheld) and the float32 plaintext values; :class:`ProtocolError` if it
+    does not fit (the engine checks the values against the contributor's mask)."""
+    if len(data) < 4:
+        raise ProtocolError("A plaintext part is shorter than its header.")
+    n = int.from_bytes(data[:4], "big")
+    if 4 + n > len(data) or (len(data) - 4 - n) % 4:
+        raise ProtocolError(f"A plaintext part of {len(data)} bytes does not hold a {n}-byte bitset and float32 values.")
+    withheld = unpack_mask(np.frombuffer(data, np.uint8, count=n, offset=4), size) if n else None
+    return withheld, np.frombuffer(data, dtype="<f4", offset=4 + n).astype(np.float32)
