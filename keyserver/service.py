@@ -350,7 +350,7 @@ class KeyServer(Service):
         except ProtocolError as exc:  # the scheme's own check (masked: a sum that is not the named one)
             # the contributions are spent all the same: a refusal after unmasking is an answer
             # about their sum, which a coordinator must not be able to ask for twice
-            self._spend(r, k, distinct)
+            self._spend(r, k, distinct, released=False)
             self.log.warning("round %d cluster %d refused at decryption: %s", r, k, exc)
             self._answer(r, k, AggregateResult(run_id=self.run_id, cluster=k, accepted=False,
                                                reason=f"refused: {exc}", timings={"verify": t_verify},
@@ -365,22 +365,26 @@ class KeyServer(Service):
         current = self.models.get(k, (0, self.initial))[1]
         new = apply_mean(current, mean, server_lr=self.config.options.server_lr)
         self.models[k] = (r, new)
-        self._spend(r, k, distinct)
+        self._spend(r, k, distinct, released=True)
         self.log.info("round %d cluster %d: %d verified contributors (%.3f s), decrypted in %.3f s", r, k,
                       len(distinct), t_verify, t_decrypt)
         self._answer(r, k, AggregateResult(run_id=self.run_id, cluster=k, accepted=True,
                                            timings={"decrypt": t_decrypt, "verify": t_verify},
                                            excluded=excluded or {}))
 
-    def _spend(self, r: int, k: int, distinct: list[str]) -> None:
+    def _spend(self, r: int, k: int, distinct: list[str], *, released: bool) -> None:
         """Round ``r``'s contributions of cluster ``k`` have been through a decryption: spent
-        for the round, and (encrypted ones) in the cross-job ledger, written before the verdict."""
+        for the round, and (encrypted ones) in the ledger, written before the verdict. An entry
+        names the use that released its sum (``released``: accepted), else its first use (a
+        refusal at unmasking, which a later round of this job may follow from the same model)."""
         self.spent.setdefault(r, {}).update({a: k for a in distinct})
         entries = self._ledger_keys.pop((r, k), {})
         if entries:
             where = f"{self.run_id}/{r}/{k}"
             for entry in entries.values():
-                self.ledger.setdefault(entry, where)
+                known = self.ledger.get(entry)
+                if known is None or (released and known.rsplit("/", 2)[0] == self.run_id):
+                    self.ledger[entry] = where
             write_atomic(self._ledger_path(), json.dumps(self.ledger, sort_keys=True))
 
     def _ledger_path(self) -> Path:
@@ -457,7 +461,8 @@ class KeyServer(Service):
             min_contributors=self.min_contributors, min_fraction=self.min_fraction,
             min_encryptors=self.min_encryptors,
             job_min_encryptors=self.config.options.min_encryptors if self.config is not None else 1,
-            allow_unverifiable=self.allow_unverifiable, log=self.log)
+            allow_unverifiable=self.allow_unverifiable, log=self.log,
+            released=frozenset(rk for rk, v in self.results.items() if v.accepted))
         refusal, weights, entries = verify(checks, r, k, msg, aggregate, prints, plans)
         if refusal is None and entries:
             self._ledger_keys[(r, k)] = entries
