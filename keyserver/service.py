@@ -418,6 +418,9 @@ class KeyServer(Service):
         members = [a for v in plan.values() for a in v]
         if r < 1 or not plan or len(members) != len(set(members)):
             raise ProtocolError(f"Round plan {r} is empty, for round < 1, or puts an agent in two clusters.")
+        if r > self.config.rounds:  # a sum the operator did not sign for (a DP job: budget beyond its epsilon)
+            raise ProtocolError(f"Round plan {r}: job {self.run_id} has {self.config.rounds} rounds (the operator "
+                                "signed them); no round after the last is opened.")
         if r in self.plans:
             if self.plans[r] != plan:
                 raise ProtocolError(f"Round {r} was already opened with another plan; a round's plan is pinned.")

@@ -689,6 +689,26 @@ def test_fresh_clusters_cannot_pair_one_starting_models_updates_again_within_the
     assert not any(rr in (3, 4) and m.run_id == run for rr, m in world.models)
 
 
+def test_a_round_beyond_the_signed_jobs_rounds_is_neither_opened_nor_trained(world):
+    """The operator signed 5 rounds; round 6 would be one more sum than it signed for (under a
+    DP strategy, privacy budget beyond the job's epsilon). The key server does not open it and
+    no agent trains for it."""
+    run, n = world.run_a, JOB.rounds + 1
+    rejected = world.keyserver.rejected_total
+    mark = world.marks()
+    world.send("keyserver/rounds", RoundOpen(run_id=run, clusters={"0": AGENTS}), round=n)
+    why = f"job {run} has {JOB.rounds} rounds"
+    refused = wait_for("the key server's refusal of the round", lambda: world.keyserver.rejected_total > rejected and next(
+        (x for x in list(world.keyserver.rejected) if f"Round plan {n}" in x and why in x), None))
+    for a in AGENTS:
+        world.plan(n, a, 0, run=run, ring_bits=32, participants=3, model_round=1)
+    lines = [world.said(a, f"Round plan for round {n}; {why}", mark) for a in AGENTS]
+    assert not any(s.run == run and s.round == n for s in world.sent) and (n, run) not in world.challenges
+    outcome(f"round {n} of a job the operator signed with {JOB.rounds} rounds",
+            "keyserver/service.py `_on_round_open`, edge_agent/service.py `_on_plan`",
+            f"{refused} / {lines[0].split('rejected message on ', 1)[-1]}", world)
+
+
 def test_a_second_signature_of_the_job_cannot_pair_its_updates_again(world):
     """Attack 4 (re-run): the operator signs the same job again (job B: a new nonce, the same
     initial model); the coordinator pairs c000 with c002. The key server's cross-job ledger
