@@ -19,13 +19,12 @@ full-batch step a round), so a device's update from a given model is the same in
 and every re-run of the job, and two sums of it in other pairings would solve it exactly.
 
 The tests play one story in file order on the module's fleet (a job's state carries from one
-test to the next), about 90 s on two busy cores. Each attack's outcome goes into a table
+test to the next), 20 to 40 s on two busy cores. Each attack's outcome goes into a table
 printed at the end of the module (and kept in ``OUTCOMES``).
 """
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import os
 import signal
