@@ -313,6 +313,9 @@ class EdgeAgent(Service):
         if item.round < 1 or msg.model_round >= item.round:
             raise ProtocolError(f"Round plan for round {item.round} starts from model round {msg.model_round}; "
                                 "rounds start at 1 from an earlier model.")
+        if item.round > self.run.config.rounds:  # one more sum than the operator signed for
+            raise ProtocolError(f"Round plan for round {item.round}; job {self.run.run_id} has "
+                                f"{self.run.config.rounds} rounds (the operator signed them).")
         if item.round < self.newest_plan:
             raise ProtocolError(f"Round plan for round {item.round}; round {self.newest_plan} has begun.")
         # one cluster per round: a second plan that moves this agent to another cluster would

@@ -225,6 +225,9 @@ class KeyServer(Service):
                              required=self.require_signed_jobs, initial=msg.initial)
         if reason is None:
             return False
+        if msg.run_id == self.run_id:  # the run it serves stays announced: a forged config changes nothing
+            self.log.error("%s (the run it serves goes on unchanged)", reason)
+            return True
         self._refuse_run(msg.run_id, reason)
         return True
 
@@ -350,7 +353,7 @@ class KeyServer(Service):
         except ProtocolError as exc:  # the scheme's own check (masked: a sum that is not the named one)
             # the contributions are spent all the same: a refusal after unmasking is an answer
             # about their sum, which a coordinator must not be able to ask for twice
-            self._spend(r, k, distinct)
+            self._spend(r, k, distinct, released=False)
             self.log.warning("round %d cluster %d refused at decryption: %s", r, k, exc)
             self._answer(r, k, AggregateResult(run_id=self.run_id, cluster=k, accepted=False,
                                                reason=f"refused: {exc}", timings={"verify": t_verify},
@@ -365,22 +368,26 @@ class KeyServer(Service):
         current = self.models.get(k, (0, self.initial))[1]
         new = apply_mean(current, mean, server_lr=self.config.options.server_lr)
         self.models[k] = (r, new)
-        self._spend(r, k, distinct)
+        self._spend(r, k, distinct, released=True)
         self.log.info("round %d cluster %d: %d verified contributors (%.3f s), decrypted in %.3f s", r, k,
                       len(distinct), t_verify, t_decrypt)
         self._answer(r, k, AggregateResult(run_id=self.run_id, cluster=k, accepted=True,
                                            timings={"decrypt": t_decrypt, "verify": t_verify},
                                            excluded=excluded or {}))
 
-    def _spend(self, r: int, k: int, distinct: list[str]) -> None:
+    def _spend(self, r: int, k: int, distinct: list[str], *, released: bool) -> None:
         """Round ``r``'s contributions of cluster ``k`` have been through a decryption: spent
-        for the round, and (encrypted ones) in the cross-job ledger, written before the verdict."""
+        for the round, and (encrypted ones) in the ledger, written before the verdict. An entry
+        names the use that released its sum (``released``: accepted), else its first use (a
+        refusal at unmasking, which a later round of this job may follow from the same model)."""
         self.spent.setdefault(r, {}).update({a: k for a in distinct})
         entries = self._ledger_keys.pop((r, k), {})
         if entries:
             where = f"{self.run_id}/{r}/{k}"
             for entry in entries.values():
-                self.ledger.setdefault(entry, where)
+                known = self.ledger.get(entry)
+                if known is None or (released and known.rsplit("/", 2)[0] == self.run_id):
+                    self.ledger[entry] = where
             write_atomic(self._ledger_path(), json.dumps(self.ledger, sort_keys=True))
 
     def _ledger_path(self) -> Path:
@@ -414,6 +421,9 @@ class KeyServer(Service):
         members = [a for v in plan.values() for a in v]
         if r < 1 or not plan or len(members) != len(set(members)):
             raise ProtocolError(f"Round plan {r} is empty, for round < 1, or puts an agent in two clusters.")
+        if r > self.config.rounds:  # a sum the operator did not sign for (a DP job: budget beyond its epsilon)
+            raise ProtocolError(f"Round plan {r}: job {self.run_id} has {self.config.rounds} rounds (the operator "
+                                "signed them); no round after the last is opened.")
         if r in self.plans:
             if self.plans[r] != plan:
                 raise ProtocolError(f"Round {r} was already opened with another plan; a round's plan is pinned.")
@@ -457,7 +467,8 @@ class KeyServer(Service):
             min_contributors=self.min_contributors, min_fraction=self.min_fraction,
             min_encryptors=self.min_encryptors,
             job_min_encryptors=self.config.options.min_encryptors if self.config is not None else 1,
-            allow_unverifiable=self.allow_unverifiable, log=self.log)
+            allow_unverifiable=self.allow_unverifiable, log=self.log,
+            released=frozenset(rk for rk, v in self.results.items() if v.accepted))
         refusal, weights, entries = verify(checks, r, k, msg, aggregate, prints, plans)
         if refusal is None and entries:
             self._ledger_keys[(r, k)] = entries

@@ -74,7 +74,7 @@ class Checks:
     secret: SecretKey | None
     seed: bytes | None  # the round's challenge seed
     boxes: dict[str, bytes]  # the round's box keys: agent -> X25519 key
-    ledger: dict[str, str]  # across jobs: "key|agent|starting model" -> "run/round/cluster"
+    ledger: dict[str, str]  # "key|agent|starting model" -> "run/round/cluster" of its released use (else its first)
     start_digest: str  # model_digest of the cluster's current model: what every contribution trained from
     min_contributors: int
     min_fraction: float
@@ -82,6 +82,7 @@ class Checks:
     job_min_encryptors: int  # the job's
     allow_unverifiable: bool
     log: logging.Logger
+    released: frozenset[tuple[int, int]] = frozenset()  # (round, cluster) of this run whose sum was released
 
 
 def verify(checks: Checks, r: int, k: int, msg: AggregateRequest, aggregate,  # noqa: ANN001
@@ -192,19 +193,32 @@ def verify(checks: Checks, r: int, k: int, msg: AggregateRequest, aggregate,  # 
         if stale:
             return (f"the receipts of {stale} sign a model they trained from that is not cluster {k}'s current "
                     f"model (SHA-256 {c.start_digest[:16]}...); a round trains from the cluster's latest model"), {}, {}
-        # (within a job the round's own ledger applies: a later round trains anew, even from
-        # the same model after a refused round)
-        used = sorted((a, c.ledger[e]) for a, e in entries.items()
-                      if e in c.ledger and c.ledger[e].rsplit("/", 2)[0] != c.run_id)
+        # one (key, agent, starting model) enters one released sum, in this job too: fresh
+        # cluster ids start from the initial model, and a device's update from one model is the
+        # same in every round when its batch covers its data, so pairing it again would solve
+        # it. A round that trains again from a model whose aggregate was refused (nothing
+        # released) goes on.
+        used = sorted((a, c.ledger[e]) for a, e in entries.items() if e in c.ledger and _bars(c, c.ledger[e]))
         if used:
             a, where = used[0]
             run, rr, kk = where.rsplit("/", 2)
+            if run == c.run_id:
+                return (f"the contribution of {a!r} from this starting model was already released in this job "
+                        f"(round {rr}, cluster {kk}); an update from one model enters one released sum, since "
+                        "sums of it in other pairings would isolate it"), {}, {}
             return (f"the contribution of {a!r} from this starting model was already decrypted in job {run} "
                     f"(round {rr}, cluster {kk}); a contribution enters one aggregate across jobs, so "
                     "run the job from another initial model (another seed)"), {}, {}
     if plans is not None:
         plans.update({a: receipts[a].plan_digest for a in names})
     return None, {a: receipts[a].n_samples for a in names}, entries
+
+
+def _bars(c: Checks, where: str) -> bool:
+    """Whether the ledger's use ``where`` ("run/round/cluster") bars a contribution: any use
+    in another job (released or refused at unmasking), a released one in this job."""
+    run, rr, kk = where.rsplit("/", 2)
+    return run != c.run_id or (int(rr), int(kk)) in c.released
 
 
 def check_encryptors(checks: Checks, r: int, k: int, msg: AggregateRequest, aggregate,  # noqa: ANN001
