@@ -106,7 +106,7 @@ class Harness:
     def job(self, strategy: str = "sensecrypt", scheme: str | None = "packed-paillier", **over) -> Job:  # noqa: ANN003
         """The harness's job: the linear model on 8x8 inputs and 10 classes (SIZE parameters)."""
         return Job(strategy=strategy, model="linear", clients=2, key_bits=1024, input_shape=[1, 8, 8], num_classes=10,
-                   scheme=None if strategy in ("plaintext", "masked") else scheme, **over)
+                   scheme=None if strategy in ("plaintext", "masked") else scheme, **{"rounds": 10, **over})
 
     def start_run(self, strategy: str = "sensecrypt", run: str | None = None, scheme: str | None = "packed-paillier",
                   *, submission: bytes | None = None, config: Job | None = None, job: Job | None = None,
@@ -636,9 +636,17 @@ def test_only_a_job_an_operator_signed_is_served(harness, caplog):
     announcement = harness.start_run(job=job, submission=genuine)
     assert not announcement.refused and announcement.scheme == "packed-paillier"
     assert harness.server.run_id == signed_nonce(genuine)
-    # the same run id again with a moved initial model: refused, whatever the run id
-    announcement = harness.start_run(job=job, submission=genuine, run=signed_nonce(genuine), initial=moved)
-    assert "is not the one 'operator' signed" in announcement.refused
+    # the same run id again with a moved initial model: refused (logged), whatever the run id;
+    # the run it serves goes on with its own initial model
+    with caplog.at_level("ERROR", logger="senseshield.keyserver"):
+        harness.send("fleet/config", FleetConfig(run_id=harness.run, config=job.model_dump(mode="json"),
+                                                 input_shape=[1, 8, 8], num_classes=10, round_deadline=30,
+                                                 initial=moved, submission=genuine))
+        end = time.monotonic() + 30
+        while "(the run it serves goes on unchanged)" not in caplog.text and time.monotonic() < end:
+            time.sleep(0.05)
+    assert "is not the one 'operator' signed (" in caplog.text and "(the run it serves goes on unchanged)" in caplog.text
+    assert harness.server.run_id == signed_nonce(genuine) and np.array_equal(harness.server.initial, initial)
 
 
 def test_a_sum_of_fewer_contributors_than_the_noise_shares_is_never_unmasked(harness):
