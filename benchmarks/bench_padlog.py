@@ -43,8 +43,8 @@ def main() -> None:
             mask_s.append(time.perf_counter() - t)
             cipher = np.asarray(vector.payload).tobytes()
             t = time.perf_counter()
-            assert log.refusal(slot_of("bench", "j-0123456789abcdef", r), context, cipher) is None
-            log.record(slot_of("bench", "j-0123456789abcdef", r), context, cipher)
+            assert log.refusal(slot_of("bench", "j-0123456789abcdef", r, "a"), context, cipher) is None
+            log.record(slot_of("bench", "j-0123456789abcdef", r, "a"), context, cipher)
             record_s.append(time.perf_counter() - t)
         size = (Path(tmp) / "pads-used.log").stat().st_size
         t = time.perf_counter()

@@ -67,7 +67,7 @@ def join(
     development(insecure_dev)
     starting("edge agent", agent_id or socket.gethostname(), broker, fleet)  # before the imports below
     from edge_agent.profile import is_measured, load_profile
-    from edge_agent.padlog import FILE_NAME as PAD_LOG
+    from edge_agent.padlog import file_name
     from edge_agent.service import DataSpec, EdgeAgent
     from senseshield.runtime.service import leave
     from senseshield.device_noise import check_noise_seed
@@ -112,7 +112,7 @@ def join(
             lose_plan_at_round=lose_plan_at_round, model_dir=model_dir, once=once,
             device_class=device_class, labels=labels, require_he=require_he, allow_plaintext=allow_plaintext,
             min_he_ratio=min_he_ratio if min_he_ratio is not None else (device.min_he_ratio or 0.0), noise=noise,
-            allow_unsigned_jobs=allow_unsigned_jobs, pad_log=identity_file.parent / PAD_LOG,
+            allow_unsigned_jobs=allow_unsigned_jobs, pad_log=identity_file.parent / file_name(name),
         )
         agent.link.secure(**security)
         agent.install_signal_handlers()

@@ -9,10 +9,11 @@ Two different vectors masked with the same pad give their difference to whoever 
 
 So before an encrypted update leaves the device, the device appends one line to this file
 and fsyncs it: the round's slot (SHA-256 of fleet, job and round), the context its pads were
-derived in and the SHA-256 of the ciphertext sent. A slot is used once: the same ciphertext
+derived in and the SHA-256 of the ciphertext sent (the slot names the agent too, and each
+identity has its own file, ``pads-used-ID.log``). A slot is used once: the same ciphertext
 may be sent again (a re-sent plan gets the saved frame), a different one never
 (:meth:`PadLog.refusal`), across cancels, new jobs and restarts. The file keeps no secret
-(digests only), is 0600 in the device's identity directory, and grows by 147 bytes a round.
+(digests only), is 0600 beside the device's identity, and grows by 147 bytes a round.
 """
 
 from __future__ import annotations
@@ -23,14 +24,17 @@ from pathlib import Path
 
 from senseshield.errors import ConfigError
 
-FILE_NAME = "pads-used.log"
+def file_name(agent_id: str) -> str:
+    """The pad log's file name of agent ``agent_id`` (one file per identity: ``fleet up`` keeps
+    every local agent's identity in one folder)."""
+    return f"pads-used-{agent_id}.log"
 _LINE = "{slot} {context} {ciphertext}\n"
 LINE_BYTES = len(_LINE.format(slot="0" * 16, context="0" * 64, ciphertext="0" * 64))
 
 
-def slot_of(fleet: str, run_id: str, r: int) -> str:
-    """The slot of round ``r`` of job ``run_id``: a device masks one vector in it, ever."""
-    return hashlib.sha256(f"{fleet}/{run_id}/{int(r)}".encode()).hexdigest()[:16]
+def slot_of(fleet: str, run_id: str, r: int, agent_id: str) -> str:
+    """The slot of agent ``agent_id`` in round ``r`` of job ``run_id``: it masks one vector in it, ever."""
+    return hashlib.sha256(f"{fleet}/{run_id}/{int(r)}/{agent_id}".encode()).hexdigest()[:16]
 
 
 class PadLog:

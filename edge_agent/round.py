@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -61,14 +62,17 @@ def pad_context(fleet: str, run_id: str, r: int, plan: RoundPlan) -> bytes:
     return round_context(fleet, run_id, r, plan.cluster, plan.digest())
 
 
-def plan_refusal(strategy, public: PublicKey | None, plan: RoundPlan, n_samples: int) -> str | None:  # noqa: ANN001
+def plan_refusal(strategy, public: PublicKey | None, plan: RoundPlan, n_samples: int,  # noqa: ANN001
+                 noise: tuple[float | None, float | None] | None = None) -> str | None:
     """Why this device refuses ``plan`` (one sentence, without the round), or None: every
     field the job decides is what this device computes from the job itself. The coordinator
     chooses the cluster, the budget (raised to the device's floor), the deadline and the
-    steps; it does not choose the key's block size, the consensus step or the masked ring:
-    the ring must be the job's ``ring_bits`` when it names one, 64 for a strategy that adds
-    noise to what it masks, and may be 32 only while this device's own weight fits the 32-bit
-    head-room (the members' total, which the device cannot see, is the key server's to check)."""
+    steps; it does not choose the key's block size, the consensus step, the DP noise or the
+    masked ring. ``noise``: this device's (user-level, record-level) noise multipliers of the
+    job (:func:`expected_noise`); the plan must carry exactly these. The ring must be the job's
+    ``ring_bits`` when it names one, 64 for a strategy that adds noise to what it masks, and
+    may be 32 only while this device's own weight fits the 32-bit head-room (the members'
+    total, which the device cannot see, is the key server's to check)."""
     block = public.block_size if public is not None else 1
     if public is not None and plan.block_size != block:
         return f"the plan's block size {plan.block_size} is not the job key's {block}"
@@ -82,7 +86,31 @@ def plan_refusal(strategy, public: PublicKey | None, plan: RoundPlan, n_samples:
         if plan.ring_bits not in allowed:
             return (f"the plan's ring is {plan.ring_bits} bits, but the job (ring_bits {option!r}, strategy "
                     f"{strategy.name!r}, this device's {n_samples} samples) allows {sorted(allowed)}")
+    if noise is not None:
+        for what, got, want in (("noise multiplier", plan.noise_multiplier, noise[0]),
+                                ("DP-SGD noise multiplier", plan.record_noise, noise[1])):
+            if not _same_sigma(got, want):
+                return (f"the plan's {what} is {got!r}, but the job calibrates {want!r} for this device; a "
+                        "coordinator does not choose how much noise a device adds")
     return None
+
+
+def expected_noise(config: Job, strategy, n_samples: int) -> tuple[float | None, float | None]:  # noqa: ANN001
+    """This device's (user-level, record-level) noise multipliers of ``config``: what the
+    coordinator computes for it (:func:`senseshield.job.noise_multipliers`, from the job and
+    this device's own sample count), so its plans must carry them."""
+    from senseshield.job import noise_multipliers
+
+    if strategy.dp_level is None:
+        return None, None
+    user, record = noise_multipliers(config, strategy, {"me": int(n_samples)})
+    return user, record.get("me")
+
+
+def _same_sigma(got: float | None, want: float | None) -> bool:
+    if got is None or want is None:
+        return got is None and want is None
+    return math.isclose(got, want, rel_tol=1e-9, abs_tol=0.0)
 
 
 @dataclass(frozen=True)

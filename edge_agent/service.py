@@ -62,8 +62,17 @@ from edge_agent.dataspec import DataSpec  # noqa: F401 (re-exported: edge_agent.
 from edge_agent.costs import inference_latency, measure_costs, warm_inference
 from edge_agent.evaluate import Applied, apply_and_evaluate, round_metrics
 from edge_agent.prepare import PreparedRun, prepare
-from edge_agent.padlog import FILE_NAME as PAD_LOG, PadLog, slot_of
-from edge_agent.round import needs_fingerprint, pad_context, plan_refusal, protect, receipt, round_key, train
+from edge_agent.padlog import PadLog, file_name, slot_of
+from edge_agent.round import (
+    expected_noise,
+    needs_fingerprint,
+    pad_context,
+    plan_refusal,
+    protect,
+    receipt,
+    round_key,
+    train,
+)
 from senseshield.development import development_mode
 from senseshield.runtime.jobsig import job_refusal, signed_initial
 from senseshield.data.local import check_source
@@ -108,6 +117,7 @@ class RunState:
     inference: dict[str, float] = field(default_factory=dict)  # onnxruntime latency of the model
     trained: dict[str, float] = field(default_factory=dict)  # the last round's training_* metrics
     partial: bool = False  # its last round plan cut its local steps (see EdgeAgent._evaluate_new_model)
+    noise: tuple[float | None, float | None] | None = None  # the job's (user, record) sigma for this device
 
 
 @dataclass
@@ -182,7 +192,7 @@ class EdgeAgent(Service):
         self.model_dir = Path(model_dir) if model_dir is not None else Path.home() / ".senseshield" / fleet / agent_id
         self.model_dir.mkdir(parents=True, exist_ok=True)
         # a device masks one vector per round of a job, ever (across cancels, jobs and restarts)
-        self.pad_log = PadLog(pad_log if pad_log is not None else self.model_dir / PAD_LOG)
+        self.pad_log = PadLog(pad_log if pad_log is not None else self.model_dir / file_name(agent_id))
         # every job config must be one an operator signed, unless told otherwise (as the key server)
         self.require_signed_jobs = not (allow_unsigned_jobs or development_mode() or self.trust.tofu)
         self.refused_configs: set[tuple[str, str]] = set()  # (run id, reason) already logged
@@ -479,6 +489,7 @@ class EdgeAgent(Service):
                           rng=self.noise.generator("synthetic-fit", round=0, index=index))
         self.strategy = strategy
         self.accountant_delta = config.options.delta
+        run.noise = expected_noise(config, strategy, data.n_train)  # what every plan of this job must carry
 
     def _warm_inference(self, run: RunState) -> None:
         """onnxruntime loaded and the run's inference latency measured (:func:`edge_agent.costs.warm_inference`)."""
@@ -537,12 +548,12 @@ class EdgeAgent(Service):
             if run.last_update is not None and run.last_update[0] == r:
                 self.link.publish(f"agents/{self.agent_id}/update", run.last_update[1])
             return
-        slot = slot_of(self.fleet, run.run_id, r)
+        slot = slot_of(self.fleet, run.run_id, r, self.agent_id)
         if self.public is not None and slot in self.pad_log.used:  # sent before (another run of the job, a restart)
             run.done_rounds.add(r)
             self.log.error("round %d of job %s: %s", r, run.run_id, self.pad_log.refusal(slot, b"", b""))
             return
-        refusal = plan_refusal(self.strategy, self.public, plan, run.data.n_train)
+        refusal = plan_refusal(self.strategy, self.public, plan, run.data.n_train, noise=run.noise)
         if refusal is not None:
             run.done_rounds.add(r)
             self.log.error("round %d of job %s: refusing the coordinator's plan: %s; the round is skipped", r,

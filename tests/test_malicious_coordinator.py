@@ -624,7 +624,7 @@ def test_cancel_then_the_same_run_id_unsigned_or_changed_is_refused_and_round_1_
     assert [s.ciphertext for s in world.sent if (s.agent, s.run, s.round) == ("c002", run, 1)] == \
         [world.round1["c002"].ciphertext] * 2  # round 1 and the re-plan of the test before
     outcome("... after the agent process was killed and restarted (round 1 at ring_bits=64)",
-            "edge_agent/padlog.py (the fsynced `pads-used.log` beside the identity)",
+            "edge_agent/padlog.py (the fsynced `pads-used-ID.log` beside the identity)",
             line.split(": ", 1)[1] if ": " in line else line, world)
 
 
@@ -791,7 +791,7 @@ def test_no_agent_ever_masked_two_vectors_under_one_pad(world):
         slots.setdefault((s.agent, s.run, s.round), set()).add(s.ciphertext)
     assert slots and all(len(v) == 1 for v in slots.values()), {k: len(v) for k, v in slots.items() if len(v) > 1}
     for a in AGENTS:
-        log = world.id_files[a].parent / "pads-used.log"
+        log = world.id_files[a].parent / f"pads-used-{a}.log"
         assert len(log.read_text().splitlines()) == sum(1 for (agent, _, _) in slots if agent == a)
     pairs = subtract_pairs(world.sent)
     assert len(pairs) >= 3 * 5  # every agent sent vectors in several rounds and jobs

@@ -27,14 +27,15 @@ from senseshield.strategies.base import StrategyOptions
 
 def test_a_slot_takes_one_vector_ever_and_the_same_one_again(tmp_path):
     log = PadLog(tmp_path / "pads-used.log")
-    slot = slot_of("f", "j-0123456789abcdef", 1)
+    slot = slot_of("f", "j-0123456789abcdef", 1, "a")
     assert log.refusal(slot, b"ctx", b"vector-1") is None
     log.record(slot, b"ctx", b"vector-1")
     assert log.refusal(slot, b"ctx", b"vector-1") is None  # the saved frame again (a re-sent plan)
     assert "already sent a masked update in this round" in log.refusal(slot, b"ctx", b"vector-2")
     assert "already sent" in log.refusal(slot, b"other plan", b"vector-1")  # another plan, same round
-    assert log.refusal(slot_of("f", "j-0123456789abcdef", 2), b"ctx", b"vector-2") is None
-    assert log.refusal(slot_of("f", "j-fedcba9876543210", 1), b"ctx", b"vector-2") is None
+    assert log.refusal(slot_of("f", "j-0123456789abcdef", 2, "a"), b"ctx", b"vector-2") is None
+    assert log.refusal(slot_of("f", "j-fedcba9876543210", 1, "a"), b"ctx", b"vector-2") is None
+    assert log.refusal(slot_of("f", "j-0123456789abcdef", 1, "b"), b"ctx", b"vector-2") is None  # another agent
     # durable: a restarted device (a new PadLog on the same file) refuses the same
     again = PadLog(tmp_path / "pads-used.log")
     assert "already sent" in again.refusal(slot, b"ctx", b"vector-2")
@@ -44,12 +45,12 @@ def test_a_slot_takes_one_vector_ever_and_the_same_one_again(tmp_path):
 def test_a_line_cut_by_a_crash_is_dropped_and_the_next_record_starts_a_line(tmp_path):
     path = tmp_path / "pads-used.log"
     log = PadLog(path)
-    log.record(slot_of("f", "j", 1), b"c", b"v")
+    log.record(slot_of("f", "j", 1, "a"), b"c", b"v")
     with open(path, "a") as fh:
         fh.write("0123456789abcdef 00")  # a crash mid-line, before the fsync: that frame was never sent
     again = PadLog(path)
     assert len(again.used) == 1
-    again.record(slot_of("f", "j", 2), b"c", b"v")
+    again.record(slot_of("f", "j", 2, "a"), b"c", b"v")
     assert len(PadLog(path).used) == 2
     path.write_text("garbage\n")
     with pytest.raises(ConfigError, match="broken line 1"):
@@ -59,7 +60,7 @@ def test_a_line_cut_by_a_crash_is_dropped_and_the_next_record_starts_a_line(tmp_
 def test_the_log_grows_by_one_line_of_fixed_size_a_round(tmp_path):
     log = PadLog(tmp_path / "pads-used.log")
     for r in range(1, 1001):
-        log.record(slot_of("fleet", "j-0123456789abcdef", r), b"context", b"ciphertext %d" % r)
+        log.record(slot_of("fleet", "j-0123456789abcdef", r, "a"), b"context", b"ciphertext %d" % r)
     assert (tmp_path / "pads-used.log").stat().st_size == 1000 * LINE_BYTES == 147_000
 
 
@@ -113,3 +114,22 @@ def test_a_plan_with_another_block_size_or_consensus_step_is_refused():
     assert plan_refusal(strategy, public, _plan(), 10) is None
     assert "block size 2 is not the job key's 1" in plan_refusal(strategy, public, _plan(block_size=2), 10)
     assert "asks for a consensus mask" in plan_refusal(strategy, public, _plan(negotiate=True), 10)
+
+
+def test_a_plan_with_less_noise_than_the_job_calibrates_is_refused():
+    """DP strategies: the plan's noise multipliers are the job's, computed by the device from
+    the job and its own sample count; a coordinator that plans less (or no) noise is refused."""
+    from edge_agent.round import expected_noise
+    from senseshield.job import Job
+
+    job = Job(strategy="dp-fedavg", model="linear", options={"target_epsilon": 4.0}, rounds=3)
+    strategy = build_strategy(job.strategy, job.options)
+    user, record = expected_noise(job, strategy, 300)
+    assert user is not None and user > 0
+    honest = _plan(noise_multiplier=user, record_noise=record, ring_bits=64)
+    assert plan_refusal(strategy, None, honest, 300, noise=(user, record)) is None
+    for over in ({"noise_multiplier": user / 10}, {"noise_multiplier": None}):
+        refusal = plan_refusal(strategy, None, _plan(**{**honest.model_dump(), **over}), 300, noise=(user, record))
+        assert refusal is not None and "a coordinator does not choose how much noise a device adds" in refusal
+    assert expected_noise(Job(strategy="masked", model="linear"), build_strategy("masked", StrategyOptions()), 300) == \
+        (None, None)
