@@ -102,7 +102,13 @@ def sign(
         write_atomic(out_file, frame, mode=0o644)  # sent to the coordinator, key server and agents
     except (ConfigError, StorageError) as exc:
         fail(str(exc))
-    console.print(f"job {job.label} signed by {name} for fleet {fleet!r}: {out_file}")
+    from senseshield.runtime.jobsig import signed_initial, signed_nonce
+
+    initial = signed_initial(frame)
+    console.print(f"job {signed_nonce(frame)} ({job.label}) signed by {name} for fleet {fleet!r}: {out_file}"
+                  + ("" if initial else " (its model does not build here: the agents check its initial model "
+                     "against the signed seed themselves)"))
+    console.print("it runs once: sign the job again to run it again")
 
 
 def _metric(j: dict) -> str:
