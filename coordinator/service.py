@@ -394,6 +394,13 @@ class Coordinator(Service):
     def _on_status(self, item: Inbound) -> None:
         agent_id = check_sender(item)  # the last will is the agent's own frame, too
         msg: Status = item.message  # type: ignore[assignment]
+        if not msg.online and self.link.connects > 1 and item.received < self.link.connected_at:
+            # a last will that came over the connection before our latest reconnect: a broker
+            # going down sends the will of every client still connected, live devices too; the
+            # device's own status on the new connection says whether it is back
+            self.log.info("agent %s: its last will came before the broker connection was restored; waiting for "
+                          "its status", agent_id)
+            return
         self.devices[agent_id] = msg.online
         info = self.agents.get(agent_id)
         if info is not None and info.online != msg.online:

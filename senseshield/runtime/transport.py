@@ -161,6 +161,7 @@ class Link:
         # called (on the network thread) after every reconnect, so services re-send what the
         # broker may have lost; must be quick and must not raise
         self.on_reconnect: Callable[[], None] | None = None
+        self.connected_at = 0.0  # time.time() of the latest (re)connection
         self._connected = threading.Event()  # connected *and* every subscription acknowledged
         self.connects = 0  # how many times the link became ready (1 + reconnects)
         self._pending_suback: int | None = None
@@ -359,6 +360,7 @@ class Link:
     def _ready(self, client) -> None:  # noqa: ANN001
         """Connected and subscribed: re-publish retained frames, run the reconnect hook."""
         self.connects += 1
+        self.connected_at = time.time()  # what arrived before it came over the previous connection
         self._connected.set()
         if self._ever_connected:
             with self._lock:
