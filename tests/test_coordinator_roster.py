@@ -56,3 +56,33 @@ def test_a_late_device_is_admitted_once_ready_and_the_changed_budgets_are_reassi
     assert "a2" in new.cluster_of and "a2" in assign and "a2" not in plan.cluster_of
     assert assign == sorted(a for a in new.cluster_of if a == "a2" or plan.budget_of.get(a) != new.budget_of[a])
     assert roster.admit(agents, new, strategy, "a2", size=20, block_size=1) is None  # planned already
+
+
+def test_a_last_will_from_before_the_latest_reconnect_does_not_take_a_device_out(tmp_path):
+    """A broker going down sends the last will of every client still connected, live devices
+    too. A will that came over the connection before the coordinator's latest reconnect (the
+    service thread may only reach it after the reconnect) is not the device leaving: the round
+    keeps waiting for it; a will over the current connection takes it out."""
+    import time as _time
+
+    import numpy as np
+
+    from coordinator.roster import AgentInfo
+    from coordinator.service import Coordinator
+    from senseshield.runtime.identity import Identity
+    from senseshield.runtime.protocol.envelope import decode_frame
+    from senseshield.runtime.protocol.messages import Hello, Status, to_frame
+    from senseshield.runtime.service import Inbound
+
+    coordinator = Coordinator("mqtt://127.0.0.1:1", fleet="wills", state_dir=tmp_path, identity=Identity.generate("coordinator"))
+    agent = Identity.generate("c000")
+    coordinator.agents = {"c000": AgentInfo(Hello(run_id="j", agent_id="c000", n_samples=10, bandwidth=1.0,
+                                                  cpu_speed=1.0), vector=np.zeros(1))}
+    coordinator.round, coordinator.round_deadline, coordinator.straggling = 1, 60.0, []  # no round open
+    frame = decode_frame(to_frame(Status(online=False), fleet="wills", sender="c000", round=0, signer=agent))
+    before = _time.time()
+    coordinator.link.connects, coordinator.link.connected_at = 2, before + 1.0  # reconnected after the will came
+    coordinator._on_status(Inbound("agents/c000/status", frame, Status(online=False), received=before))
+    assert coordinator.agents["c000"].online
+    coordinator._on_status(Inbound("agents/c000/status", frame, Status(online=False), received=before + 2.0))
+    assert not coordinator.agents["c000"].online
