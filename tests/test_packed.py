@@ -589,14 +589,15 @@ def test_the_subgroup_key_decrypts_with_short_exponents_and_refuses_to_mix():
 @given(st.lists(st.integers(0, 300), max_size=60), st.booleans())
 @settings(max_examples=80, deadline=None)
 def test_the_linear_time_group_and_repeat_checks_agree_with_numpy(values, sort):
-    """Issue 22 item 5: the O(n) paths for sorted positions give np.unique's answers."""
-    from senseshield.he.packed import _groups, _repeats
+    """The O(n) paths for sorted positions give np.unique's answers."""
+    from senseshield.he.base import repeats
+    from senseshield.he.packed import _groups
 
     keys = np.array(sorted(values) if sort else values, dtype=np.int64)
     expected = np.unique(keys, return_counts=True)
     got = _groups(keys)
     assert np.array_equal(got[0], expected[0]) and np.array_equal(got[1], expected[1])
-    assert _repeats(keys) == (np.unique(keys).size != keys.size)
+    assert repeats(keys) == (np.unique(keys).size != keys.size)
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

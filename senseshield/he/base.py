@@ -417,6 +417,42 @@ def short_hash(*chunks: bytes) -> str:
     return digest.hexdigest()[:16]
 
 
+def repeats(positions: np.ndarray) -> bool:
+    """Whether ``positions`` repeats a value: O(n) for the sorted positions updates carry,
+    a sort otherwise."""
+    if positions.size < 2:
+        return False
+    if np.all(np.diff(positions) > 0):
+        return False
+    return np.unique(positions).size != positions.size
+
+
+def plain_inside(part: PlainPart, union: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """Plaintext part ``k``'s values at the positions of the sorted ``union``: (rows of the
+    union, positions, values), or None if it has none there. :class:`ProtocolError` naming
+    the part for values and positions of different sizes, a value that is not finite or a
+    repeated position: the plaintext parts' checks every scheme's accumulator shares."""
+    ppos = np.asarray(part.positions, dtype=np.int64).ravel()
+    pvals = np.asarray(part.values, dtype=np.float64).ravel()
+    if ppos.shape != pvals.shape:
+        raise ProtocolError(f"Plaintext part {k} has {pvals.size} values for {ppos.size} positions.")
+    if union.size == 0:
+        return None
+    rows = np.searchsorted(union, ppos)
+    inside = rows < union.size
+    inside[inside] = union[rows[inside]] == ppos[inside]
+    if not np.any(inside):
+        return None
+    rows, ipos, vals = rows[inside], ppos[inside], pvals[inside]
+    bad = np.flatnonzero(~np.isfinite(vals))
+    if bad.size:
+        raise ProtocolError(f"Plaintext part {k} has value {vals[bad[0]]} at position {int(ipos[bad[0]])}; "
+                            "only finite values can be aggregated.")
+    if repeats(ipos):
+        raise ProtocolError(f"Plaintext part {k} repeats a position.")
+    return rows, ipos, vals
+
+
 def check_values(values: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Validate an (values, positions) pair for encryption; return float64/int64 copies."""
     values = np.asarray(values, dtype=np.float64).ravel()

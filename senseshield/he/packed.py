@@ -103,18 +103,20 @@ import numpy as np
 
 from senseshield.errors import ConfigError, KeyMismatchError, ProtocolError, SecretKeyExportError
 from senseshield.he.base import (
-    check_public_fields,
     Accumulator,
-    SCHEMES,
     CipherPart,
     EncryptedVector,
     PlainPart,
     PublicKey,
+    SCHEMES,
     Scheme,
     SecretKey,
+    check_public_fields,
     check_values,
     check_weight,
     int_param,
+    plain_inside,
+    repeats,
     select_units,
     short_hash,
 )
@@ -273,17 +275,6 @@ class PackedPayload:
 
     def __len__(self) -> int:
         return len(self.ciphertexts)
-
-
-def _repeats(positions: np.ndarray) -> bool:
-    """Whether ``positions`` repeats a value: O(n) for the sorted positions updates carry,
-    a sort otherwise."""
-    if positions.size < 2:
-        return False
-    steps = np.diff(positions)
-    if np.all(steps > 0):
-        return False
-    return np.unique(positions).size != positions.size
 
 
 def _groups(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -776,28 +767,10 @@ class PackedPaillierPublicKey(PublicKey):
                 cipher_jobs.append((rows.tolist(), list(payload.ciphertexts), weight))
             elif isinstance(part, PlainPart):
                 weight = check_weight(part.weight, k, limit=limit, why="the key's max_total_weight")
-                ppos = np.asarray(part.positions, dtype=np.int64).ravel()
-                pvals = np.asarray(part.values, dtype=np.float64).ravel()
-                if ppos.shape != pvals.shape:
-                    raise ProtocolError(
-                        f"Plaintext part {k} has {pvals.size} values for {ppos.size} positions."
-                    )
-                if union.size == 0:
+                inside = plain_inside(part, union, k)
+                if inside is None:
                     continue
-                idx = np.searchsorted(union, ppos)
-                inside = idx < union.size
-                inside[inside] = union[idx[inside]] == ppos[inside]
-                if not np.any(inside):
-                    continue
-                ipos, vals = ppos[inside], pvals[inside]
-                bad = np.flatnonzero(~np.isfinite(vals))
-                if bad.size:
-                    raise ProtocolError(
-                        f"Plaintext part {k} has value {vals[bad[0]]} at position "
-                        f"{int(ipos[bad[0]])}; only finite values can be aggregated."
-                    )
-                if _repeats(ipos):
-                    raise ProtocolError(f"Plaintext part {k} repeats a position.")
+                _, ipos, vals = inside
                 pblocks, pcounts = _groups(ipos // B)
                 rows = np.searchsorted(ublocks, pblocks)
                 short = np.flatnonzero(pcounts != ulengths[rows])
@@ -1148,7 +1121,7 @@ class PackedAccumulator(Accumulator):
                 raise ProtocolError(f"Plaintext part {k} has {pvals.size} values for {ppos.size} positions.")
             if ppos.size and (ppos.min() < 0 or ppos.max() >= self.size):
                 raise ProtocolError(f"Plaintext part {k} has positions outside the model's 0..{self.size - 1}.")
-            if _repeats(ppos):
+            if repeats(ppos):
                 raise ProtocolError(f"Plaintext part {k} repeats a position.")
             bad = np.flatnonzero(~np.isfinite(pvals))
             if bad.size:

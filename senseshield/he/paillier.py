@@ -69,17 +69,18 @@ from phe import paillier as _phe
 from senseshield.errors import ConfigError, KeyMismatchError, ProtocolError, SecretKeyExportError
 from senseshield.he.fingerprint import bytes_ints, check, fingerprint, int_bytes, ints_bytes
 from senseshield.he.base import (
-    check_public_fields,
-    SCHEMES,
     CipherPart,
     EncryptedVector,
     PlainPart,
     PublicKey,
+    SCHEMES,
     Scheme,
     SecretKey,
+    check_public_fields,
     check_values,
     check_weight,
     int_param,
+    plain_inside,
     select_units,
     short_hash,
 )
@@ -369,24 +370,10 @@ class PaillierPublicKey(PublicKey):
         """Plaintext part ``k`` inside ``union``: (rows of the union, values, weight), checked;
         None if it has no position there."""
         weight = check_weight(part.weight, k)
-        ppos = np.asarray(part.positions, dtype=np.int64).ravel()
-        pvals = np.asarray(part.values, dtype=np.float64).ravel()
-        if ppos.shape != pvals.shape:
-            raise ProtocolError(
-                f"Plaintext part {k} has {pvals.size} values for {ppos.size} positions."
-            )
-        idx, inside = _locate(union, ppos)
-        if not np.any(inside):
+        inside = plain_inside(part, union, k)
+        if inside is None:
             return None
-        idx, vals = idx[inside], pvals[inside]
-        bad = np.flatnonzero(~np.isfinite(vals))
-        if bad.size:
-            raise ProtocolError(
-                f"Plaintext part {k} has value {vals[bad[0]]} at position "
-                f"{int(union[idx[bad[0]]])}; only finite values can be aggregated."
-            )
-        if np.unique(idx).size != idx.size:
-            raise ProtocolError(f"Plaintext part {k} repeats a position.")
+        idx, _, vals = inside
         return idx, vals, weight
 
     def _fold(self, plain_jobs: Sequence[tuple[np.ndarray, np.ndarray, int]], size: int) -> list[int]:
