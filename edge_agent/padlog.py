@@ -29,6 +29,10 @@ def file_name(agent_id: str) -> str:
     every local agent's identity in one folder)."""
     return f"pads-used-{agent_id}.log"
 _LINE = "{slot} {context} {ciphertext}\n"
+ALREADY_SENT = ("this device already sent a masked update in this round of this job, and a second, different one "
+                "would let whoever sees both subtract them (a one-time pad is used once, whatever the coordinator "
+                "asks); the round is skipped")
+"""Why a slot already used takes no other vector (the agent's log line)."""
 LINE_BYTES = len(_LINE.format(slot="0" * 16, context="0" * 64, ciphertext="0" * 64))
 
 
@@ -71,9 +75,7 @@ class PadLog:
             return None
         if known == (_digest(context), _digest(ciphertext)):
             return None
-        return ("this device already sent a masked update in this round of this job, and a second, different one "
-                "would let whoever sees both subtract them (a one-time pad is used once, whatever the coordinator "
-                "asks); the round is skipped")
+        return ALREADY_SENT
 
     def record(self, slot: str, context: bytes, ciphertext: bytes) -> None:
         """Append the slot, fsynced, before the ciphertext is sent (a no-op for a slot it already holds)."""

@@ -62,7 +62,7 @@ from edge_agent.dataspec import DataSpec  # noqa: F401 (re-exported: edge_agent.
 from edge_agent.costs import inference_latency, measure_costs, warm_inference
 from edge_agent.evaluate import Applied, apply_and_evaluate, round_metrics
 from edge_agent.prepare import PreparedRun, prepare
-from edge_agent.padlog import PadLog, file_name, slot_of
+from edge_agent.padlog import ALREADY_SENT, PadLog, file_name, slot_of
 from edge_agent.round import (
     expected_noise,
     needs_fingerprint,
@@ -551,7 +551,7 @@ class EdgeAgent(Service):
         slot = slot_of(self.fleet, run.run_id, r, self.agent_id)
         if self.public is not None and slot in self.pad_log.used:  # sent before (another run of the job, a restart)
             run.done_rounds.add(r)
-            self.log.error("round %d of job %s: %s", r, run.run_id, self.pad_log.refusal(slot, b"", b""))
+            self.log.error("round %d of job %s: %s", r, run.run_id, ALREADY_SENT)
             return
         refusal = plan_refusal(self.strategy, self.public, plan, run.data.n_train, noise=run.noise)
         if refusal is not None:

@@ -388,7 +388,11 @@ class KeyServer(Service):
                 known = self.ledger.get(entry)
                 if known is None or (released and known.rsplit("/", 2)[0] == self.run_id):
                     self.ledger[entry] = where
-            write_atomic(self._ledger_path(), json.dumps(self.ledger, sort_keys=True))
+            self._save_ledger()
+
+    def _save_ledger(self) -> None:
+        """The ledger on disk (0600, atomically) before any verdict or round that relies on it."""
+        write_atomic(self._ledger_path(), json.dumps(self.ledger, sort_keys=True))
 
     def _ledger_path(self) -> Path:
         return self.key_dir / f"ledger-{self.fleet}.json"
@@ -434,7 +438,7 @@ class KeyServer(Service):
             raise ProtocolError(f"Round plan {r} comes after round {max(self.plans)}; rounds only move forward.")
         if JOB_ENTRY + self.run_id not in self.ledger:  # the job is served from now on (before its checkpoint)
             self.ledger[JOB_ENTRY + self.run_id] = f"first round opened at {time.strftime('%Y-%m-%d %H:%M:%S')}"
-            write_atomic(self._ledger_path(), json.dumps(self.ledger, sort_keys=True), mode=0o600)
+            self._save_ledger()
         self.plans[r] = plan
         self.seeds[r] = os.urandom(SEED_BYTES)
         context = f"{self.fleet}/{self.run_id}/{r}".encode()

@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from edge_agent.padlog import ALREADY_SENT
 from keyserver.service import KeyServer
 from senseshield.development import DEVELOPMENT_ENV, development_mode
 from senseshield.engine.aggregation import aggregate_updates
@@ -546,7 +547,6 @@ def test_the_attacker_code_recovers_values_under_a_reused_pad_and_from_three_pai
 
 
 # ---- the attacks --------------------------------------------------------------------------------
-ALREADY_SENT = "this device already sent a masked update in this round of this job"
 
 
 def test_round_1_re_planned_in_the_64_bit_ring_gets_the_update_already_sent(world):
