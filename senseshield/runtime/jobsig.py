@@ -58,10 +58,8 @@ def initial_digest(job: Job) -> str:
 def signed_initial(submission: bytes) -> str:
     """The initial model digest a submission signs ("" if none or no submission); its
     signature is :func:`job_refusal`'s to check."""
-    if not submission:
-        return ""
-    message = from_frame(decode_frame(submission))
-    return message.initial_digest if isinstance(message, JobSubmit) else ""
+    message = _unchecked(submission)
+    return message.initial_digest if message is not None else ""
 
 
 def job_submission(job: Job) -> JobSubmit:
@@ -83,8 +81,16 @@ def sign_job(job: Job, identity: Identity, *, fleet: str) -> bytes:
 def signed_nonce(data: bytes) -> str:
     """The nonce (job id) of a signed job's frame ("" if it carries none); the signature is
     checked by :func:`open_signed_job`."""
+    message = _unchecked(data)
+    return message.nonce if message is not None else ""
+
+
+def _unchecked(data: bytes) -> JobSubmit | None:
+    """The :class:`JobSubmit` a signed job's frame carries (None: none), its signature unchecked."""
+    if not data:
+        return None
     message = from_frame(decode_frame(data))
-    return message.nonce if isinstance(message, JobSubmit) else ""
+    return message if isinstance(message, JobSubmit) else None
 
 
 def read_job_bytes(path: Path | str) -> bytes:
