@@ -103,8 +103,18 @@ def agent_round_records(agent_rounds: dict[str, dict[int, dict]], metrics: dict[
             "busy_s": busy,
             "budget": info.get("budget"),
             "metric": m.metric if m else None,
+            "training": info.get("training", {}),
         }
     return out
+
+
+def latest_training(rounds: dict[int, dict], r: int | None = None) -> dict[str, float]:
+    """The ``training_*`` metrics an agent's round records (``agent_rounds[agent]``) hold of its
+    latest update delivered in round ``r`` or before (None: in any round); {} if none."""
+    for rr in sorted((rr for rr in rounds if r is None or int(rr) <= r), key=int, reverse=True):
+        if rounds[rr].get("training"):
+            return dict(rounds[rr]["training"])
+    return {}
 
 
 def user_epsilons(delta: float, accountant: Accountant, participations: dict[str, int], *,
@@ -175,6 +185,11 @@ class RunView:
         return user_epsilons(self.config.options.delta, self.user_accountant, self.participations,
                              records=records, pld=pld)
 
+    def training(self, agent_id: str, r: int | None = None) -> dict[str, float]:
+        """The ``training_*`` metrics of the agent's latest update delivered in round ``r`` or
+        before (None: in any round), as the simulator keeps a client's latest training figures."""
+        return latest_training(self.agent_rounds.get(agent_id, {}), r)
+
     def straggling_now(self) -> tuple[dict, float | None] | None:
         """The straggling figures of the latest round with delivered updates and the median
         ratio so far (None before any): what the Prometheus endpoint shows."""
@@ -199,7 +214,8 @@ class RunView:
                 rounds = [rr for rr in by_agent.get(a, {}) if rr <= r]
                 if rounds:
                     latest = by_agent[a][max(rounds)]
-                    pairs.append(({**latest.metrics, self.metric_name: latest.metric}, latest.n_test))
+                    pairs.append(({**latest.metrics, self.metric_name: latest.metric, **self.training(a, r)},
+                                  latest.n_test))
             eps, eps_server = rec["user_epsilon"], rec.get("user_epsilon_server", rec["user_epsilon"])
             if self.strategy.dp_level is not None:
                 agent_eps = [m.epsilon for (aid, rr), m in self.metrics.items() if rr == r and m.epsilon is not None]
@@ -235,7 +251,8 @@ class RunView:
                 id=a, cluster=self.plan.cluster_of[a], category=None,
                 encryption_budget=self.plan.budget_of[a], he_ratio=float(np.mean(ratios)) if ratios else 0.0,
                 accuracy=(latest[a].metric if a in latest else 0.0) if self.metric_name == "accuracy" else None,
-                metric=latest[a].metric if a in latest else None, metrics=latest[a].metrics if a in latest else {},
+                metric=latest[a].metric if a in latest else None,
+                metrics={**(latest[a].metrics if a in latest else {}), **self.training(a)},
                 n_train=hello.n_samples if hello else 0, n_test=latest[a].n_test if a in latest else 0,
                 bandwidth=hello.bandwidth if hello else 0.0, cpu_speed=hello.cpu_speed if hello else 0.0,
             ))

@@ -36,11 +36,12 @@ class UpdateNote:
     report: dict
     mask_sha256: str
     receipt: bytes
+    training: dict[str, float] = field(default_factory=dict)  # the training_* metrics it came with
 
     def facts(self) -> dict:
         """What the agent's round record keeps of the update."""
         return {"he_ratio": self.he_ratio, "bytes_up": self.nbytes, "mask_sha256": self.mask_sha256,
-                "agent_timings": dict(self.timings)}
+                "agent_timings": dict(self.timings), "training": dict(self.training)}
 
 
 @dataclass
@@ -83,10 +84,11 @@ class ClusterRound:
                 "timings": self.timings, "timestamps": self.timestamps}
 
 
-def note_of(update, nbytes: int, report: dict, receipt: bytes) -> UpdateNote:  # noqa: ANN001 - a ProtectedUpdate
+def note_of(update, nbytes: int, report: dict, receipt: bytes,  # noqa: ANN001 - a ProtectedUpdate
+            training: dict[str, float] | None = None) -> UpdateNote:
     """What is kept of ``update`` (its frame was ``nbytes`` long) once it is folded in."""
     return UpdateNote(dict(update.timings), update.he_ratio, nbytes, report,
-                      mask_digest(update.mask, update.withheld), receipt)
+                      mask_digest(update.mask, update.withheld), receipt, dict(training or {}))
 
 
 def check_facts(plan: FleetPlan | None, agents: dict[str, AgentInfo], model_size: int, agent_id: str, what: str, *,

@@ -837,7 +837,7 @@ class Coordinator(Service):
 
     @staticmethod
     def _note(update, item: Inbound, msg: UpdateMessage) -> UpdateNote:  # noqa: ANN001
-        return note_of(update, item.nbytes, msg.report, msg.receipt)
+        return note_of(update, item.nbytes, msg.report, msg.receipt, msg.training)
 
     def _check_receipt(self, agent_id: str, r: int, msg: UpdateMessage) -> None:
         """The update's receipt must be the agent's own signed statement about this update

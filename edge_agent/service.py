@@ -115,7 +115,6 @@ class RunState:
     hello: Hello | None = None
     sent_metrics: dict[int, Metrics] = field(default_factory=dict)
     inference: dict[str, float] = field(default_factory=dict)  # onnxruntime latency of the model
-    trained: dict[str, float] = field(default_factory=dict)  # the last round's training_* metrics
     partial: bool = False  # its last round plan cut its local steps (see EdgeAgent._evaluate_new_model)
     noise: tuple[float | None, float | None] | None = None  # the job's (user, record) sigma for this device
 
@@ -127,7 +126,6 @@ class Applying:
     run: RunState
     r: int
     cluster: int
-    trained: dict[str, float]  # the training_* metrics when it started
     steps: Generator[None, None, Applied]
 
 
@@ -595,7 +593,6 @@ class EdgeAgent(Service):
             raise RuntimeError(f"fault drill: training raised in round {r}")
         run.partial = plan.local_steps is not None
         local = train(strategy, run.model, start, run.client, run.data, config, plan, r, run.index, self.noise)
-        run.trained = {f"training_{k}": v for k, v in local.metrics.items()}
         shared = plan.mask()
         if plan.negotiate:
             t = time.time()
@@ -623,12 +620,14 @@ class EdgeAgent(Service):
         signed = self._receipt(r, plan, update, message, start)
         t_receipt = time.perf_counter() - t
         t = time.perf_counter()
-        # the round's timestamps travel with the update: the coordinator's straggling figures and
-        # its plan of this device's work need them before the model's metrics (which a busy
-        # device sends rounds later, see _evaluate_new_model)
+        # the round's timestamps and training metrics travel with the update they describe: the
+        # coordinator's straggling figures and its plan of this device's work need them before
+        # the model's metrics (which a busy device sends rounds later, see _evaluate_new_model),
+        # and the report gives each round its own training figures
         stamps = {k: tm[k] for k in ("plan_received_at", "ready_at")}
-        frame = self.frame(message.model_copy(update={"receipt": signed, "timings": {**message.timings, **stamps}}),
-                           round=r)
+        trained = {f"training_{k}": float(v) for k, v in local.metrics.items()}
+        frame = self.frame(message.model_copy(update={"receipt": signed, "timings": {**message.timings, **stamps},
+                                                      "training": trained}), round=r)
         t_serialize += time.perf_counter() - t
         t = time.perf_counter()
         if message.ciphertext:  # the pads of this round are used now: recorded (fsynced) before they leave
@@ -678,7 +677,7 @@ class EdgeAgent(Service):
             merged = merge_personal(weights, run.client)  # the device's own (personalised) model
             assert run.data is not None and run.model is not None
             run.timings.setdefault(r, {})["apply_at"] = time.time()
-            applying = self.applying = Applying(run, r, run.cluster, dict(run.trained), apply_and_evaluate(
+            applying = self.applying = Applying(run, r, run.cluster, apply_and_evaluate(
                 run.config, run.input_shape, run.num_classes, merged, self.model_dir / "model.onnx",
                 data=run.data, model=run.model, fleet=self.fleet, cluster=run.cluster, r=r,
                 threads=self._torch().get_num_threads()))
@@ -709,7 +708,7 @@ class EdgeAgent(Service):
             tm["wait"] = tm["model_received_at"] - tm["uploaded_at"]
         run.evaluated = max(run.evaluated, r)
         assert run.data is not None
-        metrics = round_metrics(run.config, applying.cluster, {**applied.values, **applying.trained},
+        metrics = round_metrics(run.config, applying.cluster, applied.values,
                                 len(run.data.y_test), tm, run.client.dp_history, run.inference)
         run.sent_metrics[r] = metrics
         self.send(f"agents/{self.agent_id}/metrics", metrics, round=r)

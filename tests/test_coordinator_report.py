@@ -82,3 +82,22 @@ def test_the_round_line():
     assert value == pytest.approx(0.65)
     line, value = round_line(view.records[0], rounds=2, out=0, metrics={}, metric_name="mse")
     assert line == "round 1/2: 2 in, 0 late, 0 out, left a2; mse pending; 2.0 s" and value is None
+
+
+def test_each_round_has_the_training_metrics_of_its_own_updates():
+    """Training metrics travel with the update they describe: round r's record holds those of
+    round r's updates, even when the device's evaluation of round r's model arrives later, and
+    a device without an update in a round keeps its latest (as the simulator keeps them)."""
+    view = _view()
+    view.agent_rounds["a0"][1]["training"] = {"training_loss": 2.0}
+    view.agent_rounds["a1"][1]["training"] = {"training_loss": 4.0}
+    second = dict(view.records[0], round=2)
+    view.records.append(second)
+    view.agent_rounds["a0"][2] = {"cluster": 0, "training": {"training_loss": 1.0}}
+    view.agent_rounds["a1"][2] = {"cluster": 0}  # no update in round 2
+    first, then = view.round_records()
+    assert first.metrics["training_loss"] == pytest.approx((2.0 * 10 + 4.0 * 30) / 40)
+    assert then.metrics["training_loss"] == pytest.approx((1.0 * 10 + 4.0 * 30) / 40)
+    report = view.report()
+    assert report.clients[0].metrics["training_loss"] == 1.0 and report.agents[0]["rounds"]["2"]["training"] == {
+        "training_loss": 1.0}

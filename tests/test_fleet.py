@@ -109,6 +109,9 @@ def test_fleet_ends_with_the_simulators_model(mosquitto, tmp_path, strategy, mod
     for k, weights in sim.models.items():
         assert np.array_equal(fleet_models[k], weights), f"cluster {k}: the key server's float64 model differs"
     assert [r["accuracy"] for r in report["rounds"]] == pytest.approx([r.accuracy for r in sim.rounds], abs=1e-9)
+    # every per-round figure that is not a measurement of this machine belongs to its round
+    # (training metrics included: they travel with the update they describe)
+    assert round_differences(sim.rounds, report["rounds"]) == []
     assert [c["cluster"] for c in report["clients"]] == [c.cluster for c in sim.clients]
     # the same privacy figures (None without DP)
     assert (report.get("epsilon"), report.get("epsilon_server")) == (sim.epsilon, sim.epsilon_server)
@@ -128,6 +131,34 @@ def test_fleet_ends_with_the_simulators_model(mosquitto, tmp_path, strategy, mod
     identities = sorted((tmp_path / "identities").glob("*.key"))
     assert len(identities) == 4 + 3  # the agents, key server, coordinator and operator
     assert_no_secrets(secrets + identities, b"".join(p for _, p in capture.payloads))
+
+
+MEASURED = {"seconds", "phase_seconds", "bytes_up", "bytes_down", "notes", "joined", "left", "work"}
+"""RoundRecord fields a fleet measures (time, bytes on its wire, events of its devices) or only
+a fleet has: every other field of a fleet's round must be the simulator's."""
+
+
+def round_differences(sim_rounds, fleet_rounds: list[dict]) -> list[str]:  # noqa: ANN001
+    """Each (round, field) where a fleet report's round differs from the simulator's (floats to 1e-9)."""
+    from senseshield.results import RoundRecord
+
+    assert len(sim_rounds) == len(fleet_rounds)
+    out = []
+    for sim, fleet in zip(sim_rounds, fleet_rounds):
+        fleet = RoundRecord.model_validate(fleet).model_dump()
+        for name, want in sim.model_dump().items():
+            if name in MEASURED:
+                continue
+            got = fleet[name]
+            if isinstance(want, dict) and isinstance(got, dict) and set(want) == set(got):
+                same = all(got[k] == pytest.approx(want[k], abs=1e-9) for k in want)
+            elif isinstance(want, float) and isinstance(got, float):
+                same = got == pytest.approx(want, abs=1e-9)
+            else:
+                same = got == want
+            if not same:
+                out.append(f"round {sim.round} {name}: simulator {want!r}, fleet {got!r}")
+    return out
 
 
 def assert_no_secrets(files: list[Path], blob: bytes) -> None:

@@ -304,7 +304,7 @@ class MaskDecision(Message):
 class Metrics(Message):
     """``agents/<id>/metrics``: after applying a round's model, the agent's value of the job's
     metric on its test split (``metric``: accuracy, mse, ...; ``metrics``: every evaluation
-    metric and the round's ``training_*`` metrics) and its phase timings (seconds); ``epsilon`` is its DP-SGD accountant's
+    metric; the round's ``training_*`` metrics travel with its update) and its phase timings (seconds); ``epsilon`` is its DP-SGD accountant's
     RDP figure and ``dp_history`` that accountant's history (noise multiplier, sample rate,
     steps), from which the coordinator computes the run's final figures by PLD too."""
 
@@ -421,10 +421,13 @@ class ClusterModel(Message):
 
 @message
 class UpdateMessage(Message):
-    """``rounds/<r>/updates/<id>``: a protected update (see :class:`ProtectedUpdate`)."""
+    """``rounds/<r>/updates/<id>``: a protected update (see :class:`ProtectedUpdate`).
+    ``training`` (version 3): the device's ``training_*`` metrics of the local training this
+    update comes from (loss, accuracy on its training data), so every round's report has its
+    own, whenever the device evaluates the model."""
 
     schema_name: ClassVar[str] = "update"
-    version: ClassVar[int] = 2
+    version: ClassVar[int] = 3
     sections: ClassVar[dict[str, str]] = {
         "mask": "u8", "withheld": "u8", "plaintext": "f32", "ciphertext": "bytes", "receipt": "bytes",
     }
@@ -434,6 +437,7 @@ class UpdateMessage(Message):
     has_withheld: bool = False
     timings: dict[str, float] = {}
     report: dict[str, Any] = {}  # mask diagnostics: zone ratios, feasibility (no values)
+    training: dict[str, float] = {}  # (version 3) training_* metrics of the round's local training
     mask: np.ndarray
     withheld: np.ndarray
     plaintext: np.ndarray
