@@ -125,6 +125,8 @@ def serve(
         server.install_signal_handlers()
         server.serve()
         leave(server)
+        if once and server.failed_jobs:  # the job's sentence is its last event line (and the report's reason)
+            raise typer.Exit(1)
     except StorageError as exc:  # --out or --state-dir: disk full, read-only, permission
         storage_stop(exc, "the coordinator", "its job stays running in --state-dir and resumes after the last round "
                      "it saved when the coordinator is started again (the key server answers rounds it already applied)")

@@ -21,6 +21,7 @@ from senseshield.results import (
     ClientRecord,
     RoundRecord,
     RunResult,
+    failed_phrase,
     privacy_fields,
     weighted_accuracy,
     weighted_metrics,
@@ -37,7 +38,8 @@ class FleetReport(RunResult):
     ``agents[].clock_offset_s``), the server's aggregate/decrypt seconds and timestamps per
     cluster, ``straggling`` figures (per round slowest/fastest/ratio/idle and the median
     ratio, :func:`senseshield.trials.report.straggling_summary`), ``straggling_events`` (agents a
-    round closed without), how budgets were chosen (``budgets``), refused agents and
+    round closed without), how budgets were chosen (``budgets``), how the job ended (``state``, ``reason``), what
+    devices said failed (``failures``), refused agents and
     rejected messages (``rejected_messages``: the latest 1,000 reasons; ``rejected_total``:
     how many in all)."""
 
@@ -53,6 +55,9 @@ class FleetReport(RunResult):
     straggling: dict = {}
     straggling_events: list[dict] = []
     budgets: dict = {}
+    state: str = "done"  # the job's end: done, failed or cancelled
+    reason: str = ""  # why it failed or was cancelled (one sentence)
+    failures: list[dict] = []  # each round or evaluation a device said failed: round, agent, phase, reason
     refused: dict[str, str] = {}
     declined: dict[str, str] = {}  # devices that did not take the job, and why
     rejected_messages: list[str] = []
@@ -104,6 +109,7 @@ def agent_round_records(agent_rounds: dict[str, dict[int, dict]], metrics: dict[
             "budget": info.get("budget"),
             "metric": m.metric if m else None,
             "training": info.get("training", {}),
+            "failed": info.get("failed", {}),  # phase (round, evaluation) -> the device's sentence
         }
     return out
 
@@ -132,14 +138,36 @@ def round_line(rec: dict, *, rounds: int, out: int, metrics: dict[tuple[str, int
     plan not sampled): devices in / late / out, the metric the devices reported so far (of
     the newest round they evaluated), seconds; and that weighted metric (None: none yet)."""
     delivered = sum(len(c["updates"]) for c in rec["clusters"].values())
-    late = sum(len(c["straggled"]) for c in rec["clusters"].values())
+    failed = {a: why for c in rec["clusters"].values() for a, why in c.get("failed", {}).items()}
+    late = sum(len(c["straggled"]) for c in rec["clusters"].values()) - len(failed)
     latest = max((rr for _, rr in metrics), default=0)
     pairs = [(m.metric, m.n_test) for (_, rr), m in metrics.items() if rr == latest]
     value = weighted_accuracy(pairs) if pairs else None
     shown = f"{metric_name} {value:.4g} (round {latest})" if pairs else f"{metric_name} pending"
     changes = "".join(f", {w} {', '.join(who)}" for w, who in (("joined", rec["joined"]), ("left", rec["left"])) if who)
-    line = f"round {rec['round']}/{rounds}: {delivered} in, {late} late, {out} out{changes}; {shown}; {rec['seconds']:.1f} s"
+    failures = f", {failed_phrase(failed)}" if failed else ""
+    line = (f"round {rec['round']}/{rounds}: {delivered} in, {late} late{failures}, {out} out{changes}; {shown}; "
+            f"{rec['seconds']:.1f} s")
     return line, value
+
+
+def round_failure(rec: dict) -> str | None:
+    """Why a job cannot go on after the closed round ``rec`` (one sentence), or None: no device
+    delivered an update in it and devices said their round failed."""
+    delivered = sum(len(c["updates"]) for c in rec["clusters"].values())
+    failed = {a: why for c in rec["clusters"].values() for a, why in c.get("failed", {}).items()}
+    if delivered or not failed:
+        return None
+    return f"round {rec['round']}: no device delivered an update; {failed_phrase(failed)}"
+
+
+def failures(agent_rounds: dict[str, dict[int, dict]]) -> list[dict]:
+    """report.json ``failures``: every round or evaluation a device said failed, and why,
+    in round order."""
+    out = [{"round": int(r), "agent": a, "phase": phase, "reason": why}
+           for a, rounds in agent_rounds.items() for r, info in rounds.items()
+           for phase, why in info.get("failed", {}).items()]
+    return sorted(out, key=lambda f: (f["round"], f["agent"], f["phase"]))
 
 
 @dataclass
@@ -275,7 +303,9 @@ class RunView:
             model=self.config.model, partition=self.config.partition, seed=self.config.seed,
             num_params=self.size, num_clusters=len(self.plan.clusters), cluster_ari=None,
             clustering_epsilon=o.cluster_epsilon if self.strategy.clusters_clients else None,
-            final_accuracy=(rounds[-1].accuracy if rounds else 0.0) if self.metric_name == "accuracy" else None,
+            # None: no device reported the metric (e.g. every round failed)
+            final_accuracy=(rounds[-1].accuracy if rounds and rounds[-1].metrics else None)
+            if self.metric_name == "accuracy" else None,
             metric_name=self.metric_name, final_metric=rounds[-1].metric if rounds else None,
             seconds_total=time.time() - self.started, rounds=rounds, clients=clients,
             config=self.config.model_dump(mode="json"),
@@ -287,6 +317,7 @@ class RunView:
             input_shape=self.input_shape, num_classes=self.num_classes,
             round_deadline=self.round_deadline, bootstrap_seconds=self.bootstrap_seconds,
             agents=agents, server=server, straggling=straggling, straggling_events=self.straggling or [],
-            budgets=self.plan.budget_notes, refused=self.refused or {}, declined=self.declined or {},
+            budgets=self.plan.budget_notes, failures=failures(self.agent_rounds),
+            refused=self.refused or {}, declined=self.declined or {},
             rejected_messages=list(self.rejected), rejected_total=self.rejected_total,
         )

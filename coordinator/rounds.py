@@ -80,6 +80,7 @@ class ClusterRound:
     def record(self) -> dict:
         """The cluster's part of the round's record (report.json ``server[].clusters``)."""
         return {"members": self.members, "updates": sorted(self.updates), "straggled": self.straggled,
+                "failed": {a: self.failed[a] for a in self.straggled if a in self.failed and a not in self.offline},
                 "accepted": self.accepted, "reason": self.reason, "refused": self.refused,
                 "timings": self.timings, "timestamps": self.timestamps}
 
@@ -233,13 +234,27 @@ def straggle(cr: ClusterRound, missing: list[str], what: str, deadline: float, *
         failed = cr.failed.get(a) if not gone else None
         straggling.append({"round": r, "cluster": k, "agent": a,
                            "missing": "offline" if gone else "failed" if failed else what,
-                           "deadline": deadline, "online": online(a), "arrived_late": False})
+                           "deadline": deadline, "online": online(a), "arrived_late": False,
+                           **({"reason": failed} if failed else {})})
         if gone:
             log.warning("round %d cluster %d: %s went offline (last will); closing without it", r, k, a)
         elif failed:
-            log.warning("round %d cluster %d: %s failed its round; closing without it", r, k, a)
+            log.warning("round %d cluster %d: %s failed its round (%s); closing without it", r, k, a, failed)
         else:
             log.warning("round %d cluster %d: no %s from %s by the deadline; closing without it", r, k, what, a)
+
+
+def no_update_reason(cr: ClusterRound) -> str:
+    """Why a cluster's round closed without any update: its members failed their round, went
+    offline, or were late (each named with how many)."""
+    failed = [a for a in cr.members if a in cr.failed and a not in cr.offline]
+    offline = [a for a in cr.members if a in cr.offline]
+    late = [a for a in cr.members if a not in cr.failed and a not in cr.offline]
+    parts = [f"{len(who)} {what}" for who, what in ((failed, "failed their round"), (offline, "went offline"),
+                                                    (late, "sent none before the deadline")) if who]
+    if failed and len(failed) == len(cr.members):
+        return f"no update arrived: every member failed its round ({cr.failed[failed[0]]})"
+    return "no update arrived: " + (", ".join(parts) if parts else "no member")
 
 
 def close_updates(cr: ClusterRound, *, r: int, k: int, log) -> Closed | None:  # noqa: ANN001
@@ -247,7 +262,7 @@ def close_updates(cr: ClusterRound, *, r: int, k: int, log) -> Closed | None:  #
     closing costs the fold of the plaintext); None, and the round done, when no update arrived
     or it does not close (e.g. the key's weight head-room: the cluster's round fails alone)."""
     if not cr.updates:
-        cr.phase, cr.accepted, cr.reason = "done", False, "no update arrived before the deadline"
+        cr.phase, cr.accepted, cr.reason = "done", False, no_update_reason(cr)
         return None
     cr.timestamps["closed_at"] = time.time()
     t = time.perf_counter()

@@ -67,7 +67,7 @@ from coordinator.checkpoint import Checkpoint, RunState
 from coordinator import roster
 from coordinator.roster import AgentInfo
 from coordinator.report import (  # noqa: F401 (FleetReport re-exported)
-    FleetReport, RunView, agent_round_records, clock_offset, round_line, user_epsilons,
+    FleetReport, RunView, agent_round_records, clock_offset, round_failure, round_line, user_epsilons,
 )
 from coordinator.keylink import KeyLink
 from coordinator.rounds import (
@@ -96,6 +96,11 @@ Progress = Callable[[str, int, int], None]
 
 class JobCancelled(Exception):
     """The running job was cancelled (``job cancel``)."""
+
+
+class JobFailed(Exception):
+    """The running job cannot go on: a round in which no device delivered an update and
+    devices said their round failed (the sentence names them and why)."""
 
 
 class Coordinator(Service):
@@ -147,6 +152,7 @@ class Coordinator(Service):
         self.book = JobBook(self.state_dir / f"jobs-{fleet}.json" if self.state_dir is not None else None)
         self.job: JobRecord | None = None
         self.cancelled: set[str] = set()
+        self.failed_jobs: list[str] = []  # jobs that ended failed (a --once coordinator exits 1)
         self.devices: dict[str, bool] = {}  # every agent seen on the fleet -> online
         self.replies: dict[str, JobReply] = {}  # request id -> answer (a repeated request gets the same)
         if metrics_port is None and os.environ.get(METRICS_PORT_ENV):
@@ -442,16 +448,30 @@ class Coordinator(Service):
 
     def _on_failure(self, item: Inbound) -> None:
         """An agent's round failed (its training raised): the round closes without it now,
-        as for an agent gone offline, not at the deadline."""
+        as for an agent gone offline, not at the deadline; or its evaluation of a round's model
+        failed. Either is kept in its round record (the report's ``failures``) and is a line of
+        the job's events (``job logs``, ``--follow``)."""
         agent_id = check_sender(item)
         msg: RoundFailure = item.message  # type: ignore[assignment]
+        r = item.round
         if self.job is None or msg.run_id != self.run_id:
             raise ProtocolError(f"Round failure of job {msg.run_id} from {agent_id!r}; the current job is {self.run_id}.")
-        cr = self._cluster_round_of(agent_id, item.round, "round failure")
-        if agent_id in cr.updates:
-            raise ProtocolError(f"Round failure of {agent_id!r} for round {item.round}, whose update arrived; ignored.")
-        cr.failed[agent_id] = msg.reason
-        self.log.warning("round %d: agent %s failed its round: %s", item.round, agent_id, msg.reason)
+        if msg.phase == "evaluation":
+            if r not in self.agent_rounds.get(agent_id, {}):
+                raise ProtocolError(f"Evaluation failure of {agent_id!r} for round {r}, which it was not in.")
+        else:
+            cr = self._cluster_round_of(agent_id, r, "round failure")
+            if agent_id in cr.updates:
+                raise ProtocolError(f"Round failure of {agent_id!r} for round {r}, whose update arrived; ignored.")
+            cr.failed[agent_id] = msg.reason
+        failed = self.agent_rounds[agent_id][r].setdefault("failed", {})
+        if msg.phase in failed:
+            return  # said once
+        failed[msg.phase] = msg.reason
+        what = "its round" if msg.phase == "round" else "evaluating the model of the round"
+        self.log.warning("round %d: agent %s failed %s: %s", r, agent_id, what, msg.reason)
+        self.book.event(self.job, f"round {r}: {agent_id} failed {what}: {msg.reason}")
+        self._publish_board()
         self._advance()
 
     def _report_of(self, agent_id: str) -> BootstrapReport:
@@ -1261,10 +1281,17 @@ class Coordinator(Service):
                 self.guard(f"closing round {r}", lambda: self._finish_round(r))
                 if self.progress:
                     self.progress("round", r, self.config.rounds)
+                failure = round_failure(self.records[-1]) if self.records and self.records[-1]["round"] == r else None
+                if failure is not None:
+                    raise JobFailed(failure)
             self._wait_final_metrics()
             self.send("fleet/control", Notice(run_id=self.run_id, kind="done"), retain=True)
         except JobCancelled:
             state, reason = "cancelled", "cancelled by the operator"
+            self.send("fleet/control", Notice(run_id=self.run_id, kind="cancelled", reason=reason), retain=True)
+        except JobFailed as exc:
+            state, reason = "failed", str(exc)
+            self.failed_jobs.append(record.id)
             self.send("fleet/control", Notice(run_id=self.run_id, kind="cancelled", reason=reason), retain=True)
         except ConfigError as exc:
             if self.once:
@@ -1277,7 +1304,7 @@ class Coordinator(Service):
         self.link.clear_retained("fleet/config")  # devices that join now wait for the next job
         report = None
         if self.plan is not None and state != "running":
-            report = self.report()
+            report = self.report().model_copy(update={"state": state, "reason": reason})
             if self.job_out is not None:
                 write_atomic(self.job_out / "report.json", json.dumps(report.model_dump(mode="json"), indent=2), mode=0o644)
                 self.book.set(record, out=str(self.job_out))

@@ -84,6 +84,15 @@ if TYPE_CHECKING:  # torch loads with the first job (_torch): an idle agent does
 log = logging.getLogger("senseshield.agent")
 
 
+def failure_sentence(exc: BaseException) -> str:
+    """The one sentence a failed step of a round says: a user's mistake (:class:`ConfigError`)
+    or a refused message (:class:`ProtocolError`) is already one; anything else is its type
+    and message."""
+    if isinstance(exc, (ConfigError, ProtocolError)):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
+
+
 class AgentExit(Exception):
     """The agent stops: ``code`` 0 (run done) or 3 (refused by the coordinator)."""
 
@@ -524,20 +533,33 @@ class EdgeAgent(Service):
 
     def _round_or_failure(self, r: int, plan: RoundPlan) -> None:
         """Round ``r``; if a step of it raises (training included), the coordinator is told at
-        once (:class:`RoundFailure`) so that it closes the round without this device instead
-        of waiting for its deadline; the error is logged as before and the agent stays in the
-        job. A stop (SIGTERM) or a crash of the process is seen by its last will instead."""
+        once (:meth:`_failed`) so that it closes the round without this device instead of
+        waiting for its deadline; the agent stays in the job. A stop (SIGTERM) or a crash of
+        the process is seen by its last will instead."""
         try:
             self._do_round(r, plan)
-        except Exception as exc:
-            if self.run is not None:
-                reason = f"round {r} failed on this device: {type(exc).__name__}: {exc}"[:2000]
-                self.guard("round failure", lambda: self.send(
-                    f"agents/{self.agent_id}/failure", RoundFailure(run_id=self.run.run_id, reason=reason), round=r))
-            raise
+        except Exception as exc:  # noqa: BLE001 - one round never stops the agent
+            self._failed(r, "round", exc)
         finally:
             if self.pool is not None:
                 self.pool.resume()  # paused while the round ran (see _do_round)
+
+    def _failed(self, r: int, phase: str, exc: Exception) -> None:
+        """Round ``r``'s ``phase`` (``round`` or ``evaluation``) raised ``exc``: said in this
+        agent's log and to the coordinator (:class:`RoundFailure`), which shows the operator
+        the sentence; a user's mistake (ConfigError) is its own sentence, anything else
+        names its type (and its traceback goes to this log)."""
+        reason = failure_sentence(exc)
+        what = "round" if phase == "round" else "evaluation of the model of round"
+        if isinstance(exc, (ConfigError, ProtocolError)):
+            self.log.error("%s %d failed on this device: %s", what, r, reason)
+        else:
+            self.log.exception("%s %d failed on this device: %s", what, r, reason)
+        if self.run is not None:
+            run_id = self.run.run_id
+            self.guard("round failure", lambda: self.send(
+                f"agents/{self.agent_id}/failure", RoundFailure(run_id=run_id, reason=reason[:2000], phase=phase),
+                round=r))
 
     def _do_round(self, r: int, plan: RoundPlan) -> None:
         run = self.run
@@ -687,6 +709,11 @@ class EdgeAgent(Service):
             except StopIteration as done:
                 self.applying = None
                 self._report_model(applying, done.value)
+                return
+            except Exception as exc:  # noqa: BLE001 - said to the coordinator; the next model is tried
+                self.applying = None
+                run.evaluated = max(run.evaluated, applying.r)  # not again (it would fail again)
+                self._failed(applying.r, "evaluation", exc)
                 return
             except BaseException:
                 self.applying = None

@@ -145,7 +145,24 @@ def metric_line(report: dict) -> str:
     name = report.get("metric_name") or "accuracy"
     value = report.get("final_metric")
     value = report.get("final_accuracy") if value is None else value
-    return f"final {name} {value:.4g}" if value is not None else f"final {name} pending"
+    return f"final {name} {value:.4g}" if value is not None else f"final {name}: none reported"
+
+
+def failed_phrase(failed: dict[str, str], shown: int = 2) -> str:
+    """``N failed (who: why; ...)``: the devices that failed, grouped by their sentence (the
+    ``shown`` most common sentences; the others counted)."""
+    by_reason: dict[str, list[str]] = {}
+    for agent in sorted(failed):
+        by_reason.setdefault(failed[agent], []).append(agent)
+    groups = sorted(by_reason.items(), key=lambda kv: (-len(kv[1]), kv[1][0]))
+    said = [f"{_names(who)}: {why.rstrip('.')}" for why, who in groups[:shown]]
+    if len(groups) > shown:
+        said.append(f"{sum(len(who) for _, who in groups[shown:])} more with other reasons")
+    return f"{len(failed)} failed ({'; '.join(said)})"
+
+
+def _names(who: list[str], shown: int = 3) -> str:
+    return ", ".join(who[:shown]) + (f" and {len(who) - shown} more" if len(who) > shown else "")
 
 
 def weighted_metrics(items: list[tuple[dict[str, float], int]]) -> dict[str, float]:

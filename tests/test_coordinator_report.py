@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.report import RunView, clock_offset, round_line
+from coordinator.report import RunView, clock_offset, round_failure, round_line
 from coordinator.roster import AgentInfo
 from senseshield.accounting import Accountant
 from senseshield.job import Job
@@ -101,3 +101,20 @@ def test_each_round_has_the_training_metrics_of_its_own_updates():
     report = view.report()
     assert report.clients[0].metrics["training_loss"] == 1.0 and report.agents[0]["rounds"]["2"]["training"] == {
         "training_loss": 1.0}
+
+
+def test_the_round_line_names_who_failed_and_why_apart_from_the_late():
+    view = _view()
+    rec = dict(view.records[0])
+    rec["clusters"] = {0: dict(rec["clusters"][0], members=["a0", "a1", "a2", "a3", "a4"], updates=["a0"],
+                               straggled=["a1", "a2", "a3", "a4"],
+                               failed={"a1": "ValueError: NaN labels.", "a2": "ValueError: NaN labels.",
+                                       "a3": "OSError: disk full."})}
+    line, _ = round_line(rec, rounds=2, out=0, metrics=view.metrics, metric_name="accuracy")
+    assert line.startswith("round 1/2: 1 in, 1 late, 3 failed (a1, a2: ValueError: NaN labels; a3: OSError: disk full), 0 out")
+    assert round_failure(rec) is None  # a0 delivered: the job goes on
+    rec["clusters"][0]["updates"] = []
+    assert round_failure(rec) == ("round 1: no device delivered an update; 3 failed (a1, a2: ValueError: NaN labels; "
+                                  "a3: OSError: disk full)")
+    rec["clusters"][0]["failed"] = {}
+    assert round_failure(rec) is None  # only late: the devices may come back

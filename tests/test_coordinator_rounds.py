@@ -144,5 +144,5 @@ def test_a_round_closes_its_phases_when_due():
     assert [(s["agent"], s["missing"], s["online"]) for s in straggling] == [("a2", "offline", False),
                                                                              ("b1", "failed", True)]
     advance({0: neg, 2: late}, now=100.0, **args)  # the deadline: closed without who is missing
-    assert late.phase == "done" and not late.accepted and late.reason == "no update arrived before the deadline"
+    assert late.phase == "done" and not late.accepted and late.reason == "no update arrived: 1 sent none before the deadline"
     assert neg.phase == "done" and [s["missing"] for s in straggling[2:]] == ["update", "update", "update"]

@@ -260,7 +260,12 @@ def test_an_agent_whose_training_raises_is_not_waited_for(mosquitto, tmp_path):
     assert [r["participants"] for r in report["rounds"]] == [3, 2, 3]
     assert "round 2 cluster 0: closed without c002 (failed)" in report["rounds"][1]["notes"]
     log = (tmp_path / "logs" / "coordinator.log").read_text()
-    assert "agent c002 failed its round: round 2 failed on this device: RuntimeError: fault drill: training raised in round 2" in log
+    assert "agent c002 failed its round: RuntimeError: fault drill: training raised in round 2" in log
+    # named apart from the late ones: in the round line, the report and its events
+    assert "round 2/3: 2 in, 0 late, 1 failed (c002: RuntimeError: fault drill: training raised in round 2), 0 out" in log
+    assert report["failures"] == [{"round": 2, "agent": "c002", "phase": "round",
+                                   "reason": "RuntimeError: fault drill: training raised in round 2"}]
+    assert report["state"] == "done" and report["straggling_events"][0]["reason"] == report["failures"][0]["reason"]
     assert fleet.exit_codes["c002"] == 0
     assert "fault drill: dropping the plan of round 3" in (tmp_path / "logs" / "c001.log").read_text()
     assert "round 3 cluster 0: c001 said hello again; re-sending its plan" in log
@@ -347,6 +352,29 @@ def test_fleet_up_on_the_embedded_broker(tmp_path):
     session = load_session(onnx)
     classes, scores = session.predict(np.zeros((3, 1, 8, 8), np.float32))
     assert classes.shape == (3,) and scores.shape == (3, 10)
+
+
+def test_fleet_up_of_a_job_whose_training_raises_everywhere_fails_as_the_simulator_does(tmp_path):
+    """Every device's training raises: ``fleet up`` exits 2 with the devices' sentence (the
+    simulator's exit and sentence), and the report says ``failed`` and why."""
+    from typer.testing import CliRunner
+
+    from senseshield.cli import app
+
+    (tmp_path / "train.py").write_text("def train(model, loader, config):\n    raise ValueError('NaN labels')\n")
+    (tmp_path / "job.yaml").write_text(f"model: linear\nstrategy: plaintext\nrounds: 3\ntrain: {tmp_path / 'train.py'}:train\n")
+    runner = CliRunner()
+    simulated = runner.invoke(app, ["simulate", "--job", str(tmp_path / "job.yaml"), "--clients", "2"])
+    fleet = runner.invoke(app, ["fleet", "up", "--job", str(tmp_path / "job.yaml"), "--agents", "2",
+                                "--out", str(tmp_path / "out"), "--quiet"])
+    said = f"Training function '{tmp_path / 'train.py'}:train' raised ValueError (NaN labels)"
+    assert simulated.exit_code == 2 and said in simulated.output, simulated.output
+    assert fleet.exit_code == 2, fleet.output
+    assert f"error: the job failed: round 1: no device delivered an update; 2 failed (c000, c001: {said})" in " ".join(
+        fleet.output.split()), fleet.output
+    assert "Traceback" not in fleet.output
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["state"] == "failed" and said in report["reason"] and len(report["failures"]) == 2
 
 
 def test_fleet_up_bad_input_is_one_sentence(tmp_path):

@@ -246,3 +246,73 @@ def test_the_job_lists_metric_column_names_the_jobs_metric():
     book.set(record, metric_name="mse", metric=0.03125)
     assert _metric(book.board()[0]) == "mse 0.03125"
     assert _metric({"accuracy": 0.91234}) == "accuracy 0.912"
+
+
+FAILING = '''
+def train(model, loader, config):
+    raise ValueError("the sensor file has NaN labels")
+
+
+def evaluate(model, loader, config):
+    from senseshield.training import builtin_evaluate
+
+    if config.round == 2:
+        raise RuntimeError("the evaluation board is unplugged")
+    return builtin_evaluate(model, loader, config)
+'''
+
+
+def test_failures_travel_to_the_operator(mosquitto, tmp_path):
+    """A job whose training raises on every device ends ``failed`` with the devices' sentence:
+    ``job submit --follow`` exits 1 and prints it, ``job status`` and ``job logs`` show it, the
+    report names each device's failure. A job whose evaluation raises in round 2 goes on: the
+    round's failures are events and in the report, apart from devices that were late."""
+    import yaml
+    from typer.testing import CliRunner
+
+    from senseshield.cli import app
+
+    (tmp_path / "failing.py").write_text(FAILING)
+    base = with_shape(Job(strategy="plaintext", model="linear", clients=2, rounds=3, min_devices=2))
+    jobs = {}
+    for name, keys in (("trains", {"train": f"{tmp_path / 'failing.py'}:train"}),
+                       ("evaluates", {"evaluate": f"{tmp_path / 'failing.py'}:evaluate"})):
+        jobs[name] = tmp_path / f"{name}.yaml"
+        jobs[name].write_text(yaml.safe_dump({**base.model_dump(mode="json"), "name": name, **keys}))
+    options = FleetOptions(agents=2, out=tmp_path / "run", broker=mosquitto.url, fleet="failing", serve=True,
+                           min_contributors=1, round_deadline=600)
+    runner = CliRunner()
+    common = ["--broker", mosquitto.url, "--fleet", "failing"]
+    sentence = "the sensor file has NaN labels"
+    with Fleet(base, options) as fleet:
+        fleet.start()
+        common += fleet.operator_args
+        followed = runner.invoke(app, ["job", "submit", str(jobs["trains"]), "--follow", *common])
+        assert followed.exit_code == 1, followed.output
+        assert "round 1: c000 failed its round: Training function" in followed.output and sentence in followed.output
+        assert "failed: round 1: no device delivered an update; 2 failed (c000, c001: Training function" in followed.output
+        job_id = followed.stdout.strip().splitlines()[0]
+        status = runner.invoke(app, ["job", "status", job_id, *common])
+        assert "state failed (round 1: no device delivered an update" in status.stdout and sentence in status.stdout
+        logs = runner.invoke(app, ["job", "logs", job_id, *common]).stdout
+        assert "round 1/3: 0 in, 0 late, 2 failed (c000, c001: Training function" in logs
+        second = runner.invoke(app, ["job", "submit", str(jobs["evaluates"]), "--follow", *common])
+        assert second.exit_code == 0, second.output
+        with fleet.job_client() as client:
+            records = [client.record(j["id"]) for j in client.board()]
+        alive = {name: proc.poll() for name, proc in fleet.processes.items()}
+    failed, done = records
+    assert (failed["state"], done["state"]) == ("failed", "done") and all(c is None for c in alive.values()), alive
+    report = report_of(failed)
+    assert report["state"] == "failed" and sentence in report["reason"]
+    assert [(f["round"], f["agent"], f["phase"]) for f in report["failures"]] == [(1, "c000", "round"), (1, "c001", "round")]
+    assert report["agents"][0]["rounds"]["1"]["failed"]["round"].endswith(f"raised ValueError ({sentence}).")
+    assert report["final_accuracy"] is None and len(report["rounds"]) == 1
+    report = report_of(done)
+    assert report["state"] == "done" and [r["participants"] for r in report["rounds"]] == [2, 2, 2]
+    unplugged = "raised RuntimeError (the evaluation board is unplugged)."
+    assert [(f["round"], f["phase"], f["reason"].endswith(unplugged)) for f in report["failures"]] == [
+        (2, "evaluation", True)] * 2
+    assert sum("failed evaluating the model of the round: Evaluation function" in line and unplugged in line
+               for line in done["events"]) == 2
+    assert report["final_accuracy"] > 0.3

@@ -236,7 +236,7 @@ def _print_summary(result) -> None:  # type: ignore[no-untyped-def]
     for col in ("round", result.metric_name, "HE ratio", "union ratio", "MB up", "MB down", "seconds"):
         table.add_column(col, justify="right")
     for r in result.rounds:
-        value = r.metric if r.metric is not None else r.accuracy
+        value = (r.metric if r.metric is not None else r.accuracy) if r.metrics else None  # None: no device reported
         table.add_row(
             str(r.round),
             f"{value:.4g}" if value is not None else "-",
@@ -415,6 +415,8 @@ def fleet_up(
     console.print(f"wrote {out_dir / 'report.json'} (logs in {out_dir / 'logs'})")
     if html:
         _render(out_dir)
+    if report.get("state", "done") != "done":  # a job that failed exits as the simulator does
+        _fail(f"the job {report['state']}: {report.get('reason') or 'see the coordinator log'}")
 
 
 def _render(run_dir: Path) -> None:
@@ -429,8 +431,11 @@ def _render(run_dir: Path) -> None:
 
 
 def _print_phases(report: dict) -> None:
-    """Mean seconds per agent and round of each phase, plus the server's."""
+    """Mean seconds per agent and round of each phase, plus the server's; what devices said
+    failed; straggling."""
     import numpy as np
+
+    from senseshield.results import failed_phrase
 
     phases = ("train", "sensitivity", "mask", "noise", "encrypt", "receipt", "serialize", "upload", "wait")
     values: dict[str, list[float]] = {p: [] for p in phases}
@@ -455,8 +460,15 @@ def _print_phases(report: dict) -> None:
     for name, vals in server.items():
         if vals:
             table.add_row(name, f"{np.mean(vals):.3f}", "coordinator" if name == "aggregate" else "key server")
-    out.print(table)
-    events = report.get("straggling_events") or []
+    if table.row_count:
+        out.print(table)
+    by_round: dict[tuple[int, str], dict[str, str]] = {}
+    for f in report.get("failures") or []:  # what devices said failed, apart from devices that were late
+        by_round.setdefault((f["round"], f["phase"]), {})[f["agent"]] = f["reason"]
+    for (r, phase), failed in sorted(by_round.items())[:5]:
+        out.print(f"[red]round {r}{' (evaluation)' if phase == 'evaluation' else ''}: {escape(failed_phrase(failed))}[/]",
+                  highlight=False, soft_wrap=True)
+    events = [s for s in report.get("straggling_events") or [] if s.get("missing") != "failed"]
     if events:
         out.print(f"[yellow]{len(events)} straggling event(s): "
                   + ", ".join(f"round {s['round']} {s['agent']}" for s in events[:5]) + "[/]")

@@ -295,7 +295,8 @@ class Fleet:
                               "--broker to use the embedded broker.") from None
 
     def wait(self, timeout: float | None = None) -> dict:
-        """Wait for the coordinator to finish; returns the report (ConfigError if it failed)."""
+        """Wait for the coordinator to finish; returns the report (ConfigError if the coordinator
+        failed; a job that failed is a report whose ``state`` is ``failed``, with its ``reason``)."""
         coordinator = self.processes["coordinator"]
         end = None if timeout is None else time.monotonic() + timeout
         while coordinator.poll() is None:
@@ -324,7 +325,8 @@ class Fleet:
             said = [line for line in log.splitlines() if "Cannot write" in line][-1:] or ["Cannot write its files"]
             sentence = said[0][said[0].index("Cannot write"):].split("; the coordinator stopped")[0]
             raise StorageError(f"The coordinator stopped: {sentence}")
-        if coordinator.returncode != 0 or not report.exists():
+        failed = coordinator.returncode == 1 and report.exists()  # the job failed: its report says why
+        if (coordinator.returncode != 0 and not failed) or not report.exists():
             tail = (self.out / "logs" / "coordinator.log").read_text(errors="replace").strip().splitlines()[-3:]
             raise ConfigError(f"The coordinator failed (exit {coordinator.returncode}): {' / '.join(tail)}")
         data = json.loads(report.read_text())

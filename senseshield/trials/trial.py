@@ -844,7 +844,8 @@ def run_trial(
             compare_runs(rows)
             _write(out / "trial.json", trial)
             say(f"  {label}: median straggling ratio {row['median_ratio']}, median round "
-                f"{row['median_round_s']} s, HE ratio {row['he_ratio_mean']}, accuracy {row['final_accuracy']:.3f}")
+                f"{row['median_round_s']} s, HE ratio {row['he_ratio_mean']}, accuracy "
+                + (f"{row['final_accuracy']:.3f}" if row["final_accuracy"] is not None else "none reported"))
         trial["finished_at"] = time.time()
         _write(out / "trial.json", trial)
         return trial

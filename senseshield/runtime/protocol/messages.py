@@ -348,13 +348,17 @@ class Decline(Message):
 @message
 class RoundFailure(Message):
     """``agents/<id>/failure``: the agent could not finish round ``round`` of job ``run_id``
-    (its training or another step of the round raised) and says why in one sentence. The
-    coordinator closes the round without it at once, as it does for an agent whose last will
-    fired, instead of waiting for the deadline; the agent stays in the job."""
+    and says why in one sentence. ``phase`` (version 2): ``round`` (its training or another
+    step of the round raised: the coordinator closes the round without it at once, as it does
+    for an agent whose last will fired, instead of waiting for the deadline) or ``evaluation``
+    (applying or evaluating the round's model raised: the device has no metrics of it). The
+    agent stays in the job; the coordinator shows the sentence to the operator."""
 
     schema_name: ClassVar[str] = "failure"
+    version: ClassVar[int] = 2
     run_id: str
     reason: str = Field(max_length=2000)
+    phase: str = Field("round", pattern="^(round|evaluation)$")
 
 
 @message
