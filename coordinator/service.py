@@ -1148,9 +1148,6 @@ class Coordinator(Service):
         write_atomic(self.job_out / "models" / f"round-{r}" / f"cluster-{k}.npy", npy_bytes(weights.astype(np.float64)))
 
     # ---- checkpoint (coordinator.checkpoint) --------------------------------------------
-    def _state_file(self) -> Path | None:
-        return self.checkpoints.path
-
     def _checkpoint(self) -> None:
         if self.checkpoints.path is None or self.plan is None:
             return

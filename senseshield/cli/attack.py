@@ -42,10 +42,6 @@ def _fmt(value: Optional[float], digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def _sibling(path: Path, suffix: str) -> Path:
-    return path.with_name(f"{path.stem}{suffix}")
-
-
 @attack_app.callback(invoke_without_command=True)
 def attack(
     ctx: typer.Context,

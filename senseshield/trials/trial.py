@@ -42,7 +42,6 @@ import signal
 import socket
 import statistics
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -885,6 +884,3 @@ def _machine() -> dict:
             "kernel": platform.release(), "load_at_start": list(os.getloadavg()),
             "hostname": socket.gethostname()}
 
-
-def main_guard() -> None:  # pragma: no cover - used by `python -m senseshield.trials.trial`
-    sys.exit("use `senseshield trial run TRIAL.yaml --out DIR`")
