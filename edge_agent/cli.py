@@ -126,7 +126,7 @@ def join(
 
 
 from edge_agent.profile import profile_command  # noqa: E402
-from senseshield.inference import predict_command  # noqa: E402
+from senseshield.cli.inference import predict_command  # noqa: E402
 
 app.command(name="profile")(profile_command)
 app.command(name="predict")(predict_command)

@@ -19,13 +19,12 @@ import typer
 from typer.testing import CliRunner
 
 from senseshield.errors import ConfigError
+from senseshield.cli.inference import export_command, predict_command
 from senseshield.inference import (
     Sidecar,
-    export_command,
     export_onnx,
     latency,
     load_session,
-    predict_command,
     sidecar_path,
 )
 from senseshield.models import build_model

@@ -309,7 +309,7 @@ def bench_he(
         console.print(f"wrote {out_file}")
 
 
-from senseshield.inference import export_command as _export  # noqa: E402
+from senseshield.cli.inference import export_command as _export  # noqa: E402
 
 app.command(name="export")(_export)
 

@@ -1,7 +1,7 @@
 """A device's own data, read from a local file, checked against the job.
 
 :func:`load_local_data` reads ``source`` in one of the formats of :data:`FORMATS` and returns
-a :class:`senseshield.rounds.LocalData` with ``x`` float32 of shape ``(n, *input_shape)`` and
+a :class:`senseshield.data.shards.LocalData` with ``x`` float32 of shape ``(n, *input_shape)`` and
 ``y`` as the job's task wants it (:mod:`senseshield.tasks`): classification int64 in
 ``0..num_classes-1``; regression float32 ``(n, num_classes)`` targets; multi-label float32
 ``(n, num_classes)`` of 0/1. Nothing is sent anywhere. Given the job
@@ -48,7 +48,7 @@ from senseshield.callables import IMPORT_PATH_FORMS, call_with_job, resolve_impo
 from senseshield.data.partition import split_train_test
 from senseshield.errors import ConfigError
 from senseshield.registry import Registry
-from senseshield.rounds import LocalData
+from senseshield.data.shards import LocalData
 from senseshield.shapes import check_input_shape, check_num_classes
 
 __all__ = ["FORMATS", "DataFormat", "DataSummary", "describe_data", "load_local_data"]
