@@ -1,8 +1,9 @@
 """One device's round, the simulator's steps (:mod:`senseshield.rounds`) with the
-simulator's seeds: :func:`train` from the cluster model the plan names, then (after the
-service has negotiated the cluster's mask, if the plan asks) :func:`protect`: the device's
-encryption floor, the mask, DP noise, encryption and the update message; then the facts
-the update's signed :func:`receipt` states. No transport: the service waits for the model,
+simulator's seeds, as one object (:class:`DeviceRound`): :meth:`~DeviceRound.train` from the
+cluster model the plan names, then (after the service has negotiated the cluster's mask, if
+the plan asks) :meth:`~DeviceRound.protect`: the device's encryption floor, the mask, DP
+noise, encryption and the update message; then the facts the update's signed
+:func:`receipt` states. No transport: the service waits for the model,
 the consensus mask and the challenge, signs and sends. The client state (personalised
 zone, DP history) is updated as the simulator updates it."""
 
@@ -13,6 +14,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -34,18 +36,6 @@ from senseshield.runtime.protocol.messages import Receipt, RoundPlan, UpdateMess
 from senseshield.strategies import ClientContext
 
 log = logging.getLogger("senseshield.agent")
-
-
-def train(strategy, model, start: np.ndarray, state: ClientState, data: LocalData, config: Job,  # noqa: ANN001
-          plan: RoundPlan, r: int, index: int, noise: DeviceNoise):  # noqa: ANN201
-    """Round ``r``'s local update of the device with client ``index`` from the cluster model
-    ``start`` (its personalised zone merged in), with the plan's record noise and steps."""
-    return local_update(
-        strategy, model, merge_personal(start, state),
-        data, train=train_config(config), seed=client_seed(config.seed, r, index), round=r,
-        state=state, noise_multiplier=plan.record_noise, noise=noise, index=index,
-        steps=plan.local_steps,
-    )
 
 
 def round_key(public: PublicKey | None, exchange, fleet: str, run_id: str, r: int, plan: RoundPlan):  # noqa: ANN001, ANN201
@@ -123,47 +113,76 @@ class Protected:
     serialize_s: float
 
 
-def protect(strategy, local, plan: RoundPlan, shared: np.ndarray | None, *, agent_id: str, r: int,  # noqa: ANN001
-            public: PublicKey | None, key, state: ClientState, n_samples: int, noise: DeviceNoise,  # noqa: ANN001
-            index: int, min_he_ratio: float) -> Protected | None:
-    """Round ``r``'s update from ``local`` under the cluster's mask ``shared``: the plan's
-    encryption budget (raised to this device's floor ``min_he_ratio`` when the job encrypts),
-    DP noise from ``noise``, encrypted with ``key``; None (said in the log) when the job's
-    strategy encrypts less than the floor and its scheme needs the cluster's common mask
-    (the update is not sent)."""
-    budget = plan.encryption_budget
-    if public is not None and budget < min_he_ratio:
-        log.warning("round %d: the coordinator's encryption budget %.4f is below this device's minimum "
-                    "%.4f (--min-he-ratio); encrypting at least the minimum", r, budget, min_he_ratio)
-        budget = min_he_ratio
-    context = ClientContext(
-        agent_id, r, plan.cluster, budget, shared, plan.block_size,
-        participants=plan.participants, noise_multiplier=plan.noise_multiplier,
-        min_encrypted=min_he_ratio if public is not None else 0.0,
-    )
-    update, choice = protect_local(
-        strategy, context, local, key, n_samples=n_samples,
-        rng=noise.generator("protect", round=r, index=index), min_encrypted=min_he_ratio if public else 0.0,
-    )
-    if "own_blocks_added" in choice.info:
-        blocks, given, after = choice.info["own_blocks_added"]
-        log.warning("round %d: the coordinator's nested mask (%.4f of the parameters) left out %d of this device's "
-                    "most sensitive blocks (its own mask at budget %.4f); encrypting them too (%.4f of the parameters)",
-                    r, given, blocks, budget, after)
-    if "topped_up" in choice.info:
-        before, after = choice.info["topped_up"]
-        log.warning("round %d: the mask encrypted %.4f; topped up to %.4f with the most sensitive blocks "
-                    "(--min-he-ratio %.4f)", r, before, after, min_he_ratio)
-    encrypted = float(update.mask.mean())
-    if public is not None and encrypted + plan.block_size / update.size < min_he_ratio:
-        log.warning("round %d: the job's strategy encrypts %.4f of this update, below this device's minimum "
-                    "%.4f (--min-he-ratio), and its scheme needs the cluster's common mask; the update "
-                    "is not sent", r, encrypted, min_he_ratio)
-        return None
-    keep_personal(state, local, choice.withheld)
-    t = time.perf_counter()
-    message = update_to_message(update, public, report=choice_report(choice))
-    return Protected(update, message, time.perf_counter() - t)
+@dataclass(frozen=True)
+class DeviceRound:
+    """One device's round ``r`` of a job: the job's ``strategy`` and ``config``, the
+    coordinator's ``plan``, the device's client ``index`` (the simulator's seeds), its client
+    ``state`` (personalised zone, DP history, updated as the simulator updates it), ``data``,
+    privacy ``noise``, the job's ``public`` key (None: nothing encrypted) and the device's
+    encryption floor ``min_he_ratio``. :meth:`train`, then :meth:`protect`."""
+
+    strategy: Any
+    config: Job
+    plan: RoundPlan
+    r: int
+    index: int
+    agent_id: str
+    state: ClientState
+    data: LocalData
+    noise: DeviceNoise
+    public: PublicKey | None = None
+    min_he_ratio: float = 0.0
+
+    def train(self, model: Any, start: np.ndarray) -> Any:
+        """The local update from the cluster model ``start`` (its personalised zone merged
+        in), with the plan's record noise and steps (a :class:`senseshield.rounds` local update)."""
+        return local_update(
+            self.strategy, model, merge_personal(start, self.state),
+            self.data, train=train_config(self.config), seed=client_seed(self.config.seed, self.r, self.index),
+            round=self.r, state=self.state, noise_multiplier=self.plan.record_noise, noise=self.noise,
+            index=self.index, steps=self.plan.local_steps,
+        )
+
+    def protect(self, local: Any, shared: np.ndarray | None, key: Any) -> Protected | None:
+        """The update from ``local`` under the cluster's mask ``shared``: the plan's
+        encryption budget (raised to this device's floor when the job encrypts), DP noise
+        from the device's noise, encrypted with ``key``; None (said in the log) when the
+        job's strategy encrypts less than the floor and its scheme needs the cluster's
+        common mask (the update is not sent)."""
+        plan, r, public, floor = self.plan, self.r, self.public, self.min_he_ratio
+        budget = plan.encryption_budget
+        if public is not None and budget < floor:
+            log.warning("round %d: the coordinator's encryption budget %.4f is below this device's minimum "
+                        "%.4f (--min-he-ratio); encrypting at least the minimum", r, budget, floor)
+            budget = floor
+        context = ClientContext(
+            self.agent_id, r, plan.cluster, budget, shared, plan.block_size,
+            participants=plan.participants, noise_multiplier=plan.noise_multiplier,
+            min_encrypted=floor if public is not None else 0.0,
+        )
+        update, choice = protect_local(
+            self.strategy, context, local, key, n_samples=self.data.n_train,
+            rng=self.noise.generator("protect", round=r, index=self.index), min_encrypted=floor if public else 0.0,
+        )
+        if "own_blocks_added" in choice.info:
+            blocks, given, after = choice.info["own_blocks_added"]
+            log.warning("round %d: the coordinator's nested mask (%.4f of the parameters) left out %d of this "
+                        "device's most sensitive blocks (its own mask at budget %.4f); encrypting them too (%.4f of "
+                        "the parameters)", r, given, blocks, budget, after)
+        if "topped_up" in choice.info:
+            before, after = choice.info["topped_up"]
+            log.warning("round %d: the mask encrypted %.4f; topped up to %.4f with the most sensitive blocks "
+                        "(--min-he-ratio %.4f)", r, before, after, floor)
+        encrypted = float(update.mask.mean())
+        if public is not None and encrypted + plan.block_size / update.size < floor:
+            log.warning("round %d: the job's strategy encrypts %.4f of this update, below this device's minimum "
+                        "%.4f (--min-he-ratio), and its scheme needs the cluster's common mask; the update "
+                        "is not sent", r, encrypted, floor)
+            return None
+        keep_personal(self.state, local, choice.withheld)
+        t = time.perf_counter()
+        message = update_to_message(update, public, report=choice_report(choice))
+        return Protected(update, message, time.perf_counter() - t)
 
 
 def needs_fingerprint(update, public: PublicKey | None) -> bool:  # noqa: ANN001

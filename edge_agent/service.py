@@ -64,14 +64,13 @@ from edge_agent.evaluate import Applied, apply_and_evaluate, round_metrics
 from edge_agent.prepare import PreparedRun, prepare
 from edge_agent.padlog import ALREADY_SENT, PadLog, file_name, slot_of
 from edge_agent.round import (
+    DeviceRound,
     expected_noise,
     needs_fingerprint,
     pad_context,
     plan_refusal,
-    protect,
     receipt,
     round_key,
-    train,
 )
 from senseshield.development import development_mode
 from senseshield.runtime.jobsig import job_refusal, signed_initial
@@ -614,7 +613,9 @@ class EdgeAgent(Service):
         if self.fail_at_round == r:
             raise RuntimeError(f"fault drill: training raised in round {r}")
         run.partial = plan.local_steps is not None
-        local = train(strategy, run.model, start, run.client, run.data, config, plan, r, run.index, self.noise)
+        device = DeviceRound(strategy, config, plan, r, run.index, self.agent_id, run.client, run.data, self.noise,
+                             public=self.public, min_he_ratio=self.min_he_ratio)
+        local = device.train(run.model, start)
         shared = plan.mask()
         if plan.negotiate:
             t = time.time()
@@ -631,9 +632,7 @@ class EdgeAgent(Service):
             shared = unpack_mask(decision.shared_mask, decision.size)
             tm["negotiate"] = time.time() - t
         key = round_key(self.public, self.identity.exchange, self.fleet, run.run_id, r, plan)
-        protected = protect(strategy, local, plan, shared, agent_id=self.agent_id, r=r, public=self.public, key=key,
-                            state=run.client, n_samples=run.data.n_train, noise=self.noise, index=run.index,
-                            min_he_ratio=self.min_he_ratio)
+        protected = device.protect(local, shared, key)
         if protected is None:  # below this device's encryption floor: not sent
             run.done_rounds.add(r)
             return

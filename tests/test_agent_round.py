@@ -11,7 +11,7 @@ import numpy as np
 
 from edge_agent.dataspec import DataSpec
 from edge_agent.prepare import prepare
-from edge_agent.round import needs_fingerprint, protect, receipt, round_key, train
+from edge_agent.round import DeviceRound, needs_fingerprint, receipt, round_key
 from senseshield.device_noise import DeviceNoise
 from senseshield.he.base import model_digest
 from senseshield.job import Job, initial_model, key_pair
@@ -31,10 +31,11 @@ def _round(public, *, budget: float, min_he_ratio: float = 0.0):
     plan = RoundPlan(cluster=0, encryption_budget=budget, deadline=0.0, block_size=8, size=initial.size,
                      shared_mask=np.zeros(0, np.uint8))
     state, noise = ClientState(), DeviceNoise(replay_seed=7)
-    local = train(prepared.strategy, prepared.model, initial, state, prepared.data, prepared.config, plan, 1, 1, noise)
+    device = DeviceRound(prepared.strategy, prepared.config, plan, 1, 1, "a1", state, prepared.data, noise,
+                         public=public, min_he_ratio=min_he_ratio)
+    local = device.train(prepared.model, initial)
     key = round_key(public, IDENTITY.exchange, "f", "j-1", 1, plan)
-    protected = protect(prepared.strategy, local, plan, plan.mask(), agent_id="a1", r=1, public=public, key=key,
-                        state=state, n_samples=prepared.data.n_train, noise=noise, index=1, min_he_ratio=min_he_ratio)
+    protected = device.protect(local, plan.mask(), key)
     return plan, initial, local, protected
 
 
@@ -82,7 +83,8 @@ def test_a_nested_mask_of_the_least_sensitive_blocks_leaves_the_devices_top_bloc
     state, noise = ClientState(), DeviceNoise(replay_seed=7)
     probe = RoundPlan(cluster=0, encryption_budget=0.1, deadline=0.0, block_size=8, size=initial.size,
                       shared_mask=np.zeros(0, np.uint8))
-    local = train(prepared.strategy, prepared.model, initial, state, prepared.data, prepared.config, probe, 1, 1, noise)
+    local = DeviceRound(prepared.strategy, prepared.config, probe, 1, 1, "a1", state, prepared.data, noise).train(
+        prepared.model, initial)
     per_block = block_scores(local.sensitivity, block_size=8)
     order = np.argsort(-per_block, kind="stable")
     worst = np.zeros(per_block.size, bool)
@@ -91,8 +93,9 @@ def test_a_nested_mask_of_the_least_sensitive_blocks_leaves_the_devices_top_bloc
     plan = probe.model_copy(update={"has_shared_mask": True, "shared_mask": pack_mask(hostile)})
     key = round_key(public, IDENTITY.exchange, "f", "j-1", 1, plan)
     with caplog.at_level(logging.WARNING, logger="senseshield.agent"):
-        protected = protect(prepared.strategy, local, plan, plan.mask(), agent_id="a1", r=1, public=public, key=key,
-                            state=state, n_samples=prepared.data.n_train, noise=noise, index=1, min_he_ratio=0.25)
+        device = DeviceRound(prepared.strategy, prepared.config, plan, 1, 1, "a1", state, prepared.data, noise,
+                             public=public, min_he_ratio=0.25)
+        protected = device.protect(local, plan.mask(), key)
     assert protected is not None
     sent = protected.update.mask
     own = np.repeat(np.isin(np.arange(per_block.size), order[:int(0.25 * per_block.size)]), 8)[: initial.size]
