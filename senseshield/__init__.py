@@ -34,6 +34,7 @@ _EXPORTS = {
     "SCHEMES": ("senseshield.he", "SCHEMES"),
     "MODELS": ("senseshield.models", "MODELS"),
     "build_model": ("senseshield.models", "build_model"),
+    "model_with_weights": ("senseshield.models", "model_with_weights"),
     "LocalData": ("senseshield.data.shards", "LocalData"),
     "load_local_data": ("senseshield.data.local", "load_local_data"),
     "RunResult": ("senseshield.results", "RunResult"),
@@ -57,7 +58,8 @@ def simulate(job: Any, *, devices: Any = None, trace: bool = False, noise_seed: 
     """Run ``job`` in this process (real training, encryption and DP accounting); ``devices``:
     one :class:`LocalData` per client (else shards of ``job.dataset``); ``noise_seed``: replay
     the clients' privacy noise from it (reproducible; default: fresh OS entropy, as devices
-    draw it). Returns a :class:`RunResult` (``result.models``: the final model of every cluster)."""
+    draw it). Returns a :class:`RunResult` (``result.models``: the final model of every cluster as
+    a flat vector; ``result.final_model(k)``: cluster ``k``'s as a ready ``torch.nn.Module``)."""
     from senseshield.simulation import run_simulation
 
     return run_simulation(job, devices=devices, trace=trace, noise_seed=noise_seed)

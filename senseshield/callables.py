@@ -6,7 +6,10 @@ Shared by the models (``senseshield.models``) and the Python data loaders
 * ``package.module:attr``      a module importable from ``sys.path`` (``attr`` may be dotted,
                                e.g. ``mypkg.nets:Factory.build``);
 * ``path/to/file.py:attr``     a Python file, relative to the current directory or absolute;
-                               it is loaded once per resolved path as its own module.
+                               it is loaded once per resolved path as its own module, with
+                               its folder first on ``sys.path`` while it loads, so its
+                               top-level imports find the modules beside it (as
+                               ``python file.py`` would).
 
 Every failure is a :class:`ConfigError` of one sentence that names the path and says what
 went wrong (the user's exception message included); the original exception is chained as
@@ -20,7 +23,9 @@ import importlib
 import importlib.util
 import inspect
 import sys
-from collections.abc import Callable, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -60,21 +65,44 @@ def _load_file(path_text: str, spec: str) -> ModuleType:
         )
     resolved = path.resolve()
     name = "senseshield_user_" + hashlib.sha256(str(resolved).encode()).hexdigest()[:16]
-    if name in sys.modules:
-        return sys.modules[name]
-    loader_spec = importlib.util.spec_from_file_location(name, resolved)
-    if loader_spec is None or loader_spec.loader is None:
-        raise ConfigError(f"{spec!r} names {path_text!r}, which Python cannot load as a module.")
-    module = importlib.util.module_from_spec(loader_spec)
-    sys.modules[name] = module
+    with _LOADING:
+        if name in sys.modules:
+            return sys.modules[name]
+        loader_spec = importlib.util.spec_from_file_location(name, resolved)
+        if loader_spec is None or loader_spec.loader is None:
+            raise ConfigError(f"{spec!r} names {path_text!r}, which Python cannot load as a module.")
+        module = importlib.util.module_from_spec(loader_spec)
+        sys.modules[name] = module
+        try:
+            with _folder_on_path(resolved.parent):
+                loader_spec.loader.exec_module(module)
+        except Exception as exc:
+            del sys.modules[name]
+            raise ConfigError(
+                f"Loading {path_text!r} for {spec!r} failed: {describe_exception(exc)}."
+            ) from exc
+        return module
+
+
+# sys.path is the process's: one file loads at a time (re-entrant: a file may load another)
+_LOADING = threading.RLock()
+
+
+@contextmanager
+def _folder_on_path(folder: Path) -> Iterator[None]:
+    """``folder`` first on ``sys.path`` while a file of it loads, as ``python file.py`` has it
+    there: the file's own imports find the modules beside it. Taken off afterwards (unless it
+    was there before), so it shadows nothing for the rest of the process."""
+    entry = str(folder)
+    added = entry not in sys.path
+    if added:
+        sys.path.insert(0, entry)
+        importlib.invalidate_caches()  # a helper written just before the load is seen
     try:
-        loader_spec.loader.exec_module(module)
-    except Exception as exc:
-        del sys.modules[name]
-        raise ConfigError(
-            f"Loading {path_text!r} for {spec!r} failed: {describe_exception(exc)}."
-        ) from exc
-    return module
+        yield
+    finally:
+        if added and entry in sys.path:
+            sys.path.remove(entry)
 
 
 def _load_module(module_name: str, spec: str) -> ModuleType:

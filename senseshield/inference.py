@@ -251,21 +251,6 @@ def _quiet_torch_onnx() -> Iterator[None]:
             lg.setLevel(level)
 
 
-def _check_weights(weights: Any, expected: int, what: str) -> np.ndarray:
-    try:
-        vector = np.asarray(weights, dtype=np.float64)
-    except (TypeError, ValueError):
-        raise ConfigError(f"weights for {what} are not an array of numbers.") from None
-    if vector.ndim != 1 or vector.size != expected:
-        raise ConfigError(
-            f"weights of shape {vector.shape} do not fit {what}; it needs a flat vector "
-            f"of {expected} values."
-        )
-    if not np.all(np.isfinite(vector)):
-        raise ConfigError(f"weights for {what} contain NaN or infinite values.")
-    return vector
-
-
 def _json_model_args(model_args: Any) -> dict[str, Any]:
     """``model_args`` as the JSON object the sidecar records (tuples become lists), so the
     architecture exported is the one a reader of the sidecar rebuilds."""
@@ -323,7 +308,7 @@ def export_onnx(
     """
     import torch
 
-    from senseshield.models import build_model
+    from senseshield.models import check_weights, model_with_weights, num_values
     from senseshield.training import set_vector
 
     if exporter not in EXPORTERS:
@@ -341,12 +326,12 @@ def export_onnx(
     shape = check_input_shape(input_shape)
     key = (model_name, shape, num_classes, json.dumps(args, sort_keys=True), opset)
     template = _TEMPLATES.get(key) if exporter == "torchscript" else None
-    if template is not None:  # the graph's module, built at its first export; its weights are replaced below
+    if template is None:  # a fresh module with the weights (the model a run's result gives)
+        model = model_with_weights(model_name, shape, num_classes, weights, model_args=args)
+    else:  # the graph's module, built at its first export; its weights are replaced below
         model = template[2]
-    else:
-        with torch.random.fork_rng(devices=[]):  # build_model draws from the global RNG
-            torch.manual_seed(0)
-            model = build_model(model_name, shape, num_classes, model_args=args)
+        what = f"model {model_name!r} on input shape {shape} with {num_classes} classes"
+        vector = check_weights(weights, num_values(model), what)
     num_classes = int(num_classes)
     if class_labels is None:
         labels = tuple(str(i) for i in range(num_classes))
@@ -356,9 +341,6 @@ def export_onnx(
             raise ConfigError(
                 f"class_labels={list(labels)!r} is not allowed; it must be {num_classes} strings."
             )
-    n_params = sum(t.numel() for t in model.state_dict().values() if t.is_floating_point())
-    what = f"model {model_name!r} on input shape {shape} with {num_classes} classes"
-    vector = _check_weights(weights, n_params, what)
 
     out_path = Path(out_path)
     if out_path.is_dir():
@@ -369,9 +351,9 @@ def export_onnx(
     out_path.parent.mkdir(parents=True, exist_ok=True)
     used = exporter
     with _EXPORTING:  # a template's module is shared by every export of its graph
-        set_vector(model, vector)
-        model.eval()
         if template is not None:  # the same graph again: only the weights change
+            set_vector(model, vector)
+            model.eval()
             data = _refill(template, model)
         else:
             if exporter == "torchscript":

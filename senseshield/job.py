@@ -62,9 +62,20 @@ class Job(BaseModel):
     ``clients``, ``bandwidth`` and ``cpu`` describe simulated clients and ``--shard``
     agents of controlled trials, and give ``input_shape``/``num_classes`` when those are
     not set (:func:`with_shape`).
+
+    A key that is unknown or a value that is not allowed raises :class:`ConfigError` (a
+    ``ValueError``) of one sentence naming the key, the value and what is allowed (the same
+    sentence a job file gets, :func:`validation_reason`); pydantic's ``ValidationError`` is
+    its ``__cause__``.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise ConfigError(validation_reason(exc, Job)) from exc
 
     name: str | None = None  # a label for people (job list, reports)
     strategy: str = defaults.STRATEGY
@@ -272,11 +283,11 @@ def load_job(path: Path | str) -> Job:
 
 
 def job_from_dict(data: dict[str, Any], *, where: str = "job") -> Job:
-    """A :class:`Job` from plain data; ConfigError naming the key and what is allowed."""
+    """A :class:`Job` from plain data; ConfigError naming ``where``, the key and what is allowed."""
     try:
         return Job(**data)
-    except ValidationError as exc:
-        raise ConfigError(f"{where[0].upper()}{where[1:]}: {validation_reason(exc, Job)}") from None
+    except ConfigError as exc:  # Job's own sentence (validation_reason), said of where
+        raise ConfigError(f"{where[0].upper()}{where[1:]}: {exc}") from None
     except TypeError as exc:
         raise ConfigError(f"{where[0].upper()}{where[1:]}: {exc}.") from None
 
@@ -369,19 +380,19 @@ def announced_run(config: dict) -> tuple[Job, Strategy, str | None]:
     """The run a ``fleet/config`` message announces (its ``config`` field), checked before a
     service acts on it: (job, strategy, HE scheme); :class:`ProtocolError` naming the
     first bad field otherwise (a forged or broken config never reaches a service's state)."""
-    from pydantic import ValidationError
-
     from senseshield.strategies import build_strategy
 
     try:
         run = Job(**config)
         strategy = build_strategy(run.strategy, run.options)
         return run, strategy, effective_scheme(run, strategy)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "config"
-        raise ProtocolError(f"fleet/config field {where!r}: {first['msg'].lower()}.") from None
-    except (ConfigError, TypeError, ValueError) as exc:
+    except ConfigError as exc:
+        if isinstance(exc.__cause__, ValidationError):  # a field of the job itself
+            first = exc.__cause__.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "config"
+            raise ProtocolError(f"fleet/config field {where!r}: {first['msg'].lower()}.") from None
+        raise ProtocolError(f"fleet/config does not describe a run: {exc}") from None
+    except (TypeError, ValueError) as exc:
         raise ProtocolError(f"fleet/config does not describe a run: {exc}") from None
 
 

@@ -40,7 +40,10 @@ __all__ = [
     "MODELS",
     "build_model",
     "check_model",
+    "check_weights",
     "model_names",
+    "model_with_weights",
+    "num_values",
     "resolve_model",
 ]
 
@@ -96,6 +99,49 @@ def build_model(
                           what="model")
     check_model(model, shape, classes, name=name)
     return model
+
+
+def num_values(model: nn.Module) -> int:
+    """How many values the flat vector of ``model`` has: every floating-point tensor of its
+    ``state_dict`` (:mod:`senseshield.engine.params`)."""
+    return sum(t.numel() for t in model.state_dict().values() if t.is_floating_point())
+
+
+def check_weights(weights: Any, expected: int, what: str) -> np.ndarray:
+    """``weights`` as a float64 flat vector of ``expected`` finite values; :class:`ConfigError`
+    naming ``what`` they are for otherwise."""
+    try:
+        vector = np.asarray(weights, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ConfigError(f"weights for {what} are not an array of numbers.") from None
+    if vector.ndim != 1 or vector.size != expected:
+        raise ConfigError(
+            f"weights of shape {vector.shape} do not fit {what}; it needs a flat vector "
+            f"of {expected} values."
+        )
+    if not np.all(np.isfinite(vector)):
+        raise ConfigError(f"weights for {what} contain NaN or infinite values.")
+    return vector
+
+
+def model_with_weights(
+    name: str, input_shape: tuple[int, ...], num_classes: int, weights: Any, *,
+    model_args: Mapping[str, Any] | None = None,
+) -> nn.Module:
+    """Model ``name`` (built as :func:`build_model` builds it, with ``model_args``) holding
+    ``weights``, a flat vector in the layout of :func:`senseshield.training.get_vector` (a
+    run's final model, ``result.models[k]``, or a fleet's ``models/round-R/cluster-K.npy``),
+    in eval mode, ready to predict. Weights that do not fit the architecture (a vector of
+    another size, e.g. ``model_args`` forgotten) or are not finite raise :class:`ConfigError`
+    naming the size needed. The caller's torch RNG state is left untouched."""
+    from senseshield.training import set_vector
+
+    with torch.random.fork_rng(devices=[]):  # building draws initial weights, replaced below
+        torch.manual_seed(0)
+        model = build_model(name, input_shape, num_classes, model_args=model_args)
+    what = f"model {name!r} on input shape {tuple(input_shape)} with {num_classes} classes"
+    set_vector(model, check_weights(weights, num_values(model), what))
+    return model.eval()
 
 
 def check_model(model: Any, input_shape: tuple[int, ...], num_classes: int, *,

@@ -8,6 +8,7 @@ one, so their records are computed the same way.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 from pydantic import BaseModel, PrivateAttr
@@ -15,6 +16,9 @@ from pydantic import BaseModel, PrivateAttr
 from senseshield.accounting import ADJACENCY, Epsilons
 from senseshield.determinism import Trace
 from senseshield.strategies import Strategy
+
+if TYPE_CHECKING:  # torch loads on first use
+    import torch
 
 PHASES = ("train", "sensitivity", "mask", "noise", "encrypt", "aggregate", "decrypt", "evaluate")
 
@@ -100,10 +104,36 @@ class RunResult(BaseModel):
     # the final global model of every cluster (float64); not part of the JSON
     _models: dict[int, np.ndarray] = PrivateAttr(default_factory=dict)
     _trace: Trace | None = PrivateAttr(default=None)
+    _shape: tuple[tuple[int, ...], int] | None = PrivateAttr(default=None)  # the models' (input_shape, num_classes)
 
     @property
     def models(self) -> dict[int, np.ndarray]:
+        """The final global model of every cluster as a flat float64 vector (the layout of
+        :func:`senseshield.training.get_vector`); :meth:`final_model` makes one a module."""
         return self._models
+
+    def final_model(self, cluster: int = 0) -> torch.nn.Module:
+        """Cluster ``cluster``'s final global model as a ``torch.nn.Module`` in eval mode, built
+        as the job built it (its ``model`` and ``model_args``, for the run's input shape and
+        classes) and holding ``models[cluster]``: its outputs are the logits the run's last
+        evaluation scored. :class:`ConfigError` naming the run's clusters for another one."""
+        from senseshield.errors import ConfigError
+        from senseshield.models import model_with_weights
+
+        if not self._models:
+            raise ConfigError(
+                "This result holds no models (a result read back from JSON has none); take "
+                "final_model from the result simulate returns.")
+        if isinstance(cluster, bool) or cluster not in self._models:
+            raise ConfigError(
+                f"cluster={cluster!r} is not allowed; this run has cluster(s) "
+                f"{', '.join(map(str, sorted(self._models)))}.")
+        shape, classes = self._shape or (self.config.get("input_shape"), self.config.get("num_classes"))
+        if shape is None or classes is None:
+            raise ConfigError("This result does not say its models' input_shape and num_classes; "
+                              "build the model with senseshield.model_with_weights.")
+        return model_with_weights(self.config.get("model", self.model), tuple(shape), classes,
+                                  self._models[cluster], model_args=self.config.get("model_args") or {})
 
     @property
     def trace(self) -> Trace | None:

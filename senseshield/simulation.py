@@ -337,6 +337,7 @@ def run_simulation(
         device_noise=noise.describe(),
     )
     result._models = {k: v.copy() for k, v in globals_.items()}
+    result._shape = (tuple(input_shape), num_classes)
     result._trace = recorder
     return result
 

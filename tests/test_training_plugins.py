@@ -10,7 +10,7 @@ import pytest
 from senseshield import Job, simulate
 from senseshield.data.local import load_local_data
 from senseshield.errors import ConfigError
-from senseshield.job import check_job, job_from_dict
+from senseshield.job import check_job, job_from_dict, with_shape
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "regression" / "sensors.py"
 
@@ -138,3 +138,38 @@ def test_a_multilabel_job_learns_several_labels_per_sample(tmp_path) -> None:
     assert {"label_accuracy", "subset_accuracy"} <= set(result.rounds[-1].metrics)
     majority = float(np.mean(np.maximum(y.mean(0), 1 - y.mean(0))))  # always guessing each label's majority
     assert result.final_metric > majority + 0.05, (result.final_metric, majority)
+
+
+def test_a_training_file_imports_the_module_beside_it(tmp_path) -> None:
+    """`train: path/train.py:fn` whose file imports a helper module from its own folder, as
+    `python train.py` would find it; the folder is on sys.path only while the file loads."""
+    import sys
+
+    folder = tmp_path / "mytraining"
+    folder.mkdir()
+    helper = f"helper_{tmp_path.name}"  # a name no other test imports
+    (folder / f"{helper}.py").write_text("ROUNDS = []\n\ndef note(config):\n    ROUNDS.append(config.round)\n")
+    (folder / "train.py").write_text(
+        f"from {helper} import note\n"
+        "from senseshield.training import builtin_train\n\n"
+        "def train(model, loader, config):\n"
+        "    note(config)\n"
+        "    return builtin_train(model, loader, config)\n")
+    job = Job(strategy="plaintext", model="linear", clients=2, rounds=2, seed=1, train=f"{folder / 'train.py'}:train")
+    try:
+        check_job(with_shape(job))
+        result = simulate(job)
+        assert {1, 2} <= set(sys.modules[helper].ROUNDS)
+        assert result.final_accuracy == simulate(job.model_copy(update={"train": None})).final_accuracy
+        assert str(folder) not in sys.path
+    finally:
+        sys.modules.pop(helper, None)
+
+
+def test_a_training_file_whose_helper_is_missing_says_which(tmp_path) -> None:
+    (tmp_path / "train.py").write_text(
+        "import helper_that_is_not_there\n\ndef train(model, loader, config):\n    return {}\n")
+    job = Job(strategy="plaintext", model="linear", clients=2, rounds=1, train=f"{tmp_path / 'train.py'}:train")
+    with pytest.raises(ConfigError, match=r"Loading .*train.py.* failed: ModuleNotFoundError \(No module named "
+                                          r"'helper_that_is_not_there'\)\."):
+        check_job(with_shape(job))

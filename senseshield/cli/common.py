@@ -50,6 +50,14 @@ def validation_sentence(exc: ValidationError) -> str:
     return f"--{where}={first.get('input')!r} is not allowed: {msg.rstrip('.')}."
 
 
+def flag_sentence(exc: ConfigError | ValidationError) -> str:
+    """What a command says of a bad value given by flags: :func:`validation_sentence` (the
+    flag's spelling, ``--clients=0``) of a ``ValidationError``, also when it is the cause of
+    the ``ConfigError`` a :class:`~senseshield.job.Job` raises; else the error's sentence."""
+    cause = exc if isinstance(exc, ValidationError) else exc.__cause__
+    return validation_sentence(cause) if isinstance(cause, ValidationError) else str(exc)
+
+
 def version_option(program: str) -> Any:
     """The ``--version`` option of ``program``'s top level: prints ``PROGRAM VERSION`` (the
     package's one version, ``senseshield.__version__``) and exits 0."""

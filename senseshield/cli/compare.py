@@ -123,7 +123,7 @@ def compare(
 
     from senseshield.cli.common import fail as _fail
     from senseshield.cli.common import out
-    from senseshield.cli.common import validation_sentence as _validation_sentence
+    from senseshield.cli.common import flag_sentence as _flag_sentence
     from senseshield.job import Job
     from senseshield.strategies import StrategyOptions
 
@@ -136,9 +136,7 @@ def compare(
             key_bits=key_bits, options=options,
         )
         rows = run_compare(names, base, out_dir)
-    except ValidationError as exc:
-        _fail(_validation_sentence(exc))
-    except ConfigError as exc:
-        _fail(str(exc))
+    except (ValidationError, ConfigError) as exc:
+        _fail(_flag_sentence(exc))
     out.print(markdown_table(rows))
     out.print(f"wrote {out_dir}/compare.json, compare.md, compare.png")

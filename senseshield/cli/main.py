@@ -48,7 +48,7 @@ from senseshield.cli import run as _run  # noqa: E402
 from senseshield.cli.common import console, out  # noqa: E402
 from senseshield.cli.common import fail as _fail  # noqa: E402
 from senseshield.cli.common import phase_progress, progress_bar, storage_stop  # noqa: E402
-from senseshield.cli.common import validation_sentence as _validation_sentence  # noqa: E402
+from senseshield.cli.common import flag_sentence as _flag_sentence  # noqa: E402
 
 
 def _floats(text: Optional[str], flag: str) -> Optional[list[float]]:
@@ -195,10 +195,8 @@ def simulate(
             train_threads=train_threads,
             options=options,
         )
-    except ValidationError as exc:
-        _fail(_validation_sentence(exc))
-    except ConfigError as exc:
-        _fail(str(exc))
+    except (ValidationError, ConfigError) as exc:
+        _fail(_flag_sentence(exc))
 
     if job_file is not None:
         config = _run.load_job_option(job_file)

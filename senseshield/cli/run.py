@@ -15,7 +15,7 @@ from typing import Annotated, Optional
 import typer
 from pydantic import ValidationError
 
-from senseshield.cli.common import fail, validation_sentence
+from senseshield.cli.common import fail, flag_sentence
 from senseshield.errors import ConfigError
 
 PASSWORD_ENV = "SENSESHIELD_MQTT_PASSWORD"
@@ -104,10 +104,8 @@ def build_run_config(
             key_bits=key_bits, clients=clients, bandwidth=bandwidth, cpu=cpu, options=options,
             train_threads=train_threads,
         )
-    except ValidationError as exc:
-        fail(validation_sentence(exc))
-    except ConfigError as exc:
-        fail(str(exc))
+    except (ValidationError, ConfigError) as exc:
+        fail(flag_sentence(exc))
 
 
 JobFile = Annotated[Optional[Path], typer.Option("--job", help="A job file (YAML/TOML; docs/your-model-and-data.md): it defines the run, and the run flags are ignored.")]

@@ -744,11 +744,13 @@ def run_trial(
                 lr=spec.lr, key_bits=spec.key_bits, scheme=run.scheme or spec.scheme, clients=len(plans),
                 options=StrategyOptions(**sets),
             )
-        except ValidationError as exc:
+        except ValidationError as exc:  # the run's options (StrategyOptions)
             first = exc.errors()[0]
             cause = (first.get("ctx") or {}).get("error")
             raise ConfigError(str(cause) if isinstance(cause, ConfigError) else
                               f"Run {run.name!r}: {first.get('msg', 'is not allowed')}.") from None
+        except ConfigError as exc:  # the job (Job names the key, the value and what is allowed)
+            raise ConfigError(f"Run {run.name!r}: {exc}") from None
     broker_kind = broker or spec.broker
     if broker_kind not in ("auto", "embedded", "mosquitto") and not broker_kind.startswith("mqtt://"):
         raise ConfigError(f"broker {broker_kind!r} is not allowed; use auto, embedded, mosquitto or mqtt://HOST:PORT.")
