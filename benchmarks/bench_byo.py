@@ -192,7 +192,7 @@ def main() -> None:
 
 
 def tables(out: dict) -> str:
-    """The Markdown tables of a result file (README and docs/your-model-and-data.md)."""
+    """The Markdown tables of a result file (docs/results.md and docs/your-model-and-data.md)."""
     res = out["results"]
     lines = [f"{out['devices']} devices, {out['rounds']} rounds, one `.npz` per device (240 training windows); "
              "round seconds: mean of\nrounds 2..R; MB per round: all devices together.", "",

@@ -249,7 +249,7 @@ def bench_layers(args: argparse.Namespace, dlg_settings: DLGSettings, log) -> di
 
 
 def markdown(result: dict[str, Any], project_attack: str) -> str:
-    """The tables of the README and docs/attacks.md."""
+    """The tables of docs/results.md and docs/attacks.md."""
     lines = []
     if "agreement" in result:
         lines += ["| model (unprotected, B = 1) | parameters | DLG PSNR dB (min) / SSIM / identified | "

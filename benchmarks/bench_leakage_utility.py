@@ -1,5 +1,5 @@
 """Utility of the leakage-aware selection (issue 16, item 4): SenseCrypt with ``score=taylor``
-(its default) and ``score=leakage`` on the README's accuracy setting (digits, MLP, 20 clients,
+(its default) and ``score=leakage`` on docs/results.md's accuracy setting (digits, MLP, 20 clients,
 ``categories:4``, SenseCrypt's system-heterogeneity profiles, 10 rounds, seed 0, packed
 Paillier), in the same run; ``--noises`` adds the hybrid (``score=leakage`` with
 ``plain_noise`` = each ratio: noise on the plaintext part).

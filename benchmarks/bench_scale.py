@@ -460,7 +460,7 @@ def main() -> None:
     from rich.console import Console
 
     Console(width=None if sys.stdout.isatty() else 200).print(rich_table(result))
-    print(markdown_table(rows))  # the README's rows, to paste
+    print(markdown_table(rows))  # the rows of docs/results.md (Scale: measured), to paste
 
 
 def summarise(runs: list[dict]) -> list[dict]:

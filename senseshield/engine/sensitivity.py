@@ -162,7 +162,7 @@ def leakage_aware_sensitivity(*, weights: np.ndarray, grad: np.ndarray, layout: 
     first, up to their size (LeNet-5: 1,242 of 61,706 values, 2 %), then SenseCrypt's
     order. Scale-free, so the mask solver's constraints see ranks, not magnitudes. Measured
     in ``benchmarks/bench_attacks.py --sections leakage``: it stops most one-image
-    reconstructions where Taylor order does not, not all (README, attacks)."""
+    reconstructions where Taylor order does not, not all (docs/results.md, docs/attacks.md)."""
     weights = np.asarray(weights, dtype=np.float64)
     grad = np.asarray(grad, dtype=np.float64)
     _same_shape(weights, grad, "weights", "grad")
