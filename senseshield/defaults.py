@@ -15,7 +15,7 @@ MQTT = "5"
 LOG_LEVEL = "info"
 
 # a job (senseshield.job.Job's field defaults)
-STRATEGY = "masked"  # every parameter masked through the key server (issue 22); sensecrypt et al. by name
+STRATEGY = "masked"  # every parameter masked through the key server; sensecrypt et al. by name
 DATASET = "digits"
 MODEL = "mlp"
 CLIENTS = 20
@@ -32,7 +32,7 @@ ROUND_DEADLINE = 120.0
 
 # the key server
 MIN_CONTRIBUTORS = 2
-MIN_ENCRYPTORS = 2  # never a sum of fewer than k encryptors (issue 22; 1 = the papers' rule)
+MIN_ENCRYPTORS = 2  # never a sum of fewer than k encryptors (1 = the papers' rule)
 
 JOB_FLAGS = {
     "strategy": STRATEGY, "dataset": DATASET, "model": MODEL, "rounds": ROUNDS, "local_epochs": LOCAL_EPOCHS,
