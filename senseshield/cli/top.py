@@ -204,7 +204,8 @@ def render(view: FleetView, url: str, *, keyserver: KeyServerView | None = None,
         state_style = {"running": "green", "waiting": "yellow", "done": "cyan", "failed": "red",
                        "cancelled": "red"}.get(view.state, "")
         head.append(f"job {view.job} ", style="bold")
-        head.append(f"({view.name}, {view.strategy}) " if view.name else f"({view.strategy}) ")
+        named = view.name if view.strategy in view.name else ", ".join(n for n in (view.name, view.strategy) if n)
+        head.append(f"({named}) ")
         head.append(view.state, style=state_style)
         head.append(f" · round {view.round}/{view.rounds}")
         if view.done:
@@ -226,7 +227,7 @@ def render(view: FleetView, url: str, *, keyserver: KeyServerView | None = None,
         if keyserver.refusals:
             head.append(" (" + ", ".join(f"{k} {v:.0f}" for k, v in sorted(keyserver.refusals.items())) + ")")
         if keyserver.decrypt_mean is not None:
-            head.append(f" · decrypt {keyserver.decrypt_mean:.2f} s mean")
+            head.append(f" · decrypt {keyserver.decrypt_mean:.3f} s mean")
         head.append(f" · ledger {keyserver.ledger} · rejected messages {keyserver.rejected:.0f}")
     if error:
         head.append(f"\n{error}", style="bold red")
