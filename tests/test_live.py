@@ -201,7 +201,7 @@ def test_a_fleet_run_is_watched_live(mosquitto, tmp_path):
         assert lines_with(shown, agent, "yes", f"{budget:.3f}"), (agent, budget, shown[-3000:])
     assert "key server: job " + job_id in shown
     # -- at the end of the job
-    coordinator_series = {name for name in after if name.startswith("senseshield_")}
+    coordinator_series = {name for name in after if name.startswith("senseshield_")} | set(during)
     assert value(after, "senseshield_job_info", job=job_id, state="done") == 1
     assert value(after, "senseshield_jobs", state="done") == 1
     assert value(after, "senseshield_round") == 3 and value(after, "senseshield_round_seconds") > 0
@@ -219,7 +219,7 @@ def test_a_fleet_run_is_watched_live(mosquitto, tmp_path):
     assert value(after, "senseshield_aggregates_total", result="accepted") == 2
     assert value(after, "senseshield_aggregates_total", result="refused") == 1
     assert value(after, "senseshield_refusals_total", kind="min_contributors") == 1
-    assert value(after, "senseshield_rejected_messages_total", kind="update") == 1
+    assert value(after, "senseshield_rejected_messages_total", kind="update") >= 1  # the garbage (c000 sends none)
     assert value(after, "senseshield_server_phase_seconds", cluster="0", phase="decrypt") > 0
     assert value(after, "senseshield_straggling_ratio") >= 1
     # -- the key server
@@ -235,7 +235,9 @@ def test_a_fleet_run_is_watched_live(mosquitto, tmp_path):
     assert value(keyserver, "senseshield_keyserver_ledger_entries") >= 1 + 2 * 3  # the job, 2 released sums of 3
     assert value(keyserver, "senseshield_keyserver_rejected_messages_total", kind="requests") == 1
     keyserver_series = {name for name in keyserver if name.startswith("senseshield_keyserver_")}
-    (tmp_path / "series.txt").write_text("\n".join(sorted(coordinator_series | keyserver_series)) + "\n")
+    series = sorted(n for n in coordinator_series | keyserver_series if not n.endswith(("_created", "_bucket")))
+    (tmp_path / "series.txt").write_text("\n".join(series) + "\n")  # what a scrape during the run had
+    (tmp_path / "top.txt").write_text(shown)
     print(f"\ncoordinator series: {len(coordinator_series)}, key server series: {len(keyserver_series)}")
 
 
@@ -297,6 +299,9 @@ def test_kinds_of_refusals_and_rejected_messages():
     assert refusal_kind("no update arrived before the deadline") == "deadline"
     assert refusal_kind("refused: the contributions of ['c001'] in round 2 were already decrypted in cluster 0's "
                         "aggregate; each enters one aggregate per round") == "reused"
+    assert refusal_kind("refused: 'd' signed for cluster 1, and is not a member of cluster 0") == "receipt"
+    assert refusal_kind("refused: cluster 7 is not in round 1's plan (clusters [0, 1])") == "plan"
+    assert refusal_kind("refused: the aggregate weighs 30 samples; the receipts sign 10") == "weights"
     assert refusal_kind("something new") == "other"
     assert message_kind("ss/v1/lab/agents/c000/update") == "update"
     assert message_kind("keyserver/requests") == "requests"

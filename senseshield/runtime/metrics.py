@@ -30,7 +30,7 @@ REFUSAL_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("weights", ("weigh",)),
     ("box_key", ("box key",)),
     ("plan", ("never opened", "plan")),
-    ("receipt", ("receipt", "contributor list")),
+    ("receipt", ("receipt", "contributor list", "signed for cluster")),
     ("deadline", ("no update arrived",)),
     ("aggregation", ("aggregation failed",)),
     ("decryption", ("decrypt",)),
