@@ -192,6 +192,7 @@ def _num(value: float | None, digits: int = 2) -> str:
 def render(view: FleetView, url: str, *, keyserver: KeyServerView | None = None, error: str = "",
            stamp: float | None = None):  # noqa: ANN201 - a rich renderable
     """One frame: the header lines and the devices' table."""
+    from rich import box
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
@@ -214,27 +215,33 @@ def render(view: FleetView, url: str, *, keyserver: KeyServerView | None = None,
         head.append("no job yet", style="yellow")
     head.append(f"\ndevices online {view.online}/{view.seen}")
     if view.joined:
-        head.append(f" · {view.joined} joined the job")
+        head.append(f" · {view.joined} in the job")
     if view.ratio is not None:
-        head.append(f" · straggling: slowest/fastest {view.ratio:.2f}" + (f" ({view.slowest})" if view.slowest else ""))
-    head.append(f" · rejected messages {view.rejected:.0f}")
+        head.append(f" · slowest/fastest {view.ratio:.2f}" + (f" ({view.slowest})" if view.slowest else ""))
+    head.append(f" · messages rejected {view.rejected:.0f}")
     if view.refusals:
-        head.append(" · refused rounds " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(view.refusals.items())),
+        head.append("\nrounds refused: " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(view.refusals.items())),
                     style="red")
     if keyserver is not None:
-        head.append(f"\nkey server: job {keyserver.job or '–'}, round {keyserver.round} · aggregates "
-                    f"{keyserver.accepted:.0f} decrypted, {keyserver.refused:.0f} refused")
+        head.append("\nkey server: ")
+        if keyserver.job != view.job:
+            head.append(f"job {keyserver.job or '–'} (not the coordinator's), ", style="yellow")
+        head.append(f"round {keyserver.round} · aggregates {keyserver.accepted:.0f} decrypted, "
+                    f"{keyserver.refused:.0f} refused")
         if keyserver.refusals:
             head.append(" (" + ", ".join(f"{k} {v:.0f}" for k, v in sorted(keyserver.refusals.items())) + ")")
         if keyserver.decrypt_mean is not None:
-            head.append(f" · decrypt {keyserver.decrypt_mean:.3f} s mean")
-        head.append(f" · ledger {keyserver.ledger} · rejected messages {keyserver.rejected:.0f}")
+            head.append(f" · decrypt mean {keyserver.decrypt_mean:.2f} s")
+        head.append(f" · ledger {keyserver.ledger}")
+        if keyserver.rejected:
+            head.append(f" · messages rejected {keyserver.rejected:.0f}")
     if error:
         head.append(f"\n{error}", style="bold red")
-    table = Table(expand=False)
+    # no vertical rules (a space between columns), two-line headers: a frame fits 100 columns
+    table = Table(box=box.SIMPLE_HEAD, padding=0, show_edge=False, expand=False)
     for name, justify in (("device", "left"), ("online", "left"), ("cluster", "right"), ("budget", "right"),
-                          ("last round", "right"), ("round s", "right"), ("train s", "right"),
-                          ("encrypt s", "right"), ("up MB", "right"), ("straggling", "right"), ("late", "right"),
+                          ("last\nround", "right"), ("round\ns", "right"), ("train\ns", "right"),
+                          ("encrypt\ns", "right"), ("up\nMB", "right"), ("straggling", "right"), ("late", "right"),
                           ("failures", "right"), ("note", "left")):
         table.add_column(name, justify=justify, no_wrap=True)
     for d in view.devices:
