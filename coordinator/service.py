@@ -75,6 +75,7 @@ from coordinator.rounds import (
 )
 from coordinator.jobs import OPEN, JobBook, JobRecord
 from coordinator.metrics import METRICS_PORT_ENV, CoordinatorMetrics  # noqa: F401 (re-exported)
+from senseshield.runtime.metrics import metrics_port as live_port
 from senseshield.job import (
     Job, check_job, effective_scheme, initial_model, job_from_dict, job_shape, noise_multipliers, train_config,
 )
@@ -155,10 +156,11 @@ class Coordinator(Service):
         self.failed_jobs: list[str] = []  # jobs that ended failed (a --once coordinator exits 1)
         self.devices: dict[str, bool] = {}  # every agent seen on the fleet -> online
         self.replies: dict[str, JobReply] = {}  # request id -> answer (a repeated request gets the same)
-        if metrics_port is None and os.environ.get(METRICS_PORT_ENV):
-            metrics_port = int(os.environ[METRICS_PORT_ENV])
+        metrics_port = live_port(metrics_port, METRICS_PORT_ENV)
         # localhost unless told otherwise: the metrics name every agent and its timings
         self.metrics_server = CoordinatorMetrics(metrics_port, metrics_host) if metrics_port is not None else None
+        if self.metrics_server is not None:
+            self.metrics_server.watch(self.link)  # rejected messages, by kind
         for cls, handler in {
             PublicKeyAnnouncement: self._on_key,
             Hello: self._on_hello,
@@ -258,6 +260,8 @@ class Coordinator(Service):
             raise ConfigError(self.keys.refused)
 
     def _publish_board(self) -> None:
+        if self.metrics_server is not None:
+            self.metrics_server.jobs(self.book.records.values(), self.job)
         if self.link.connected:
             self.send("jobs/board", JobBoard(jobs=self.book.board()), retain=True)
 
@@ -372,6 +376,8 @@ class Coordinator(Service):
         agent_id = check_sender(item)
         msg: Hello = item.message  # type: ignore[assignment]
         self.devices[agent_id] = True
+        if self.metrics_server is not None:
+            self.metrics_server.device(agent_id, True)
         if self.job is None or msg.run_id != self.run_id:
             return  # the agent saw an older run's retained config; it will say hello again
         if msg.agent_id != agent_id:
@@ -380,6 +386,8 @@ class Coordinator(Service):
             return
         self.declined.pop(agent_id, None)
         joined = roster.greet(self.agents, agent_id, msg, planned=self.plan is not None)
+        if self.metrics_server is not None:
+            self.metrics_server.joined_job(len(self.agents))
         self._uplink(agent_id, item)
         if joined:
             late = " (after the bootstrap: it takes part from the next round)" if self.plan is not None else ""
@@ -408,6 +416,8 @@ class Coordinator(Service):
                           "its status", agent_id)
             return
         self.devices[agent_id] = msg.online
+        if self.metrics_server is not None:
+            self.metrics_server.device(agent_id, msg.online)
         info = self.agents.get(agent_id)
         if info is not None and info.online != msg.online:
             info.online = msg.online
@@ -468,6 +478,8 @@ class Coordinator(Service):
         if msg.phase in failed:
             return  # said once
         failed[msg.phase] = msg.reason
+        if self.metrics_server is not None:
+            self.metrics_server.failure(agent_id, r, msg.phase)
         what = "its round" if msg.phase == "round" else "evaluating the model of the round"
         self.log.warning("round %d: agent %s failed %s: %s", r, agent_id, what, msg.reason)
         self.book.event(self.job, f"round {r}: {agent_id} failed {what}: {msg.reason}")
@@ -618,6 +630,8 @@ class Coordinator(Service):
                                                           "budget": self.plan.budget_of[a],
                                                           "steps": self.steps_of.get(a, self.full_steps_of(a)),
                                                           "full_steps": self.full_steps_of(a)}
+        if self.metrics_server is not None:
+            self.metrics_server.round_started(r, self.plan.cluster_of, self.plan.budget_of)
 
     def full_steps_of(self, agent: str) -> int:
         """Local steps of full work of ``agent`` (its sample count, the job's epochs and batch)."""
@@ -899,6 +913,8 @@ class Coordinator(Service):
 
     def _late(self, agent_id: str, r: int, what: str, when: float) -> None:
         self.log.warning("round %d: late %s from %s dropped (straggling)", r, what, agent_id)
+        if self.metrics_server is not None:
+            self.metrics_server.late(agent_id, r, what)
         for s in self.straggling:
             if s["agent"] == agent_id and s["round"] == r:
                 s["arrived_late"] = True
@@ -1084,9 +1100,9 @@ class Coordinator(Service):
                 self.send(f"agents/{a}/inbox", Notice(run_id=self.run_id, kind="resend-metrics"))
         self._round_line(r)
         if self.metrics_server is not None:
-            bytes_up = {a: self.agent_rounds[a][r].get("bytes_up") for a in self.agent_rounds if r in self.agent_rounds[a]}
-            self.metrics_server.round_done(r, self.records[-1], bytes_up, len(self.straggling), self.rejected_total,
-                                           sum(i.online for i in self.agents.values()), len(self.agents))
+            self.metrics_server.round_done(
+                r, self.records[-1], agents={a: rr[r] for a, rr in self.agent_rounds.items() if r in rr},
+                straggling=self.straggling, online=sum(i.online for i in self.agents.values()), joined=len(self.agents))
 
     def _round_line(self, r: int) -> None:
         """The operator's line for a closed round (coordinator.report.round_line); the job

@@ -37,6 +37,8 @@ def serve(
     threads: Threads = None,
     workers: Annotated[Optional[int], typer.Option(help="Aggregates decrypted at once, each on --threads threads (default: the usable cores, at least 2).")] = None,
     key_structure: Annotated[str, typer.Option(help="Packed-Paillier key made on first use: subgroup (256-bit decryption exponent, ~4x faster; docs/security.md) or standard. Each has its own key file.")] = "subgroup",
+    metrics_port: Annotated[Optional[int], typer.Option(help="Serve Prometheus metrics on this port (default: off, or $SENSESHIELD_KEYSERVER_METRICS_PORT).")] = None,
+    metrics_host: Annotated[str, typer.Option(help="Address the Prometheus endpoint binds to (0.0.0.0: every interface).")] = "127.0.0.1",
     mqtt: Mqtt = defaults.MQTT,
     ca_file: CaFile = None,
     username: Username = None,
@@ -50,6 +52,8 @@ def serve(
     """Publish the public key, decrypt aggregates, publish cluster models (until SIGTERM)."""
     setup_logging(log_level, "keyserver")
     development(insecure_dev)
+    if metrics_port is not None and not 0 < metrics_port < 65536:
+        fail(f"--metrics-port {metrics_port} is not allowed; use a port in 1..65535.")
     starting("key server", "keyserver", broker, fleet)  # before the imports below
     from keyserver.service import KeyServer
     from senseshield.runtime.service import leave
@@ -64,7 +68,8 @@ def serve(
                            min_encryptors=min_encryptors, allow_unverifiable=allow_unverifiable,
                            allow_unsigned_jobs=allow_unsigned_jobs,
                            protocol=check_mqtt(mqtt),
-                           threads=threads, workers=workers, key_structure=key_structure, kill_after_apply=kill_after_apply, identity=me, trust=trusted)
+                           threads=threads, workers=workers, key_structure=key_structure, kill_after_apply=kill_after_apply, identity=me, trust=trusted,
+                           metrics_port=metrics_port, metrics_host=metrics_host)
         server.link.secure(**security)
         server.install_signal_handlers()
         server.run()

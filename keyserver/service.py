@@ -62,6 +62,8 @@ from senseshield.runtime.files import npz_bytes, write_atomic
 from senseshield.runtime.keyfiles import check_private, secure_dir, write_secret
 from senseshield.runtime.service import Inbound, Service
 from keyserver.verify import FINGERPRINT_MISMATCH, Checks, at_fault, verify  # noqa: F401 (re-exported)
+from keyserver.metrics import METRICS_PORT_ENV, KeyServerMetrics
+from senseshield.runtime.metrics import metrics_port as live_port
 from senseshield.job import Job, announced_run
 
 log = logging.getLogger("senseshield.keyserver")
@@ -122,7 +124,11 @@ class KeyServer(Service):
         kill_after_apply: int | None = None,
         identity: Identity | None = None,
         trust: Trust | None = None,
+        metrics_port: int | None = None,
+        metrics_host: str = "127.0.0.1",
     ) -> None:
+        """``metrics_port``: serve Prometheus metrics there (None: off, unless
+        ``SENSESHIELD_KEYSERVER_METRICS_PORT`` gives one; keyserver.metrics), on ``metrics_host``."""
         if threads is not None and threads < 1:
             raise ConfigError(f"--threads {threads} is not allowed; use 1 or more.")
         if workers is not None and workers < 1:
@@ -182,6 +188,11 @@ class KeyServer(Service):
         self.on(RoundOpen, self._on_round_open)
         self.on(AggregateRequest, self._on_request)
         self.watch("coordinator")
+        metrics_port = live_port(metrics_port, METRICS_PORT_ENV)
+        self.metrics = KeyServerMetrics(metrics_port, metrics_host) if metrics_port is not None else None
+        if self.metrics is not None:
+            self.metrics.watch(self.link)
+            self.metrics.ledger(len(self.ledger))
 
     # -- handlers -------------------------------------------------------------------------
     def _on_config(self, item: Inbound) -> None:
@@ -212,6 +223,8 @@ class KeyServer(Service):
             announcement = PublicKeyAnnouncement(scheme=scheme, key_id=self.public.key_id, key=self.public.to_bytes(),
                                                  run_id=msg.run_id)
         self._restore()
+        if self.metrics is not None:
+            self.metrics.job(msg.run_id, config.strategy, scheme)
         self.send("keys/public", announcement, retain=True)
         self.log.info("run %s: %s, scheme %s, key %s", self.run_id, config.strategy, scheme or "none", announcement.key_id)
         if self.public is not None and not self.public.verifiable and not self.allow_unverifiable:
@@ -234,6 +247,8 @@ class KeyServer(Service):
     def _refuse_run(self, run_id: str, reason: str) -> None:
         """Log ``reason`` and announce it for ``run_id`` (the coordinator fails that job at once)."""
         self.log.error("%s", reason)
+        if self.metrics is not None:
+            self.metrics.job_refused()
         self.send("keys/public", PublicKeyAnnouncement(scheme="", key_id=NO_KEY_ID, key=b"", run_id=run_id,
                                                        refused=reason), retain=True)
 
@@ -393,6 +408,8 @@ class KeyServer(Service):
     def _save_ledger(self) -> None:
         """The ledger on disk (0600, atomically) before any verdict or round that relies on it."""
         write_atomic(self._ledger_path(), json.dumps(self.ledger, sort_keys=True))
+        if self.metrics is not None:
+            self.metrics.ledger(len(self.ledger))
 
     def _ledger_path(self) -> Path:
         return self.key_dir / f"ledger-{self.fleet}.json"
@@ -456,6 +473,8 @@ class KeyServer(Service):
         self.challenges[r] = Challenge(run_id=self.run_id, box_key=b64(self.identity.box_key), sealed=sealed)
         self._checkpoint()
         self.send("keyserver/challenges", self.challenges[r], round=r, retain=True)
+        if self.metrics is not None:
+            self.metrics.round_opened(r)
         self.log.info("round %d opened: clusters %s; challenge sealed to %d agents", r,
                       {k: len(v) for k, v in plan.items()}, len(sealed))
 
@@ -483,6 +502,8 @@ class KeyServer(Service):
         finds a model without its verdict), then publish both."""
         self.results[(r, k)] = result
         self._checkpoint()
+        if self.metrics is not None:
+            self.metrics.verdict(k, result.accepted, result.reason, result.timings)
         if self.kill_after_apply == r:
             import signal
 
@@ -547,3 +568,5 @@ class KeyServer(Service):
         finally:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self.stop()
+            if self.metrics is not None:
+                self.metrics.close()

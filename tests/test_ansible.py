@@ -36,6 +36,7 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
+from senseshield.cli.top import scrape
 from senseshield.errors import ConfigError
 from senseshield.runtime.identity import Identity, Trust
 from senseshield.runtime.jobs import JobClient
@@ -122,7 +123,8 @@ class Sandbox:
     port: int
     seconds: dict[str, float]
     first: subprocess.CompletedProcess
-    packages: list[str]  # the extra vars of the first apply (the model package)
+    packages: list[str]  # the extra vars of the first apply (the model package, the metrics ports)
+    metrics: dict[str, int]  # the Prometheus ports of the coordinator and the key server
     broker: subprocess.Popen | None = None
     processes: list[subprocess.Popen] = field(default_factory=list)
 
@@ -155,14 +157,17 @@ def sandbox(tmp_path_factory):
     mosquitto_binary()  # the tests need mosquitto and mosquitto_passwd (`make test` installs them)
     root = tmp_path_factory.mktemp("fleet")
     port = free_port()
-    packages = ["-e", json.dumps({"edge_agent_model_packages": [str(model_wheel(root / "packages"))]})]
+    metrics = {"coordinator": free_port(), "keyserver": free_port()}
+    packages = ["-e", json.dumps({"edge_agent_model_packages": [str(model_wheel(root / "packages"))],
+                                  "coordinator_metrics_port": metrics["coordinator"],
+                                  "keyserver_metrics_port": metrics["keyserver"]})]
     began = time.monotonic()
     first = playbook(root, *packages, port=port)
     seconds = {"from_zero": time.monotonic() - began}
     assert first.returncode == 0, tail(first)
     (root / "timings.json").write_text(json.dumps(seconds))
     print(f"\nprovisioning the sandbox: from zero {seconds['from_zero']:.1f} s")
-    box = Sandbox(root, port, seconds, first, packages)
+    box = Sandbox(root, port, seconds, first, packages, metrics)
     box.broker = box.spawn("sandbox-broker", "senseshield-mosquitto", "broker.log")
     deadline = time.monotonic() + 15
     while True:
@@ -237,6 +242,12 @@ def test_sandbox_is_provisioned(sandbox):
     for flag in ("--state-dir", "--out", "--username coordinator", "--ca-file"):
         assert flag in coordinator
     assert "--once" not in coordinator and "--job" not in coordinator
+    # the Prometheus endpoints the inventory turned on (coordinator_metrics_port, keyserver_metrics_port),
+    # on the host only (the default address)
+    keyserver = sandbox.launcher("sandbox-keyserver", "senseshield-keyserver").read_text()
+    assert f"--metrics-port {sandbox.metrics['coordinator']} --metrics-host 127.0.0.1" in coordinator
+    assert f"--metrics-port {sandbox.metrics['keyserver']} --metrics-host 127.0.0.1" in keyserver
+    assert "--metrics-port" not in launcher  # an agent has none
     for host, name in [("sandbox-coordinator", "coordinator"), ("agent-a", "edge-agent")]:
         assert "Restart=always" in (root / host / f"etc/systemd/system/senseshield-{name}.service").read_text()
     # one hashed credential per MQTT user, and no password in any rendered file or in the output
@@ -329,6 +340,10 @@ def test_the_rendered_fleet_runs_submitted_jobs_over_tls(sandbox, tmp_path):
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:] + logs()["coordinator"][-2000:]
         second_id = proc.stdout.split()[0]
         assert [p.poll() for p in services] == [None] * len(services), "a service exited"
+        # the services' Prometheus endpoints, as the roles rendered them (a Prometheus server or
+        # `senseshield fleet top` reads them while the fleet runs)
+        coordinator_metrics = scrape(f"http://127.0.0.1:{sandbox.metrics['coordinator']}/metrics")
+        keyserver_metrics = scrape(f"http://127.0.0.1:{sandbox.metrics['keyserver']}/metrics", "key server")
     finally:
         # stop the services so that later tests may use their users (the broker takes the
         # username as client id: two clients would take turns); the coordinator first, so that
@@ -356,6 +371,18 @@ def test_the_rendered_fleet_runs_submitted_jobs_over_tls(sandbox, tmp_path):
         # the agents joined with their device class's profile (rpi4: 5 MB/s, Jetson Orin Nano: 8 MB/s)
         assert {c["id"]: c["bandwidth"] for c in report["clients"]} == {"agent-a": 5.0, "agent-b": 8.0}
         assert not report["rejected_messages"]
+    # the endpoints saw both jobs: the devices with their budgets, every round decrypted (masked: one
+    # cluster; 2 rounds, then 1)
+    def got(metrics: dict, metric: str, /, **labels: str) -> float | None:
+        return next((v for have, v in metrics.get(metric, []) if have == labels), None)
+
+    assert got(coordinator_metrics, "senseshield_jobs", state="done") == 2
+    assert got(coordinator_metrics, "senseshield_devices_online") == 2
+    assert {have["agent"] for have, _ in coordinator_metrics["senseshield_agent_budget"]} == set(AGENTS)
+    assert [(have["job"], have["state"]) for have, v in coordinator_metrics["senseshield_job_info"] if v] == \
+        [(second_id, "done")]
+    assert got(keyserver_metrics, "senseshield_keyserver_aggregates_total", result="accepted") == 3
+    assert got(keyserver_metrics, "senseshield_keyserver_decrypt_seconds_count") == 3
     # the ACL lets the status topics through: the key server saw the coordinator's offline
     assert "keyserver: coordinator offline since" in text["keyserver"]
     # each process logged in with its own user over the TLS listener
@@ -558,6 +585,8 @@ BAD_INVENTORIES = {
                   "    sandbox-coordinator: {ansible_host: 10.0.0.5}\n",
                   r"The key server \(sandbox-keyserver\) and the coordinator \(sandbox-coordinator\) are on one host; "
                   r".* senseshield_allow_colocated_keyserver: true"),
+    "metrics-port": ("all:\n  hosts:\n    sandbox-coordinator: {coordinator_metrics_port: 99999}\n",
+                     r"Host sandbox-coordinator: coordinator_metrics_port 99999 is not a port; give a port in 1\.\.65535"),
 }
 
 

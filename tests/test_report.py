@@ -120,7 +120,9 @@ def test_prometheus_endpoint_of_the_coordinator() -> None:
     try:
         metrics.agent_round("c000", 1, {"train": 0.5, "encrypt": 1.25, "plan_received_at": 1e9, "bytes_down": 9.0})
         record = {"seconds": 3.5, "clusters": {0: {"timings": {"aggregate": 0.1, "decrypt": 0.9}}}}
-        metrics.round_done(1, record, {"c000": 1000}, events=2, rejected=1, online=3, joined=3)
+        metrics.round_done(1, record, agents={"c000": {"bytes_up": 1000, "plan_sent": 10.0, "update_received": 12.5}},
+                           straggling=[{"round": 1, "agent": "c001", "missing": "update"},
+                                       {"round": 1, "agent": "c002", "missing": "failed"}], online=3, joined=3)
         metrics.straggling({"ratio": 1.4, "idle_s": 0.7, "slowest_agent": "c001", "slowest_s": 2.0}, 1.3)
         text = urllib.request.urlopen(f"http://127.0.0.1:{metrics.port}/metrics", timeout=5).read().decode()
     finally:
@@ -129,6 +131,9 @@ def test_prometheus_endpoint_of_the_coordinator() -> None:
                  'senseshield_server_phase_seconds{cluster="0",phase="decrypt"} 0.9',
                  "senseshield_round 1.0", "senseshield_round_seconds 3.5", "senseshield_straggling_ratio 1.4",
                  'senseshield_slowest_agent_seconds{agent="c001"} 2.0', 'senseshield_agent_bytes_up_total{agent="c000"} 1000.0',
-                 "senseshield_straggling_median_ratio 1.3", "senseshield_straggling_events 2.0"):
+                 "senseshield_straggling_median_ratio 1.3", "senseshield_straggling_events 2.0",
+                 'senseshield_agent_bytes_down_total{agent="c000"} 9.0', 'senseshield_agent_round_seconds{agent="c000"} 2.5',
+                 'senseshield_agent_last_round{agent="c000"} 1.0',
+                 'senseshield_agent_straggling_total{agent="c002",missing="failed"} 1.0'):
         assert line in text, line
-    assert "plan_received_at" not in text and "bytes_down" not in text
+    assert "plan_received_at" not in text and 'phase="bytes_down"' not in text

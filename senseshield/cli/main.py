@@ -311,8 +311,12 @@ from senseshield.cli.inference import export_command as _export  # noqa: E402
 
 app.command(name="export")(_export)
 
-fleet_app = typer.Typer(help="Run a fleet of real processes on this machine.", no_args_is_help=True)
+fleet_app = typer.Typer(help="Run a fleet of real processes on this machine; watch a fleet live.",
+                        no_args_is_help=True)
 app.add_typer(fleet_app, name="fleet")
+from senseshield.cli.top import top as _top  # noqa: E402
+
+fleet_app.command("top")(_top)
 
 
 
@@ -341,7 +345,8 @@ def fleet_up(
     min_contributors: _run.MinContributors = defaults.MIN_CONTRIBUTORS,
     threads: _run.Threads = None,
     out_dir: Annotated[Path, typer.Option("--out", help="Directory for report.json, models/, logs/, keys/.")] = Path("fleet-run"),
-    metrics_port: Annotated[Optional[int], typer.Option(help="Serve the coordinator's Prometheus metrics on this port.")] = None,
+    metrics_port: Annotated[Optional[int], typer.Option(help="Serve the coordinator's Prometheus metrics on this port (watch it with `senseshield fleet top`).")] = None,
+    keyserver_metrics_port: Annotated[Optional[int], typer.Option(help="Serve the key server's Prometheus metrics on this port.")] = None,
     html: _run.Report = True,
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
 ) -> None:
@@ -373,12 +378,15 @@ def fleet_up(
             parse_broker(broker)
         except ConfigError as exc:
             _fail(str(exc))
-    if metrics_port is not None and not 0 < metrics_port < 65536:
-        _fail(f"--metrics-port {metrics_port} is not allowed; use a port in 1..65535.")
+    for flag, port in (("--metrics-port", metrics_port), ("--keyserver-metrics-port", keyserver_metrics_port)):
+        if port is not None and not 0 < port < 65536:
+            _fail(f"{flag} {port} is not allowed; use a port in 1..65535.")
 
     def wrap(name: str, argv: list[str]) -> list[str]:
         if name == "coordinator" and metrics_port is not None:
             return ["env", f"SENSESHIELD_METRICS_PORT={metrics_port}", *argv]
+        if name == "keyserver" and keyserver_metrics_port is not None:
+            return ["env", f"SENSESHIELD_KEYSERVER_METRICS_PORT={keyserver_metrics_port}", *argv]
         return argv
 
     if threads is not None and threads < 1:

@@ -154,6 +154,9 @@ class Link:
         self.chunk_bytes = chunk_bytes
         self.rejected: deque[str] = deque(maxlen=1000)  # the latest reasons
         self.rejected_total = 0  # every rejection, also those the deque no longer holds
+        # called with (where, reason) after each rejection, on the thread that rejected it (a
+        # Prometheus counter, senseshield.runtime.metrics); must be quick and must not raise
+        self.on_rejection: Callable[[str, str], None] | None = None
         self._subscriptions: set[str] = set()
         self.max_retained_bytes = 16 << 20  # brokers must accept messages this large
         self._retained: dict[str, bytes] = {}  # re-published after a reconnect (brokers forget)
@@ -421,6 +424,8 @@ class Link:
         with self._lock:
             self.rejected.append(f"{where}: {reason}")
             self.rejected_total += 1
+        if self.on_rejection is not None:
+            self.on_rejection(where, reason)
 
     def expire_partials(self) -> None:
         """Drop incomplete chunk streams that have been idle too long (call now and then)."""
