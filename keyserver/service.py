@@ -26,8 +26,6 @@ whose decryption is ~4x faster than the standard key's.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import time
@@ -39,8 +37,8 @@ import numpy as np
 from senseshield import defaults
 from senseshield.engine.aggregation import decrypt_aggregate
 from senseshield.errors import ConfigError, ProtocolError
-from senseshield.he import SCHEMES, PublicKey, SecretKey
-from senseshield.he.base import job_key, model_digest, round_context
+from senseshield.he import SCHEMES, SecretKey
+from senseshield.he.base import job_key
 from senseshield.he.fingerprint import SEED_BYTES
 from senseshield.he.packed import STRUCTURES
 from senseshield.development import development_mode
@@ -54,22 +52,21 @@ from senseshield.runtime.protocol.messages import (
     ClusterModel,
     FleetConfig,
     PublicKeyAnnouncement,
-    aggregate_from_message,
 )
 from senseshield.rounds import apply_mean
 from senseshield.runtime.identity import Identity, Trust
-from senseshield.runtime.files import npz_bytes, write_atomic
+from senseshield.runtime.files import write_atomic
 from senseshield.runtime.keyfiles import check_private, secure_dir, write_secret
 from senseshield.runtime.service import Inbound, Service
-from keyserver.verify import FINGERPRINT_MISMATCH, Checks, at_fault, verify  # noqa: F401 (re-exported)
+from keyserver.state import KeyServerState
+from keyserver.verify import Decrypting, Refuse, Reject, Replay, Rules, decide
 from keyserver.metrics import METRICS_PORT_ENV, KeyServerMetrics
 from senseshield.runtime.metrics import metrics_port as live_port
-from senseshield.job import Job, announced_run
+from senseshield.job import announced_run
 
 log = logging.getLogger("senseshield.keyserver")
 
 NO_KEY_ID = "none"  # announced when the run's strategy encrypts nothing
-JOB_ENTRY = "job|"  # ledger entries of the jobs (nonces) served: "job|<run id>" -> when
 
 
 def load_or_generate(key_dir: Path, scheme: str, key_bits: int, structure: str = "subgroup") -> SecretKey:
@@ -145,12 +142,10 @@ class KeyServer(Service):
                          status_topic="keyserver/status", identity=identity, trust=trust, role="keyserver")
         self.key_dir = secure_dir(Path(key_dir))
         self.kill_after_apply = kill_after_apply  # fault drill: SIGKILL itself after applying this round
-        self.min_contributors = min_contributors
-        self.min_fraction = min_fraction
-        self.min_encryptors = min_encryptors
         # CKKS sums cannot be checked against fingerprints: decrypted only if the operator
         # says the coordinator is trusted to sum honestly (docs/security.md#ckks)
-        self.allow_unverifiable = allow_unverifiable
+        self.rules = Rules(trust=self.trust, min_contributors=min_contributors, min_fraction=min_fraction,
+                           min_encryptors=min_encryptors, allow_unverifiable=allow_unverifiable)
         # a run must be a job an operator the trust file pins signed (senseshield.runtime.jobsig),
         # unless told otherwise; without a trust file there is no pinned operator to check against
         self.require_signed_jobs = not (allow_unsigned_jobs or development_mode() or self.trust.tofu)
@@ -160,30 +155,8 @@ class KeyServer(Service):
         # and answering (gmpy2 releases the GIL); each aggregate's blocks use ``threads``
         self.workers = workers if workers is not None else max(2, defaults.shared_threads())
         self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="decrypt")
-        self.pending: dict[tuple[int, int], Future] = {}  # (round, cluster) being decrypted
-        self.reserved: dict[int, dict[str, int]] = {}  # contributions of pending aggregates
-        self.run_id: str | None = None
-        self.config: Job | None = None
-        self.secret: SecretKey | None = None
-        self.public: PublicKey | None = None
-        self.initial: np.ndarray | None = None
-        self.models: dict[int, tuple[int, np.ndarray]] = {}  # cluster -> (round, weights)
-        self.results: dict[tuple[int, int], AggregateResult] = {}  # (round, cluster) -> result
-        # the contribution bookkeeping (checkpointed): each round's pinned plan, its challenge
-        # seed, and which agent's contribution went into which decrypted aggregate
-        self.plans: dict[int, dict[int, list[str]]] = {}
-        self.seeds: dict[int, bytes] = {}
-        self.spent: dict[int, dict[str, int]] = {}
-        self.challenges: dict[int, Challenge] = {}
-        self.boxes: dict[int, dict[str, bytes]] = {}  # round -> agent -> X25519 box key (masked pads)
-        # across jobs (its own file, never reset): "key|agent|starting model" -> "run/round/cluster"
-        # of the one aggregate that contribution was decrypted in
-        self.ledger: dict[str, str] = self._load_ledger()
-        self._ledger_keys: dict[tuple[int, int], dict[str, str]] = {}
-        # attempts refused at the fingerprint check (nothing decrypted, nothing spent): per
-        # (round, cluster) the request digests and each attempt's {contributor: fingerprint}
-        self.attempts: dict[tuple[int, int], set[str]] = {}
-        self.failed: dict[tuple[int, int], list[dict[str, str]]] = {}
+        # the ledger, the run it serves, its models, verdicts and rounds (keyserver.state)
+        self.state = KeyServerState.open(self.key_dir, self.fleet)
         self.on(FleetConfig, self._on_config)
         self.on(RoundOpen, self._on_round_open)
         self.on(AggregateRequest, self._on_request)
@@ -192,7 +165,7 @@ class KeyServer(Service):
         self.metrics = KeyServerMetrics(metrics_port, metrics_host) if metrics_port is not None else None
         if self.metrics is not None:
             self.metrics.watch(self.link)
-            self.metrics.ledger(len(self.ledger))
+            self.metrics.ledger(len(self.state.ledger))
 
     # -- handlers -------------------------------------------------------------------------
     def _on_config(self, item: Inbound) -> None:
@@ -204,32 +177,38 @@ class KeyServer(Service):
         # and a config re-sent under the current run must still be that very job
         if self._refuse_unsigned(msg):
             return
-        if msg.run_id == self.run_id:
+        state = self.state
+        if msg.run_id == state.run_id:
             return
-        if self._served_elsewhere(msg.run_id):
+        served = state.served(msg.run_id)
+        if served is not None:  # each job (nonce) is served as one run: no round of it is unmasked twice
+            self._refuse_run(msg.run_id, f"Job {msg.run_id} is refused: this key server already served it "
+                                         f"({served}) and a job runs once; the operator signs a new job (a new "
+                                         "nonce) to run it again.")
             return
-        self.run_id, self.config, self.initial = msg.run_id, config, msg.initial.copy()
-        self.models, self.results = {}, {}
-        self.plans, self.seeds, self.spent, self.challenges, self.boxes = {}, {}, {}, {}, {}
-        self.pending, self.reserved, self._ledger_keys = {}, {}, {}  # a late result of the previous run is dropped
-        self.attempts, self.failed = {}, {}
+        secret = public = None
         if scheme is None:
-            self.secret = self.public = None
             announcement = PublicKeyAnnouncement(scheme="", key_id=NO_KEY_ID, key=b"", run_id=msg.run_id)
         else:
-            self.secret = load_or_generate(self.key_dir, scheme, config.key_bits, self.key_structure)
+            secret = load_or_generate(self.key_dir, scheme, config.key_bits, self.key_structure)
             # per-client masks (sensecrypt) on the masked scheme: its key aggregates ragged masks
-            self.public = job_key(self.secret.public_key, per_client_masks=strategy.per_client_masks)
-            announcement = PublicKeyAnnouncement(scheme=scheme, key_id=self.public.key_id, key=self.public.to_bytes(),
+            public = job_key(secret.public_key, per_client_masks=strategy.per_client_masks)
+            announcement = PublicKeyAnnouncement(scheme=scheme, key_id=public.key_id, key=public.to_bytes(),
                                                  run_id=msg.run_id)
-        self._restore()
+        # everything of the previous run is dropped (a late decryption of it too); the
+        # checkpoint of this run, if it is in the key directory, is resumed
+        if state.start_run(msg.run_id, job=config, initial=msg.initial.copy(), public=public, secret=secret):
+            for k in sorted(state.models):
+                self._publish_model(k)
+            self.log.info("resumed run %s: cluster rounds %s, %d verdicts", state.run_id,
+                          {k: r for k, (r, _) in state.models.items()}, len(state.results))
         if self.metrics is not None:
             self.metrics.job(msg.run_id, config.strategy, scheme)
         self.send("keys/public", announcement, retain=True)
-        self.log.info("run %s: %s, scheme %s, key %s", self.run_id, config.strategy, scheme or "none", announcement.key_id)
-        if self.public is not None and not self.public.verifiable and not self.allow_unverifiable:
+        self.log.info("run %s: %s, scheme %s, key %s", state.run_id, config.strategy, scheme or "none", announcement.key_id)
+        if public is not None and not public.verifiable and not self.rules.allow_unverifiable:
             self.log.warning("run %s: %s aggregates cannot be verified; they will be refused (--allow-unverifiable "
-                             "trusts the coordinator to sum honestly)", self.run_id, scheme)
+                             "trusts the coordinator to sum honestly)", state.run_id, scheme)
 
     def _refuse_unsigned(self, msg: FleetConfig) -> bool:
         """True (logged, and announced for the run so the coordinator fails the job at once)
@@ -238,7 +217,7 @@ class KeyServer(Service):
                              required=self.require_signed_jobs, initial=msg.initial)
         if reason is None:
             return False
-        if msg.run_id == self.run_id:  # the run it serves stays announced: a forged config changes nothing
+        if msg.run_id == self.state.run_id:  # the run it serves stays announced: a forged config changes nothing
             self.log.error("%s (the run it serves goes on unchanged)", reason)
             return True
         self._refuse_run(msg.run_id, reason)
@@ -252,188 +231,100 @@ class KeyServer(Service):
         self.send("keys/public", PublicKeyAnnouncement(scheme="", key_id=NO_KEY_ID, key=b"", run_id=run_id,
                                                        refused=reason), retain=True)
 
-    def _served_elsewhere(self, run_id: str) -> bool:
-        """True (refused, announced) if job ``run_id`` was already served and is not the run
-        this key server's checkpoint resumes: each job (nonce) is served as one run, so no
-        round of it is unmasked twice, whatever the coordinator re-sends."""
-        if JOB_ENTRY + run_id not in self.ledger or self._checkpoint_run() == run_id:
-            return False
-        self._refuse_run(run_id, f"Job {run_id} is refused: this key server already served it "
-                                 f"({self.ledger[JOB_ENTRY + run_id]}) and a job runs once; the operator signs a "
-                                 "new job (a new nonce) to run it again.")
-        return True
-
-    def _checkpoint_run(self) -> str | None:
-        """The run id of the checkpoint in the key directory (None: none)."""
-        path = self._state_path()
-        if not path.exists():
-            return None
-        with np.load(path) as data:
-            return json.loads(bytes(data["meta"]).decode()).get("run_id")
-
     def _on_request(self, item: Inbound) -> None:
+        """keyserver.verify.decide says what becomes of the request; this acts on it."""
         msg: AggregateRequest = item.message  # type: ignore[assignment]
-        if item.sender != "coordinator":
-            raise ProtocolError(f"Aggregate from {item.sender!r}; only the coordinator may send aggregates.")
-        if self.config is None or msg.run_id != self.run_id:
-            raise ProtocolError(f"Aggregate for run {msg.run_id!r}; the current run is {self.run_id!r}.")
-        r, k = item.round, msg.cluster
-        attempt = hashlib.sha256(msg.receipts + b"|" + msg.ciphertext).hexdigest()
-        if (r, k) in self.results and not self._another_attempt(r, k, attempt):
-            # a re-sent request (reconnect, restart): the same verdict
+        r, k, state = item.round, msg.cluster, self.state
+        t = time.perf_counter()
+        decision = decide(state, self.rules, item.sender, r, msg)
+        t_verify = time.perf_counter() - t
+        if isinstance(decision, Reject):  # logged, no verdict
+            raise ProtocolError(decision.reason)
+        if isinstance(decision, Replay):  # a re-sent request (reconnect, restart): the same verdict
+            if decision.warning:
+                self.log.warning("%s", decision.warning)
             self.log.info("round %d cluster %d: re-sent request; answering with the recorded verdict", r, k)
             self._replay(r, k)
             return
-        if (r, k) in self.pending:
+        if isinstance(decision, Decrypting):
             self.log.info("round %d cluster %d: re-sent request while it is being decrypted; the verdict follows", r, k)
             return
-        busy = sorted(rr for rr, kk in self.pending if kk == k)
-        if busy:
-            raise ProtocolError(f"Aggregate for round {r} of cluster {k} while its round {busy[0]} is being "
-                                "decrypted; re-send it after that verdict.")
-        last = self.models.get(k, (0, None))[0]
-        if r <= last:
-            raise ProtocolError(f"Aggregate for round {r} of cluster {k} is stale; the cluster is at round {last}.")
-        # sizes, masks, weights and the ciphertext's blocks: a malformed request is rejected
-        # (logged, no verdict) before anything is verified or decrypted
-        aggregate = aggregate_from_message(msg, self.public, round=r, size=self.initial.size)
-        t = time.perf_counter()
-        prints: dict[str, str] = {}
-        plans: dict[str, str] = {}  # contributor -> the plan digest its receipt signs (its pads' context)
-        try:
-            refusal, weights = self._verify(r, k, msg, aggregate, prints, plans)
-        except ProtocolError as exc:  # a malformed receipt or ciphertext: a verdict, not silence
-            refusal, weights = str(exc), {}
-        distinct = sorted(weights)
-        t_verify = time.perf_counter() - t
-        if refusal is not None:
-            reason = f"refused: {refusal}"
-            retry = refusal.startswith(FINGERPRINT_MISMATCH)
-            if retry:  # nothing decrypted or spent: the coordinator may look for the one at fault
-                self.attempts.setdefault((r, k), set()).add(attempt)
-                self.failed.setdefault((r, k), []).append(prints)
+        if isinstance(decision, Refuse):
+            reason = f"refused: {decision.reason}"
+            if decision.retry:  # nothing decrypted or spent: the coordinator may look for the one at fault
+                state.attempts.setdefault((r, k), set()).add(decision.attempt)
+                state.failed.setdefault((r, k), []).append(decision.prints)
             self.log.warning("round %d cluster %d %s", r, k, reason)
-            self._answer(r, k, AggregateResult(run_id=self.run_id, cluster=k, accepted=False, reason=reason,
-                                               timings={"verify": t_verify}, retry=retry))
+            self._answer(r, k, AggregateResult(run_id=state.run_id, cluster=k, accepted=False, reason=reason,
+                                               timings={"verify": t_verify}, retry=decision.retry))
             return
-        excluded = at_fault(self.failed.get((r, k), []), prints, r)
-        for a, why in excluded.items():
+        for note in decision.notes:
+            self.log.info("round %d cluster %d: %s", r, k, note)
+        for a, why in decision.excluded.items():
             self.log.warning("round %d cluster %d: %s's update refused: %s", r, k, a, why)
-        # the contributions are taken now (a second aggregate that reuses one is refused even
-        # while this one decrypts) and spent when the verdict is recorded
-        self.reserved.setdefault(r, {}).update({a: k for a in distinct})
-        run_id, secret, threads = self.run_id, self.secret, self.threads
-        if aggregate.ciphertext is not None and self.public.needs_contributors:  # masked: remove exactly their pads
-            masks = msg.contributor_masks() if self.public.ragged_masks else {}  # checked against the receipts
-            secret.bind_contributions(aggregate.ciphertext, [(self.boxes[r][a], weights[a]) for a in distinct],
-                                      [round_context(self.fleet, self.run_id, r, k, plans[a]) for a in distinct],
-                                      masks=[masks[a] for a in distinct] if masks else None)
+        # a new attempt after a refusal at the fingerprint check: that verdict is replaced. The
+        # contributions are taken now (a second aggregate that reuses one is refused even while
+        # this one decrypts) and spent, with their ledger entries, when the verdict is recorded
+        distinct, excluded = decision.contributors, decision.excluded
+        state.results.pop((r, k), None)
+        state.reserved.setdefault(r, {}).update({a: k for a in distinct})
+        if decision.entries:
+            state.entries[(r, k)] = decision.entries
+        aggregate, secret, threads, run_id = decision.aggregate, state.secret, self.threads, state.run_id
+        if decision.pads is not None:  # masked: remove exactly their pads
+            secret.bind_contributions(aggregate.ciphertext, decision.pads, decision.contexts, masks=decision.masks)
 
         def decrypt() -> tuple[np.ndarray, float]:  # a worker thread: pure computation
             t = time.perf_counter()
             return decrypt_aggregate(aggregate, secret, threads=threads), time.perf_counter() - t
 
         future = self._pool.submit(decrypt)
-        self.pending[(r, k)] = future
+        state.pending[(r, k)] = future
         future.add_done_callback(lambda f: self.call_soon(
             f"decryption of round {r} cluster {k}", lambda: self._decrypted(run_id, r, k, f, distinct, t_verify, excluded)))
-
-    def _another_attempt(self, r: int, k: int, attempt: str) -> bool:
-        """Whether a request for round ``r`` of cluster ``k``, which has a verdict, is a new
-        attempt to evaluate: the verdict refused at the fingerprint check (nothing decrypted
-        or spent) and this request is not one already refused; at most a cluster's members
-        plus two attempts per round."""
-        prior = self.results[(r, k)]
-        tried = self.attempts.get((r, k), set())
-        if not prior.retry or attempt in tried:
-            return False
-        limit = len(self.plans.get(r, {}).get(k, [])) + 2
-        if len(tried) >= limit:
-            self.log.warning("round %d cluster %d: %d attempts refused at the fingerprint check; no more "
-                             "this round", r, k, len(tried))
-            return False
-        del self.results[(r, k)]
-        return True
 
     def _decrypted(self, run_id: str, r: int, k: int, future: Future, distinct: list[str], t_verify: float,
                    excluded: dict[str, str] | None = None) -> None:
         """The service's thread, once round ``r``'s aggregate of cluster ``k`` is decrypted:
         apply the mean to the cluster's model, spend the contributions, record and answer."""
-        if run_id != self.run_id or self.pending.pop((r, k), None) is not future:
+        state = self.state
+        if run_id != state.run_id or state.pending.pop((r, k), None) is not future:
             return  # the run changed meanwhile
         for a in distinct:
-            self.reserved.get(r, {}).pop(a, None)
+            state.reserved.get(r, {}).pop(a, None)
         try:
             mean, t_decrypt = future.result()
         except ProtocolError as exc:  # the scheme's own check (masked: a sum that is not the named one)
             # the contributions are spent all the same: a refusal after unmasking is an answer
             # about their sum, which a coordinator must not be able to ask for twice
-            self._spend(r, k, distinct, released=False)
+            state.spend(r, k, distinct, released=False)
             self.log.warning("round %d cluster %d refused at decryption: %s", r, k, exc)
-            self._answer(r, k, AggregateResult(run_id=self.run_id, cluster=k, accepted=False,
+            self._answer(r, k, AggregateResult(run_id=run_id, cluster=k, accepted=False,
                                                reason=f"refused: {exc}", timings={"verify": t_verify},
                                                excluded=excluded or {}))
             return
         except Exception as exc:  # noqa: BLE001 - a verdict, and the service goes on
             self.log.exception("round %d cluster %d: decryption failed", r, k)
-            self._answer(r, k, AggregateResult(run_id=self.run_id, cluster=k, accepted=False,
+            self._answer(r, k, AggregateResult(run_id=run_id, cluster=k, accepted=False,
                                                reason=f"refused: decryption failed ({type(exc).__name__})",
                                                timings={"verify": t_verify}))
             return
-        current = self.models.get(k, (0, self.initial))[1]
-        new = apply_mean(current, mean, server_lr=self.config.options.server_lr)
-        self.models[k] = (r, new)
-        self._spend(r, k, distinct, released=True)
+        state.models[k] = (r, apply_mean(state.model(k)[1], mean, server_lr=state.job.options.server_lr))
+        state.spend(r, k, distinct, released=True)
         self.log.info("round %d cluster %d: %d verified contributors (%.3f s), decrypted in %.3f s", r, k,
                       len(distinct), t_verify, t_decrypt)
-        self._answer(r, k, AggregateResult(run_id=self.run_id, cluster=k, accepted=True,
+        self._answer(r, k, AggregateResult(run_id=run_id, cluster=k, accepted=True,
                                            timings={"decrypt": t_decrypt, "verify": t_verify},
                                            excluded=excluded or {}))
-
-    def _spend(self, r: int, k: int, distinct: list[str], *, released: bool) -> None:
-        """Round ``r``'s contributions of cluster ``k`` have been through a decryption: spent
-        for the round, and (encrypted ones) in the ledger, written before the verdict. An entry
-        names the use that released its sum (``released``: accepted), else its first use (a
-        refusal at unmasking, which a later round of this job may follow from the same model)."""
-        self.spent.setdefault(r, {}).update({a: k for a in distinct})
-        entries = self._ledger_keys.pop((r, k), {})
-        if entries:
-            where = f"{self.run_id}/{r}/{k}"
-            for entry in entries.values():
-                known = self.ledger.get(entry)
-                if known is None or (released and known.rsplit("/", 2)[0] == self.run_id):
-                    self.ledger[entry] = where
-            self._save_ledger()
-
-    def _save_ledger(self) -> None:
-        """The ledger on disk (0600, atomically) before any verdict or round that relies on it."""
-        write_atomic(self._ledger_path(), json.dumps(self.ledger, sort_keys=True))
-        if self.metrics is not None:
-            self.metrics.ledger(len(self.ledger))
-
-    def _ledger_path(self) -> Path:
-        return self.key_dir / f"ledger-{self.fleet}.json"
-
-    def _load_ledger(self) -> dict[str, str]:
-        path = self._ledger_path()
-        if not path.exists():
-            return {}
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"The key server's ledger {path} cannot be read ({exc}); it records which "
-                              "contributions were decrypted and must not be lost: restore it from a backup.") from None
-        if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()):
-            raise ConfigError(f"The key server's ledger {path} is not a JSON object of strings; restore it from a backup.")
-        return data
 
     # -- trust: the round's plan, its challenge, the contributions ------------------------
     def _on_round_open(self, item: Inbound) -> None:
         msg: RoundOpen = item.message  # type: ignore[assignment]
         if item.sender != "coordinator":
             raise ProtocolError(f"Round plan from {item.sender!r}; only the coordinator opens rounds.")
-        if self.config is None or msg.run_id != self.run_id:
-            raise ProtocolError(f"Round plan for run {msg.run_id!r}; the current run is {self.run_id!r}.")
+        state = self.state
+        if state.job is None or msg.run_id != state.run_id:
+            raise ProtocolError(f"Round plan for run {msg.run_id!r}; the current run is {state.run_id!r}.")
         r = item.round
         try:
             plan = {int(k): sorted(set(v)) for k, v in msg.clusters.items()}
@@ -442,23 +333,21 @@ class KeyServer(Service):
         members = [a for v in plan.values() for a in v]
         if r < 1 or not plan or len(members) != len(set(members)):
             raise ProtocolError(f"Round plan {r} is empty, for round < 1, or puts an agent in two clusters.")
-        if r > self.config.rounds:  # a sum the operator did not sign for (a DP job: budget beyond its epsilon)
-            raise ProtocolError(f"Round plan {r}: job {self.run_id} has {self.config.rounds} rounds (the operator "
+        if r > state.job.rounds:  # a sum the operator did not sign for (a DP job: budget beyond its epsilon)
+            raise ProtocolError(f"Round plan {r}: job {state.run_id} has {state.job.rounds} rounds (the operator "
                                 "signed them); no round after the last is opened.")
-        if r in self.plans:
-            if self.plans[r] != plan:
+        if r in state.plans:
+            if state.plans[r] != plan:
                 raise ProtocolError(f"Round {r} was already opened with another plan; a round's plan is pinned.")
-            if r in self.challenges:  # a re-sent plan (reconnect): the same challenge again
-                self.send("keyserver/challenges", self.challenges[r], round=r, retain=True)
+            if r in state.challenges:  # a re-sent plan (reconnect): the same challenge again
+                self.send("keyserver/challenges", state.challenges[r], round=r, retain=True)
             return
-        if self.plans and r < max(self.plans):
-            raise ProtocolError(f"Round plan {r} comes after round {max(self.plans)}; rounds only move forward.")
-        if JOB_ENTRY + self.run_id not in self.ledger:  # the job is served from now on (before its checkpoint)
-            self.ledger[JOB_ENTRY + self.run_id] = f"first round opened at {time.strftime('%Y-%m-%d %H:%M:%S')}"
-            self._save_ledger()
-        self.plans[r] = plan
-        self.seeds[r] = os.urandom(SEED_BYTES)
-        context = f"{self.fleet}/{self.run_id}/{r}".encode()
+        if state.plans and r < max(state.plans):
+            raise ProtocolError(f"Round plan {r} comes after round {max(state.plans)}; rounds only move forward.")
+        state.serve_job(f"first round opened at {time.strftime('%Y-%m-%d %H:%M:%S')}")  # saved with the round
+        state.plans[r] = plan
+        state.seeds[r] = os.urandom(SEED_BYTES)
+        context = f"{self.fleet}/{state.run_id}/{r}".encode()
         sealed, boxes = {}, {}
         for agent in members:
             box = self.trust.box_key(agent) if not self.trust.tofu else None
@@ -468,41 +357,26 @@ class KeyServer(Service):
                 self.log.warning("round %d: no box key for %s; it cannot sign a fingerprint this round", r, agent)
                 continue
             boxes[agent] = box
-            sealed[agent] = b64(self.identity.seal(self.seeds[r], box, context))
-        self.boxes[r] = boxes
-        self.challenges[r] = Challenge(run_id=self.run_id, box_key=b64(self.identity.box_key), sealed=sealed)
-        self._checkpoint()
-        self.send("keyserver/challenges", self.challenges[r], round=r, retain=True)
+            sealed[agent] = b64(self.identity.seal(state.seeds[r], box, context))
+        state.boxes[r] = boxes
+        state.challenges[r] = Challenge(run_id=state.run_id, box_key=b64(self.identity.box_key), sealed=sealed)
+        state.save()  # the job's ledger entry, then the round (its seed), before its challenge is out
+        if self.metrics is not None:
+            self.metrics.ledger(len(state.ledger))
+        self.send("keyserver/challenges", state.challenges[r], round=r, retain=True)
         if self.metrics is not None:
             self.metrics.round_opened(r)
         self.log.info("round %d opened: clusters %s; challenge sealed to %d agents", r,
                       {k: len(v) for k, v in plan.items()}, len(sealed))
 
-    def _verify(self, r: int, k: int, msg: AggregateRequest, aggregate,  # noqa: ANN001
-                prints: dict[str, str], plans: dict[str, str]) -> tuple[str | None, dict[str, int]]:
-        """keyserver.verify.verify over this round's bookkeeping; the ledger entries of an
-        aggregate that may be decrypted are kept until it is spent."""
-        checks = Checks(
-            trust=self.trust, run_id=self.run_id, plan=self.plans.get(r),
-            taken={**self.spent.get(r, {}), **self.reserved.get(r, {})}, public=self.public, secret=self.secret,
-            seed=self.seeds.get(r), boxes=self.boxes.get(r, {}), ledger=self.ledger,
-            start_digest=model_digest(self.models.get(k, (0, self.initial))[1]),
-            min_contributors=self.min_contributors, min_fraction=self.min_fraction,
-            min_encryptors=self.min_encryptors,
-            job_min_encryptors=self.config.options.min_encryptors if self.config is not None else 1,
-            allow_unverifiable=self.allow_unverifiable, log=self.log,
-            released=frozenset(rk for rk, v in self.results.items() if v.accepted))
-        refusal, weights, entries = verify(checks, r, k, msg, aggregate, prints, plans)
-        if refusal is None and entries:
-            self._ledger_keys[(r, k)] = entries
-        return refusal, weights
-
     def _answer(self, r: int, k: int, result: AggregateResult) -> None:
-        """Record the verdict with the model it produced (one checkpoint: a restart never
-        finds a model without its verdict), then publish both."""
-        self.results[(r, k)] = result
-        self._checkpoint()
+        """Record the verdict with the model it produced and the contributions it spent (one
+        save, the ledger first: a restart never finds a model without its verdict, nor a
+        decrypted contribution missing from the ledger), then publish both."""
+        self.state.results[(r, k)] = result
+        self.state.save()
         if self.metrics is not None:
+            self.metrics.ledger(len(self.state.ledger))
             self.metrics.verdict(k, result.accepted, result.reason, result.timings)
         if self.kill_after_apply == r:
             import signal
@@ -514,50 +388,16 @@ class KeyServer(Service):
     def _replay(self, r: int, k: int) -> None:
         """Publish the verdict on round ``r`` of cluster ``k`` and, if it was accepted and is
         still the cluster's latest, its model (retained)."""
-        result = self.results[(r, k)]
-        if result.accepted and self.models.get(k, (0, None))[0] == r:
+        result = self.state.results[(r, k)]
+        if result.accepted and self.state.models.get(k, (0, None))[0] == r:
             self._publish_model(k)
         self.send("keyserver/results", result, round=r)
 
     def _publish_model(self, k: int) -> None:
-        r, w = self.models[k]
-        model = ClusterModel(run_id=self.run_id, cluster=k, model=self.config.model, weights=w.astype(np.float32))
+        state = self.state
+        r, w = state.models[k]
+        model = ClusterModel(run_id=state.run_id, cluster=k, model=state.job.model, weights=w.astype(np.float32))
         self.send(f"clusters/{k}/model", model, round=r, retain=True)
-
-    # -- checkpoint -----------------------------------------------------------------------
-    def _state_path(self) -> Path:
-        return self.key_dir / f"models-{self.fleet}.npz"
-
-    def _checkpoint(self) -> None:
-        arrays = {f"c{k}": w for k, (_, w) in self.models.items()}
-        meta = {"run_id": self.run_id, "rounds": {str(k): r for k, (r, _) in self.models.items()},
-                "results": [[r, k, v.model_dump(mode="json")] for (r, k), v in self.results.items()],
-                "plans": {str(r): {str(k): v for k, v in p.items()} for r, p in self.plans.items()},
-                "seeds": {str(r): seed.hex() for r, seed in self.seeds.items()},
-                "spent": {str(r): v for r, v in self.spent.items()},
-                "challenges": {str(r): c.model_dump(mode="json") for r, c in self.challenges.items()},
-                "boxes": {str(r): {a: b.hex() for a, b in v.items()} for r, v in self.boxes.items()}}
-        write_atomic(self._state_path(), npz_bytes(meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays))
-
-    def _restore(self) -> None:
-        path = self._state_path()
-        if not path.exists():
-            return
-        with np.load(path) as data:
-            meta = json.loads(bytes(data["meta"]).decode())
-            if meta["run_id"] != self.run_id:
-                return
-            self.models = {int(k): (int(r), data[f"c{k}"].copy()) for k, r in meta["rounds"].items()}
-            self.results = {(int(r), int(k)): AggregateResult(**v) for r, k, v in meta.get("results", [])}
-            self.plans = {int(r): {int(k): v for k, v in p.items()} for r, p in meta.get("plans", {}).items()}
-            self.seeds = {int(r): bytes.fromhex(h) for r, h in meta.get("seeds", {}).items()}
-            self.spent = {int(r): v for r, v in meta.get("spent", {}).items()}
-            self.challenges = {int(r): Challenge(**c) for r, c in meta.get("challenges", {}).items()}
-            self.boxes = {int(r): {a: bytes.fromhex(b) for a, b in v.items()} for r, v in meta.get("boxes", {}).items()}
-        for k in sorted(self.models):
-            self._publish_model(k)
-        self.log.info("resumed run %s: cluster rounds %s, %d verdicts", self.run_id,
-                      {k: r for k, (r, _) in self.models.items()}, len(self.results))
 
     # -- main -----------------------------------------------------------------------------
     def run(self) -> None:

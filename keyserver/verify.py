@@ -1,37 +1,47 @@
-"""The key server's checks of an aggregate request before anything is decrypted
-(:func:`verify`, with the k-encryptors rule of per-client-mask schemes,
+"""The key server's decision on an aggregate request: :func:`decide`, the one function that
+says whether a request is accepted, and what then is decrypted and unmasked (:class:`Accept`),
+or why not (:class:`Refuse`: a verdict; :class:`Reject`: no verdict), or that the recorded
+verdict answers it (:class:`Replay`) or follows (:class:`Decrypting`).
+
+It reads what a request is checked against from the key server's state
+(:class:`keyserver.state.KeyServerState`: the run, the cluster's current model, the round's
+pinned plan, challenge seed and box keys, the contributions already taken, the key, the
+ledger, what was released) and the operator's :class:`Rules` (trust file, minimums); it
+changes neither and touches no transport. Its steps: the request's sender and run, a re-sent
+request or a new attempt after a refusal at the fingerprint check, the cluster's pending and
+applied rounds, the aggregate decoded from the message, then the checks before anything is
+decrypted (:func:`_verify`, with the k-encryptors rule of per-client-mask schemes,
 :func:`check_encryptors`, and the plaintext side of verifiable aggregates recomputed from the
 contributors' signed plaintext parts, :func:`check_plain_side`), and the contributors it
-names at fault after a refusal at the fingerprint check (:func:`at_fault`).
-
-Pure over what the service hands in (:class:`Checks`: the round's pinned plan, its
-challenge seed and box keys, the contributions already taken, the key, the ledger, the
-operator's minimums); no transport, no state of its own. The service keeps the state,
-records what a check returns and answers.
+names at fault after a refusal at the fingerprint check (:func:`at_fault`). The service acts
+on the outcome: it records, decrypts, answers.
 """
 
 from __future__ import annotations
 
 import hashlib
-import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from keyserver.state import KeyServerState
 from senseshield.engine.aggregation import (
+    EncryptedAggregate,
     PlainContribution,
     recompute_plain_side,
     thin_positions,
     thin_report,
     unit_starts,
 )
-from senseshield.he import PublicKey, SecretKey
+from senseshield.errors import ProtocolError
+from senseshield.he.base import round_context
 from senseshield.runtime.identity import Trust, check_frame
 from senseshield.runtime.protocol.envelope import decode_frame
 from senseshield.runtime.protocol.messages import (
     AggregateRequest,
     Receipt,
+    aggregate_from_message,
     from_frame,
     pack_mask,
     parse_plain_part,
@@ -63,31 +73,149 @@ def at_fault(failed: list[dict[str, str]], passed: dict[str, str], r: int) -> di
 
 
 @dataclass(frozen=True)
-class Checks:
-    """What one request of round ``r`` is checked against (see the module docstring)."""
+class Rules:
+    """What the operator holds every request to: the trust file (whose keys sign the receipts)
+    and ``keyserver serve``'s minimums."""
 
     trust: Trust
-    run_id: str
-    plan: dict[int, list[str]] | None  # the round's pinned plan (None: never opened)
-    taken: dict[str, int]  # the round's contributions spent or reserved: agent -> cluster
-    public: PublicKey | None
-    secret: SecretKey | None
-    seed: bytes | None  # the round's challenge seed
-    boxes: dict[str, bytes]  # the round's box keys: agent -> X25519 key
-    ledger: dict[str, str]  # "key|agent|starting model" -> "run/round/cluster" of its released use (else its first)
-    start_digest: str  # model_digest of the cluster's current model: what every contribution trained from
-    min_contributors: int
-    min_fraction: float
-    min_encryptors: int  # the operator's (--min-encryptors)
-    job_min_encryptors: int  # the job's
-    allow_unverifiable: bool
-    log: logging.Logger
-    released: frozenset[tuple[int, int]] = frozenset()  # (round, cluster) of this run whose sum was released
+    min_contributors: int = 2
+    min_fraction: float = 0.0
+    min_encryptors: int = 2  # the operator's (--min-encryptors); a job may ask for more
+    allow_unverifiable: bool = False
 
 
-def verify(checks: Checks, r: int, k: int, msg: AggregateRequest, aggregate,  # noqa: ANN001
-           prints: dict[str, str], plans: dict[str, str] | None = None,
-           ) -> tuple[str | None, dict[str, int], dict[str, str]]:
+@dataclass(frozen=True)
+class Accept:
+    """The accepted plan of round ``round``'s aggregate of cluster ``cluster``: decrypt
+    ``aggregate`` (its plaintext side the key server's own), after binding exactly the
+    contributors' pads when ``pads`` is given (the masked scheme: ``(box key, weight)`` per
+    contributor, the contexts their pads were made in, their signed masks with per-client
+    masks), then spend the contributions of ``weights`` and record ``entries`` in the ledger."""
+
+    round: int
+    cluster: int
+    aggregate: EncryptedAggregate
+    weights: dict[str, int]  # contributor -> signed sample count
+    entries: dict[str, str] = field(default_factory=dict)  # contributor -> "key|agent|starting model"
+    excluded: dict[str, str] = field(default_factory=dict)  # at_fault: updates of failed attempts left out
+    pads: list[tuple[bytes, int]] | None = None
+    contexts: list[bytes] | None = None
+    masks: list[np.ndarray] | None = None
+    notes: tuple[str, ...] = ()  # what the log says of the checks (positions left sealed)
+
+    @property
+    def contributors(self) -> list[str]:
+        return sorted(self.weights)
+
+
+@dataclass(frozen=True)
+class Refuse:
+    """A verdict that refuses the request; ``reason`` is one sentence (the result says
+    ``refused: <reason>``). ``retry``: refused at the fingerprint check, nothing decrypted or
+    spent, so the coordinator may try again; ``attempt`` (the request's digest) and
+    ``prints`` (contributor -> signed fingerprint) are then kept to name who was at fault."""
+
+    reason: str
+    retry: bool = False
+    attempt: str = ""
+    prints: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Reject:
+    """No verdict: a request that is not this key server's to judge (another sender or run,
+    a stale round, a cluster still decrypting, a malformed aggregate); the service rejects
+    the message (logged and counted)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Replay:
+    """A re-sent request (reconnect, restart): the recorded verdict answers it again.
+    ``warning``: why a new attempt is not evaluated (the round's attempts are used up)."""
+
+    warning: str | None = None
+
+
+@dataclass(frozen=True)
+class Decrypting:
+    """A re-sent request while its aggregate is being decrypted: the verdict follows."""
+
+
+Decision = Accept | Refuse | Reject | Replay | Decrypting
+
+
+def decide(state: KeyServerState, rules: Rules, sender: str, r: int, msg: AggregateRequest) -> Decision:
+    """Whether round ``r``'s aggregate request ``msg`` from ``sender`` (its frame's facts) is
+    accepted, over ``state`` and ``rules``, neither of which it changes (see the module
+    docstring). The aggregate is decoded from ``msg`` here; the checks set its sealed
+    positions and the key server's own plaintext side on the :class:`Accept`'s aggregate."""
+    if sender != "coordinator":
+        return Reject(f"Aggregate from {sender!r}; only the coordinator may send aggregates.")
+    if state.job is None or msg.run_id != state.run_id:
+        return Reject(f"Aggregate for run {msg.run_id!r}; the current run is {state.run_id!r}.")
+    k = msg.cluster
+    attempt = hashlib.sha256(msg.receipts + b"|" + msg.ciphertext).hexdigest()
+    if (r, k) in state.results:
+        warning = _no_new_attempt(state, r, k, attempt)
+        if warning is not None:
+            return Replay(warning or None)
+    if (r, k) in state.pending:
+        return Decrypting()
+    busy = sorted(rr for rr, kk in state.pending if kk == k)
+    if busy:
+        return Reject(f"Aggregate for round {r} of cluster {k} while its round {busy[0]} is being "
+                      "decrypted; re-send it after that verdict.")
+    last = state.model(k)[0]
+    if r <= last:
+        return Reject(f"Aggregate for round {r} of cluster {k} is stale; the cluster is at round {last}.")
+    # sizes, masks, weights and the ciphertext's blocks: a malformed request is rejected
+    # (no verdict) before anything is verified or decrypted
+    try:
+        aggregate = aggregate_from_message(msg, state.public, round=r, size=state.initial.size)
+    except ProtocolError as exc:
+        return Reject(str(exc))
+    prints: dict[str, str] = {}
+    plans: dict[str, str] = {}  # contributor -> the plan digest its receipt signs (its pads' context)
+    notes: list[str] = []
+    try:
+        refusal, weights, entries = _verify(state, rules, r, k, msg, aggregate, prints, plans, notes)
+    except ProtocolError as exc:  # a malformed receipt or ciphertext: a verdict, not silence
+        refusal, weights, entries = str(exc), {}, {}
+    if refusal is not None:
+        return Refuse(refusal, retry=refusal.startswith(FINGERPRINT_MISMATCH), attempt=attempt, prints=prints)
+    distinct = sorted(weights)
+    pads = contexts = masks = None
+    if aggregate.ciphertext is not None and state.public.needs_contributors:  # masked: remove exactly their pads
+        signed = msg.contributor_masks() if state.public.ragged_masks else {}  # checked against the receipts
+        pads = [(state.boxes[r][a], weights[a]) for a in distinct]
+        contexts = [round_context(state.fleet, state.run_id, r, k, plans[a]) for a in distinct]
+        masks = [signed[a] for a in distinct] if signed else None
+    return Accept(round=r, cluster=k, aggregate=aggregate, weights=weights, entries=entries,
+                  excluded=at_fault(state.failed.get((r, k), []), prints, r), pads=pads, contexts=contexts,
+                  masks=masks, notes=tuple(notes))
+
+
+def _no_new_attempt(state: KeyServerState, r: int, k: int, attempt: str) -> str | None:
+    """None if a request for round ``r`` of cluster ``k``, which has a verdict, is a new
+    attempt to evaluate: the verdict refused at the fingerprint check (nothing decrypted or
+    spent) and this request is not one already refused; at most a cluster's members plus
+    two attempts per round. Else the recorded verdict answers it: "", or the warning to log
+    when the round's attempts are used up."""
+    prior = state.results[(r, k)]
+    tried = state.attempts.get((r, k), set())
+    if not prior.retry or attempt in tried:
+        return ""
+    limit = len(state.plans.get(r, {}).get(k, [])) + 2
+    if len(tried) >= limit:
+        return f"round {r} cluster {k}: {len(tried)} attempts refused at the fingerprint check; no more this round"
+    return None
+
+
+def _verify(state: KeyServerState, rules: Rules, r: int, k: int, msg: AggregateRequest,
+            aggregate: EncryptedAggregate, prints: dict[str, str], plans: dict[str, str], notes: list[str],
+            ) -> tuple[str | None, dict[str, int], dict[str, str]]:
     """``(None, {contributor: weight}, ledger entries)`` if round ``r``'s aggregate of cluster
     ``k`` may be decrypted, else ``(reason, {}, {})``: the plan, every receipt's signature, round, run,
     cluster and membership, no contribution used twice in the round, the minimum of
@@ -95,14 +223,13 @@ def verify(checks: Checks, r: int, k: int, msg: AggregateRequest, aggregate,  # 
     mask, (verifiable schemes) the fingerprint equation and the plaintext side the key
     server recomputes (:func:`check_plain_side`; decryption then uses its own), (the masked
     scheme) a box key for every contributor, and every encrypted contribution trained from
-    the cluster's current model (``start_digest``: the coordinator cannot have a round trained
-    again from an older model). ``prints`` receives each contributor's signed fingerprint
-    (hex), ``plans`` each contributor's signed plan digest (its masked pads' context).
-    The ledger entries (contributor -> "key|agent|starting model") are the service's to
-    record once the aggregate is decrypted."""
-    c = checks
+    the cluster's current model (the coordinator cannot have a round trained again from an
+    older model). ``prints`` receives each contributor's signed fingerprint (hex), ``plans``
+    each contributor's signed plan digest (its masked pads' context), ``notes`` what the log
+    says. The ledger entries (contributor -> "key|agent|starting model") are recorded once
+    the aggregate is decrypted."""
     ciphertext = aggregate.ciphertext
-    plan = c.plan
+    plan = state.plans.get(r)
     if plan is None:
         return f"round {r} was never opened (no round plan); nothing of it is decrypted", {}, {}
     if k not in plan:
@@ -110,11 +237,11 @@ def verify(checks: Checks, r: int, k: int, msg: AggregateRequest, aggregate,  # 
     receipts: dict[str, Receipt] = {}
     for raw in unpack_frames(msg.receipts):
         frame = decode_frame(raw)
-        check_frame(c.trust, frame)  # signed by the agent it names, with its pinned key
+        check_frame(rules.trust, frame)  # signed by the agent it names, with its pinned key
         receipt = from_frame(frame)
         if not isinstance(receipt, Receipt):
             return f"a receipt of {frame.sender!r} is a {frame.schema!r} message", {}, {}
-        if frame.round != r or receipt.run_id != c.run_id:
+        if frame.round != r or receipt.run_id != state.run_id:
             return f"the receipt of {frame.sender!r} is for round {frame.round} of run {receipt.run_id!r}", {}, {}
         if receipt.cluster != k or frame.sender not in plan[k]:
             return f"{frame.sender!r} signed for cluster {receipt.cluster}, and is not a member of cluster {k}", {}, {}
@@ -125,15 +252,16 @@ def verify(checks: Checks, r: int, k: int, msg: AggregateRequest, aggregate,  # 
     if sorted(set(msg.contributors)) != names or len(msg.contributors) != len(names):
         return (f"the contributor list {sorted(msg.contributors)} is not the signed receipts' "
                 f"{names}; decrypting would reveal an individual update"), {}, {}
-    used = {a: c.taken.get(a) for a in names}
+    taken = state.taken(r)
+    used = {a: taken.get(a) for a in names}
     reused = sorted(a for a, cl in used.items() if cl is not None)
     if reused:
         return (f"the contributions of {reused} in round {r} were already decrypted in cluster "
                 f"{used[reused[0]]}'s aggregate; each enters one aggregate per round"), {}, {}
-    need = max(c.min_contributors, math.ceil(c.min_fraction * len(plan[k]) - 1e-9))
+    need = max(rules.min_contributors, math.ceil(rules.min_fraction * len(plan[k]) - 1e-9))
     if len(names) < need:
         return (f"{len(names)} distinct contributor(s) {names}, fewer than the minimum {need} "
-                f"(--min-contributors {c.min_contributors}, --min-fraction {c.min_fraction:g} of "
+                f"(--min-contributors {rules.min_contributors}, --min-fraction {rules.min_fraction:g} of "
                 f"{len(plan[k])}); decrypting would reveal an individual update"), {}, {}
     shares = max((rc.shares for rc in receipts.values()), default=0)
     if shares > len(names):  # distributed DP: each share is sized for this many contributors
@@ -143,8 +271,8 @@ def verify(checks: Checks, r: int, k: int, msg: AggregateRequest, aggregate,  # 
     weight = sum(rc.n_samples for rc in receipts.values())
     if weight != msg.total_weight:
         return f"the aggregate weighs {msg.total_weight} samples; the receipts sign {weight}", {}, {}
-    public = c.public
-    if ciphertext is not None and public is not None and not public.verifiable and not c.allow_unverifiable:
+    public = state.public
+    if ciphertext is not None and public is not None and not public.verifiable and not rules.allow_unverifiable:
         return (f"{public.scheme} aggregates cannot be checked against the contributors' fingerprints, so "
                 "this key server does not decrypt them (start it with --allow-unverifiable to trust the "
                 "coordinator to sum honestly, or run the job on a Paillier or masked scheme)"), {}, {}
@@ -158,7 +286,7 @@ def verify(checks: Checks, r: int, k: int, msg: AggregateRequest, aggregate,  # 
         prints.update({a: rc.fingerprint.hex() for a, rc in receipts.items()})
         # with the fold the coordinator declares, which must then be the key server's own
         # (check_plain_side): the equation holds with the recomputed fold
-        if not c.secret.verify_aggregate(ciphertext, c.seed, parts, msg.plain_fold):
+        if not state.secret.verify_aggregate(ciphertext, state.seeds.get(r), parts, msg.plain_fold):
             return (f"{FINGERPRINT_MISMATCH} under round {r}'s challenge (forged, altered or from "
                     "another round, or one contributor's update does not match the fingerprint it signed)"), {}, {}
     if ciphertext is not None and public is not None and not public.ragged_masks:
@@ -168,17 +296,18 @@ def verify(checks: Checks, r: int, k: int, msg: AggregateRequest, aggregate,  # 
             return (f"the receipts of {other} sign another mask than the aggregate's; a shared-mask "
                     "scheme's contributors all encrypt the same positions"), {}, {}
     if ciphertext is not None and public is not None and public.needs_contributors:
-        unknown = sorted(a for a in names if a not in c.boxes)
+        boxes = state.boxes.get(r, {})
+        unknown = sorted(a for a in names if a not in boxes)
         if unknown:
             return f"no box key for {unknown} in round {r}; their contributions cannot be unmasked", {}, {}
     if ciphertext is not None and public is not None and public.ragged_masks:
-        refusal = check_encryptors(c, r, k, msg, aggregate, receipts)
+        refusal = check_encryptors(state, rules, msg, aggregate, receipts, notes)
         if refusal is not None:
             return refusal, {}, {}
     if ciphertext is not None and public is not None and public.verifiable:
         # what the aggregate adds in plaintext is the key server's own recomputation, never
         # the coordinator's word (which must equal it)
-        refusal = check_plain_side(c, msg, aggregate, receipts)
+        refusal = check_plain_side(state, rules, msg, aggregate, receipts)
         if refusal is not None:
             return refusal, {}, {}
     entries: dict[str, str] = {}
@@ -189,46 +318,51 @@ def verify(checks: Checks, r: int, k: int, msg: AggregateRequest, aggregate,  # 
         unsigned = sorted(a for a in names if not receipts[a].start_digest)
         if unsigned:
             return f"the receipts of {unsigned} do not sign the model they trained from", {}, {}
-        stale = sorted(a for a in names if receipts[a].start_digest != c.start_digest)
+        start = state.start_digest(k)
+        stale = sorted(a for a in names if receipts[a].start_digest != start)
         if stale:
             return (f"the receipts of {stale} sign a model they trained from that is not cluster {k}'s current "
-                    f"model (SHA-256 {c.start_digest[:16]}...); a round trains from the cluster's latest model"), {}, {}
+                    f"model (SHA-256 {start[:16]}...); a round trains from the cluster's latest model"), {}, {}
         # one (key, agent, starting model) enters one released sum, in this job too: fresh
         # cluster ids start from the initial model, and a device's update from one model is the
         # same in every round when its batch covers its data, so pairing it again would solve
         # it. A round that trains again from a model whose aggregate was refused (nothing
         # released) goes on.
-        used = sorted((a, c.ledger[e]) for a, e in entries.items() if e in c.ledger and _bars(c, c.ledger[e]))
+        released = state.released()
+        used = sorted((a, state.ledger[e]) for a, e in entries.items()
+                      if e in state.ledger and _bars(state.run_id, released, state.ledger[e]))
         if used:
             a, where = used[0]
             run, rr, kk = where.rsplit("/", 2)
-            if run == c.run_id:
+            if run == state.run_id:
                 return (f"the contribution of {a!r} from this starting model was already released in this job "
                         f"(round {rr}, cluster {kk}); an update from one model enters one released sum, since "
                         "sums of it in other pairings would isolate it"), {}, {}
             return (f"the contribution of {a!r} from this starting model was already decrypted in job {run} "
                     f"(round {rr}, cluster {kk}); a contribution enters one aggregate across jobs, so "
                     "run the job from another initial model (another seed)"), {}, {}
-    if plans is not None:
-        plans.update({a: receipts[a].plan_digest for a in names})
+    plans.update({a: receipts[a].plan_digest for a in names})
     return None, {a: receipts[a].n_samples for a in names}, entries
 
 
-def _bars(c: Checks, where: str) -> bool:
+def _bars(run_id: str, released: frozenset[tuple[int, int]], where: str) -> bool:
     """Whether the ledger's use ``where`` ("run/round/cluster") bars a contribution: any use
-    in another job (released or refused at unmasking), a released one in this job."""
+    in another job (released or refused at unmasking), a released one in this job (run
+    ``run_id``, whose ``released`` (round, cluster) sums were accepted)."""
     run, rr, kk = where.rsplit("/", 2)
-    return run != c.run_id or (int(rr), int(kk)) in c.released
+    return run != run_id or (int(rr), int(kk)) in released
 
 
-def check_encryptors(checks: Checks, r: int, k: int, msg: AggregateRequest, aggregate,  # noqa: ANN001
-                     receipts: dict) -> str | None:
+def check_encryptors(state: KeyServerState, rules: Rules, msg: AggregateRequest, aggregate: EncryptedAggregate,
+                     receipts: dict[str, Receipt], notes: list[str]) -> str | None:
     """Never a sum of fewer than k (per-client-mask schemes): count the encryptors of every
     union position from the contributors' masks, each checked against its signed receipt;
     positions fewer than k encrypted stay sealed (``aggregate.thin_mask``), and an
-    aggregate that does not leave exactly those to its plaintext senders is refused."""
-    need = max(checks.min_encryptors, checks.job_min_encryptors)
-    if need <= 1 and not checks.public.needs_contributors and not checks.public.verifiable:
+    aggregate that does not leave exactly those to its plaintext senders is refused.
+    ``notes`` receives what stays sealed."""
+    public = state.public
+    need = max(rules.min_encryptors, state.job_min_encryptors)
+    if need <= 1 and not public.needs_contributors and not public.verifiable:
         return None  # (masked: the masks say whose pads go where; verifiable: the plaintext side is recomputed)
     masks = msg.contributor_masks()
     if not masks and need <= 1:
@@ -236,7 +370,7 @@ def check_encryptors(checks: Checks, r: int, k: int, msg: AggregateRequest, aggr
                 "contributor's signed mask (its pads, the encryptors per position, the plaintext side)")
     if not masks:
         return (f"the aggregate carries no contributor masks; this key server decrypts no position fewer than "
-                f"{need} agents encrypted (--min-encryptors {checks.min_encryptors}) and counts them from the masks")
+                f"{need} agents encrypted (--min-encryptors {rules.min_encryptors}) and counts them from the masks")
     wrong = sorted(a for a, m in masks.items() if hashlib.sha256(m.tobytes()).hexdigest() != receipts[a].mask_digest)
     if wrong:
         return f"the masks of {wrong} are not the ones their receipts sign"
@@ -244,7 +378,7 @@ def check_encryptors(checks: Checks, r: int, k: int, msg: AggregateRequest, aggr
     if not np.array_equal(np.bitwise_or.reduce(np.stack(list(masks.values()))), pack_mask(union)):
         return "the aggregate's union mask is not the union of its contributors' signed masks"
     thin = thin_positions(list(masks.values()), union, need)
-    said = thin_report(masks, thin, block_size=checks.public.block_size, limit=3)
+    said = thin_report(masks, thin, block_size=public.block_size, limit=3)
     if int(thin.sum()) != msg.thin_sum.size:
         first = said["blocks"][0] if said["blocks"] else None
         example = f" (block {first[0]} encrypted only by {first[1]})" if first else ""
@@ -255,13 +389,14 @@ def check_encryptors(checks: Checks, r: int, k: int, msg: AggregateRequest, aggr
         if aggregate.position_weight is None:
             return "an aggregate with sealed positions must give the plaintext senders' weights"
         aggregate.thin_mask, aggregate.thin_sum = thin, msg.thin_sum
-        checks.log.info("round %d cluster %d: %d position(s) in %d block(s) encrypted by fewer than %d agents stay "
-                        "sealed (first: %s)", r, k, said["positions"], said["blocks_total"], need,
-                        "; ".join(f"block {b} by {a}" for b, a in said["blocks"]))
+        first = "; ".join(f"block {b} by {a}" for b, a in said["blocks"])
+        notes.append(f"{said['positions']} position(s) in {said['blocks_total']} block(s) encrypted by fewer than "
+                     f"{need} agents stay sealed (first: {first})")
     return None
 
 
-def check_plain_side(checks: Checks, msg: AggregateRequest, aggregate, receipts: dict) -> str | None:  # noqa: ANN001
+def check_plain_side(state: KeyServerState, rules: Rules, msg: AggregateRequest, aggregate: EncryptedAggregate,
+                     receipts: dict[str, Receipt]) -> str | None:
     """What a verifiable aggregate adds in plaintext, recomputed from its contributors'
     plaintext parts (each checked against the digest its receipt signs), their signed masks
     and sample counts (:func:`~senseshield.engine.aggregation.recompute_plain_side`): an
@@ -269,9 +404,9 @@ def check_plain_side(checks: Checks, msg: AggregateRequest, aggregate, receipts:
     checked with), other plaintext sums, position, block or sealed weights or sums is
     refused, naming what differs. Else None, and ``aggregate`` carries the key server's own
     plaintext sums and weights, which decryption uses."""
-    side, refusal = _recompute(checks, msg, aggregate, receipts)
+    side, refusal = _recompute(state, rules, msg, aggregate, receipts)
     if refusal is None:
-        refusal = _declared_differs(checks.public, msg, aggregate.ciphertext, side)
+        refusal = _declared_differs(state.public, msg, aggregate.ciphertext, side)
     if refusal is not None:
         return refusal
     aggregate.plain_sum, aggregate.position_weight = side.plain_sum, side.position_weight
@@ -279,10 +414,11 @@ def check_plain_side(checks: Checks, msg: AggregateRequest, aggregate, receipts:
     return None
 
 
-def _recompute(checks: Checks, msg: AggregateRequest, aggregate, receipts: dict):  # noqa: ANN001, ANN202
+def _recompute(state: KeyServerState, rules: Rules, msg: AggregateRequest, aggregate: EncryptedAggregate,
+               receipts: dict[str, Receipt]):  # noqa: ANN202
     """``(PlainSide, None)`` from the contributors' signed plaintext parts and masks, or
     ``(None, reason)``."""
-    public = checks.public
+    public = state.public
     if not public.ragged_masks and msg.plain_fold:
         units = _units(public, aggregate.ciphertext)
         return None, (f"the aggregate folds plaintext into {_nonzero_units(msg.plain_fold, units)} of its {units} "
@@ -301,7 +437,7 @@ def _recompute(checks: Checks, msg: AggregateRequest, aggregate, receipts: dict)
         return None, "the aggregate's contributor masks do not name its contributors"
     parts = [PlainContribution(a, receipts[a].n_samples, masks[a], *parse_plain_part(plains[a], msg.size))
              for a in sorted(plains)]
-    need = max(checks.min_encryptors, checks.job_min_encryptors) if public.ragged_masks else 1
+    need = max(rules.min_encryptors, state.job_min_encryptors) if public.ragged_masks else 1
     side = recompute_plain_side(public, aggregate, parts, min_encryptors=need)
     if not np.array_equal(side.union, aggregate.union_mask):
         return None, "the aggregate's union mask is not the union of its contributors' signed masks"

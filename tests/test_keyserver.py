@@ -138,7 +138,7 @@ class Harness:
 
     def current(self, cluster: int) -> str:
         """model_digest of the key server's current model of ``cluster`` (what an honest round trains from)."""
-        return model_digest(self.server.models.get(cluster, (0, self.initial))[1])
+        return model_digest(self.server.state.models.get(cluster, (0, self.initial))[1])
 
     def open_round(self, r: int, clusters: dict[int, list[str]]) -> None:
         self.send("keyserver/rounds", RoundOpen(run_id=self.run, clusters={str(k): v for k, v in clusters.items()}),
@@ -275,7 +275,7 @@ def test_honest_aggregates_pass_and_each_attack_is_refused_with_its_reason(harne
     harness.open_round(4, plan)
     result = harness.verdict(4, harness.request(4, 0, [harness.contribution(x, 4, 0) for x in "abc"]))
     assert result.accepted, result.reason
-    assert harness.server.spent == {1: {"d": 1, "e": 1}, 4: {"a": 0, "b": 0, "c": 0}}
+    assert harness.server.state.spent == {1: {"d": 1, "e": 1}, 4: {"a": 0, "b": 0, "c": 0}}
     assert harness.thread.is_alive()
 
 
@@ -299,7 +299,7 @@ def test_masked_aggregates_unmask_only_as_the_signed_sum(harness):
     only_d = harness.request(1, 1, [d], contributors=["d", "e"], receipts=[d[1], e[1]])
     result = harness.verdict(1, only_d.model_copy(update={"total_weight": 20}))
     assert not result.accepted and result.retry and "not the product of the signed contributions" in result.reason
-    assert 1 not in harness.server.spent or "d" not in harness.server.spent[1]
+    assert 1 not in harness.server.state.spent or "d" not in harness.server.state.spent[1]
     # an update whose fingerprint matches its words but whose words are not its pads + a value
     # in range passes that check and is refused at unmasking: the refusal answered something
     # about d's and e's sum, so their contributions are spent (no oracle)
@@ -307,7 +307,7 @@ def test_masked_aggregates_unmask_only_as_the_signed_sum(harness):
     assert not result.accepted and not result.retry and "not the sum of exactly the named contributions" in result.reason
     result = harness.verdict(1, harness.request(1, 1, [d, e]))
     assert not result.accepted and "not the sum of exactly the named contributions" in result.reason
-    assert harness.server.spent[1] == {"a": 0, "b": 0, "c": 0, "d": 1, "e": 1}
+    assert harness.server.state.spent[1] == {"a": 0, "b": 0, "c": 0, "d": 1, "e": 1}
     harness.open_round(2, plan)
     # a receipt that signs another mask than the aggregate's
     d2, e2 = (harness.contribution(x, 2, 1) for x in "de")
@@ -358,7 +358,7 @@ def test_a_bad_fingerprint_costs_only_its_sender(harness, strategy):
     everyone = harness.request(1, 0, [a, b, bad_c])
     result = harness.verdict(1, everyone)
     assert not result.accepted and result.retry and "not the product" in result.reason
-    assert not harness.server.spent.get(1)
+    assert not harness.server.state.spent.get(1)
     result = harness.verdict(1, everyone)  # the same attempt again: the same verdict
     assert not result.accepted and result.retry
     result = harness.verdict(1, harness.request(1, 0, [b, bad_c]))  # still with c: refused
@@ -369,7 +369,7 @@ def test_a_bad_fingerprint_costs_only_its_sender(harness, strategy):
     model, _ = harness.wait(ClusterModel)
     expected = (harness.deltas[("a", 1)] + harness.deltas[("b", 1)]) / 2
     assert np.allclose(model.weights - harness.initial, expected, atol=1e-4)
-    assert harness.server.spent[1] == {"a": 0, "b": 0}
+    assert harness.server.state.spent[1] == {"a": 0, "b": 0}
     # cluster 1: e's first update is bad, its later genuine one replaces it
     d, e = (harness.contribution(x, 1, 1) for x in "de")
     receipt = from_frame(decode_frame(e[1]))
@@ -444,7 +444,7 @@ def test_a_contribution_enters_one_decrypted_aggregate_per_round_even_after_a_re
     try:
         h.got.clear()
         h.resume()
-        assert again.spent[1] == {"a": 0, "b": 0} and again.plans[1] == {0: ["a", "b"], 1: ["c", "d"]}
+        assert again.state.spent[1] == {"a": 0, "b": 0} and again.state.plans[1] == {0: ["a", "b"], 1: ["c", "d"]}
         # the re-sent request of round 1 cluster 0 gets the recorded verdict, not a second decryption
         assert h.verdict(1, h.request(1, 0, [a, b])).accepted
     finally:
@@ -486,8 +486,8 @@ def test_clusters_decrypted_concurrently_give_the_models_of_a_serial_decryption(
             aggregate = aggregate_updates([u for u, _ in parts[k]], h.public, round=1, cluster=k)
             serial = apply_mean(h.initial, decrypt_aggregate(aggregate, secret, threads=1), server_lr=1.0)
             assert all(np.array_equal(w, serial.astype(np.float32)) for w in models[k])
-        assert h.server.spent == {1: {"a": 0, "b": 0, "c": 1, "d": 1}} and h.server.reserved == {1: {}}
-        assert not h.server.pending and h.server.models[0][0] == 1
+        assert h.server.state.spent == {1: {"a": 0, "b": 0, "c": 1, "d": 1}} and h.server.state.reserved == {1: {}}
+        assert not h.server.state.pending and h.server.state.models[0][0] == 1
     finally:
         h.stop()
 
@@ -522,7 +522,7 @@ def test_frames_not_signed_by_the_pinned_key_are_rejected_and_the_server_goes_on
     assert any("Unsigned 'aggregate-request' frame from 'coordinator'" in r for r in reasons), reasons
     assert any("not its pinned key" in r for r in reasons), reasons
     assert any("only the coordinator may send aggregates" in r for r in reasons), reasons
-    assert not harness.server.results  # none of them reached a verdict
+    assert not harness.server.state.results  # none of them reached a verdict
     assert harness.verdict(1, request).accepted
     # a receipt signed by b's key but naming a
     harness.open_round(2, {0: ["a", "b"]})
@@ -632,10 +632,10 @@ def test_only_a_job_an_operator_signed_is_served(harness, caplog):
         assert (announcement.run_id, announcement.scheme, announcement.key) == (run, "", b"")
         assert announcement.refused.startswith(f"Job {run} is refused: ") and why in announcement.refused, announcement.refused
         assert announcement.refused in caplog.text
-    assert harness.server.run_id is None and harness.thread.is_alive()  # nothing of a refused run was taken
+    assert harness.server.state.run_id is None and harness.thread.is_alive()  # nothing of a refused run was taken
     announcement = harness.start_run(job=job, submission=genuine)
     assert not announcement.refused and announcement.scheme == "packed-paillier"
-    assert harness.server.run_id == signed_nonce(genuine)
+    assert harness.server.state.run_id == signed_nonce(genuine)
     # the same run id again with a moved initial model: refused (logged), whatever the run id;
     # the run it serves goes on with its own initial model
     with caplog.at_level("ERROR", logger="senseshield.keyserver"):
@@ -646,7 +646,7 @@ def test_only_a_job_an_operator_signed_is_served(harness, caplog):
         while "(the run it serves goes on unchanged)" not in caplog.text and time.monotonic() < end:
             time.sleep(0.05)
     assert "is not the one 'operator' signed (" in caplog.text and "(the run it serves goes on unchanged)" in caplog.text
-    assert harness.server.run_id == signed_nonce(genuine) and np.array_equal(harness.server.initial, initial)
+    assert harness.server.state.run_id == signed_nonce(genuine) and np.array_equal(harness.server.state.initial, initial)
 
 
 def test_a_sum_of_fewer_contributors_than_the_noise_shares_is_never_unmasked(harness):
@@ -701,7 +701,7 @@ def test_a_masked_aggregate_that_folds_plaintext_is_refused(harness):
     assert not result.accepted and not result.retry
     assert (f"folds plaintext into {SIZE} of its {SIZE} ciphertext units, positions every contributor encrypted"
             in result.reason), result.reason
-    assert not harness.server.spent.get(1)
+    assert not harness.server.state.spent.get(1)
     result = harness.verdict(1, harness.request(1, 1, [harness.contribution(x, 1, 1, blocks=range(SIZE)) for x in "de"]))
     assert result.accepted, result.reason
     model, _ = harness.wait(ClusterModel)
@@ -760,7 +760,7 @@ def test_a_per_client_mask_aggregate_whose_plaintext_side_was_bent_is_refused(ha
         if attack is not None:
             result = harness.verdict(r, attack(honest))
             assert not result.accepted and reason in result.reason, (name, result.reason)
-            assert not harness.server.spent.get(r)
+            assert not harness.server.state.spent.get(r)
             continue
         result = harness.verdict(r, honest)
         assert result.accepted, result.reason

@@ -421,7 +421,7 @@ class World:
         """``s``'s encoded values: its words minus the pads the key server derives for it."""
         ring = ring_of(s.ring)
         context = round_context(FLEET, s.run, s.round, s.cluster, s.plan_digest)
-        key = self.keyserver.secret.contributor_pad_key(self.ids[s.agent].box_key, context, ring)
+        key = self.keyserver.state.secret.contributor_pad_key(self.ids[s.agent].box_key, context, ring)
         with np.errstate(over="ignore"):
             return s.words - pads(key, s.positions, ring)
 

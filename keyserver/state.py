@@ -1,0 +1,223 @@
+"""The key server's state: one object (:class:`KeyServerState`), saved and loaded here alone.
+
+Two files in the key directory hold what must survive a restart, each replaced atomically
+(:func:`senseshield.runtime.files.write_atomic`, 0600; a file that cannot be written is a
+:class:`~senseshield.errors.StorageError`, one sentence, and the service stops):
+
+* ``ledger-<fleet>.json``, across jobs and never reset: ``"key|agent|starting model"`` ->
+  ``"run/round/cluster"`` of the one aggregate that contribution was decrypted in (its
+  released use, else its first), and ``"job|<run id>"`` -> when the job was first served
+  (a job, a nonce, is served as one run);
+* ``models-<fleet>.npz``, the run it serves: each cluster's current model (``c<k>``) and, in
+  its ``meta`` JSON, the run id, the clusters' rounds, every verdict given, and per round the
+  pinned plan, the challenge seed and sealed challenge, the agents' box keys and which
+  contributions were spent in which cluster.
+
+:meth:`KeyServerState.save` writes the ledger (when it changed) before the checkpoint, and
+the service publishes a verdict only after both: a restart never finds a verdict without
+its model, nor a decrypted contribution missing from the ledger. An unreadable file is one
+sentence (:class:`~senseshield.errors.ConfigError`) naming it; the ledger must then be
+restored from a backup.
+
+Besides what is saved, the object holds the run's context (the job, its initial model and
+key, given again by the coordinator's ``fleet/config`` at every start) and what is in flight
+(aggregates being decrypted, the contributions they reserve, attempts refused at the
+fingerprint check), which a restart loses without loss: nothing of it was decrypted or
+answered. Each field says which of the three it is (``metadata``); what a request is checked
+against (:func:`keyserver.verify.decide`) is read from here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from senseshield.errors import ConfigError
+from senseshield.he.base import model_digest
+from senseshield.runtime.files import npz_bytes, write_atomic
+from senseshield.runtime.protocol.messages import AggregateResult, Challenge
+
+if TYPE_CHECKING:
+    from senseshield.he import PublicKey, SecretKey
+    from senseshield.job import Job
+
+JOB_ENTRY = "job|"  # ledger entries of the jobs (nonces) served: "job|<run id>" -> when
+
+PLACE = {"kind": "place"}  # where the state lives (the key directory, the fleet)
+RUN = {"kind": "run"}  # the run's context: given again at every start (start_run), never saved
+FLIGHT = {"kind": "flight"}  # in flight: lost with the process, nothing of it decrypted or answered
+
+
+@dataclass(eq=False)
+class KeyServerState:
+    """The key server's state (see the module docstring). Fields without ``metadata`` are
+    saved; ``PLACE``, ``RUN`` and ``FLIGHT`` fields are not."""
+
+    key_dir: Path = field(metadata=PLACE)
+    fleet: str = field(metadata=PLACE)
+    # -- saved: ledger-<fleet>.json (across jobs) ----------------------------------------
+    ledger: dict[str, str] = field(default_factory=dict)
+    # -- saved: models-<fleet>.npz (the run it serves) -----------------------------------
+    run_id: str | None = None  # the job (nonce) served
+    models: dict[int, tuple[int, np.ndarray]] = field(default_factory=dict)  # cluster -> (round, weights)
+    results: dict[tuple[int, int], AggregateResult] = field(default_factory=dict)  # (round, cluster) -> verdict
+    plans: dict[int, dict[int, list[str]]] = field(default_factory=dict)  # round -> its pinned plan
+    seeds: dict[int, bytes] = field(default_factory=dict)  # round -> its challenge seed
+    challenges: dict[int, Challenge] = field(default_factory=dict)  # round -> its sealed challenge
+    boxes: dict[int, dict[str, bytes]] = field(default_factory=dict)  # round -> agent -> X25519 box key
+    spent: dict[int, dict[str, int]] = field(default_factory=dict)  # round -> agent -> cluster decrypted in
+    # -- the run's context ---------------------------------------------------------------
+    job: Job | None = field(default=None, metadata=RUN)
+    initial: np.ndarray | None = field(default=None, metadata=RUN)
+    public: PublicKey | None = field(default=None, metadata=RUN)  # the job's key (None: nothing encrypted)
+    secret: SecretKey | None = field(default=None, metadata=RUN)
+    # -- in flight -----------------------------------------------------------------------
+    pending: dict[tuple[int, int], Any] = field(default_factory=dict, metadata=FLIGHT)  # being decrypted: its Future
+    reserved: dict[int, dict[str, int]] = field(default_factory=dict, metadata=FLIGHT)  # contributions of pending ones
+    entries: dict[tuple[int, int], dict[str, str]] = field(default_factory=dict, metadata=FLIGHT)  # their ledger entries
+    # attempts refused at the fingerprint check (nothing decrypted, nothing spent): per
+    # (round, cluster) the request digests and each attempt's {contributor: fingerprint}
+    attempts: dict[tuple[int, int], set[str]] = field(default_factory=dict, metadata=FLIGHT)
+    failed: dict[tuple[int, int], list[dict[str, str]]] = field(default_factory=dict, metadata=FLIGHT)
+
+    def __post_init__(self) -> None:
+        self.key_dir = Path(self.key_dir)
+        self._ledger_on_disk: dict[str, str] | None = None  # what the ledger file holds (None: unknown)
+
+    # -- files ----------------------------------------------------------------------------
+    @property
+    def ledger_path(self) -> Path:
+        return self.key_dir / f"ledger-{self.fleet}.json"
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.key_dir / f"models-{self.fleet}.npz"
+
+    @classmethod
+    def open(cls, key_dir: Path, fleet: str) -> KeyServerState:
+        """The state of a key server starting in ``key_dir``: its ledger, no run yet."""
+        state = cls(Path(key_dir), fleet)
+        state.ledger = state._read_ledger()
+        state._ledger_on_disk = dict(state.ledger)
+        return state
+
+    def save(self) -> None:
+        """The ledger (if it changed) then the run's checkpoint, each atomically, before
+        anything that relies on them is answered."""
+        if self.ledger != self._ledger_on_disk:
+            write_atomic(self.ledger_path, json.dumps(self.ledger, sort_keys=True))
+            self._ledger_on_disk = dict(self.ledger)
+        arrays = {f"c{k}": w for k, (_, w) in self.models.items()}
+        meta = {"run_id": self.run_id, "rounds": {str(k): r for k, (r, _) in self.models.items()},
+                "results": [[r, k, v.model_dump(mode="json")] for (r, k), v in self.results.items()],
+                "plans": {str(r): {str(k): v for k, v in p.items()} for r, p in self.plans.items()},
+                "seeds": {str(r): seed.hex() for r, seed in self.seeds.items()},
+                "spent": {str(r): v for r, v in self.spent.items()},
+                "challenges": {str(r): c.model_dump(mode="json") for r, c in self.challenges.items()},
+                "boxes": {str(r): {a: b.hex() for a, b in v.items()} for r, v in self.boxes.items()}}
+        write_atomic(self.checkpoint_path,
+                     npz_bytes(meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays))
+
+    def start_run(self, run_id: str, *, job: Job | None, initial: np.ndarray | None,
+                  public: PublicKey | None = None, secret: SecretKey | None = None) -> bool:
+        """Serve run ``run_id`` from now on: everything of the previous run is dropped (a late
+        decryption of it included), the ledger stays. True if the checkpoint in the key
+        directory is this run's, which is then resumed (its models, verdicts, plans, ...)."""
+        saved = self._read_checkpoint()  # before anything changes: an unreadable one changes nothing
+        resumed = saved is not None and saved[0]["run_id"] == run_id
+        for f in fields(self):
+            if f.name not in ("key_dir", "fleet", "ledger"):
+                setattr(self, f.name, f.default if f.default_factory is MISSING else f.default_factory())
+        self.run_id, self.job, self.initial, self.public, self.secret = run_id, job, initial, public, secret
+        if resumed:
+            meta, arrays = saved
+            self.models = {int(k): (int(r), arrays[f"c{k}"]) for k, r in meta["rounds"].items()}
+            self.results = {(int(r), int(k)): AggregateResult(**v) for r, k, v in meta.get("results", [])}
+            self.plans = {int(r): {int(k): v for k, v in p.items()} for r, p in meta.get("plans", {}).items()}
+            self.seeds = {int(r): bytes.fromhex(h) for r, h in meta.get("seeds", {}).items()}
+            self.spent = {int(r): v for r, v in meta.get("spent", {}).items()}
+            self.challenges = {int(r): Challenge(**c) for r, c in meta.get("challenges", {}).items()}
+            self.boxes = {int(r): {a: bytes.fromhex(b) for a, b in v.items()} for r, v in meta.get("boxes", {}).items()}
+        return resumed
+
+    def checkpoint_run(self) -> str | None:
+        """The run id of the checkpoint in the key directory (None: none)."""
+        saved = self._read_checkpoint()
+        return None if saved is None else saved[0].get("run_id")
+
+    def _read_ledger(self) -> dict[str, str]:
+        path = self.ledger_path
+        if not path.exists():
+            return {}
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"The key server's ledger {path} cannot be read ({exc}); it records which "
+                              "contributions were decrypted and must not be lost: restore it from a backup.") from None
+        if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()):
+            raise ConfigError(f"The key server's ledger {path} is not a JSON object of strings; restore it from a backup.")
+        return data
+
+    def _read_checkpoint(self) -> tuple[dict, dict[str, np.ndarray]] | None:
+        """``(meta, arrays)`` of the checkpoint file, or None if there is none."""
+        path = self.checkpoint_path
+        if not path.exists():
+            return None
+        try:
+            with np.load(path) as data:
+                meta = json.loads(bytes(data["meta"]).decode())
+                arrays = {name: data[name].copy() for name in data.files if name != "meta"}
+        except (OSError, ValueError, KeyError) as exc:
+            raise ConfigError(f"The key server's checkpoint {path} cannot be read ({exc}); move it away to "
+                              "start its job anew (the ledger still bars what was decrypted).") from None
+        return meta, arrays
+
+    # -- the ledger -----------------------------------------------------------------------
+    def served(self, run_id: str) -> str | None:
+        """When job ``run_id`` was first served, if it was and is not the run the checkpoint
+        resumes (a job runs once), else None."""
+        when = self.ledger.get(JOB_ENTRY + run_id)
+        if when is None or self.checkpoint_run() == run_id:
+            return None
+        return when
+
+    def serve_job(self, when: str) -> None:
+        """The run's job is served from now on (recorded once, at its first round)."""
+        self.ledger.setdefault(JOB_ENTRY + self.run_id, when)
+
+    def spend(self, r: int, k: int, contributors: list[str], *, released: bool) -> None:
+        """Round ``r``'s contributions of cluster ``k`` have been through a decryption: spent
+        for the round and (encrypted ones) in the ledger. An entry names the use that
+        released its sum (``released``: accepted), else its first use (a refusal at
+        unmasking, which a later round of this job may follow from the same model)."""
+        self.spent.setdefault(r, {}).update({a: k for a in contributors})
+        where = f"{self.run_id}/{r}/{k}"
+        for entry in self.entries.pop((r, k), {}).values():
+            known = self.ledger.get(entry)
+            if known is None or (released and known.rsplit("/", 2)[0] == self.run_id):
+                self.ledger[entry] = where
+
+    # -- what a request is checked against ------------------------------------------------
+    def model(self, k: int) -> tuple[int, np.ndarray]:
+        """Cluster ``k``'s current ``(round, weights)`` (round 0: the initial model)."""
+        return self.models.get(k, (0, self.initial))
+
+    def start_digest(self, k: int) -> str:
+        """model_digest of cluster ``k``'s current model: what every contribution trained from."""
+        return model_digest(self.model(k)[1])
+
+    def taken(self, r: int) -> dict[str, int]:
+        """Round ``r``'s contributions spent or reserved: agent -> cluster."""
+        return {**self.spent.get(r, {}), **self.reserved.get(r, {})}
+
+    def released(self) -> frozenset[tuple[int, int]]:
+        """(round, cluster) of this run whose sum was released (accepted)."""
+        return frozenset(rk for rk, v in self.results.items() if v.accepted)
+
+    @property
+    def job_min_encryptors(self) -> int:
+        return self.job.options.min_encryptors if self.job is not None else 1
