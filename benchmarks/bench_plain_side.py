@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import logging
 import statistics
 import sys
 import time
@@ -29,11 +28,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from keyserver.verify import Checks, check_plain_side, verify  # noqa: E402
+from keyserver.state import KeyServerState  # noqa: E402
+from keyserver.verify import Rules, check_plain_side, verify  # noqa: E402
 from senseshield.bench.he import _cpu_model  # noqa: E402
 from senseshield.engine.aggregation import aggregate_updates, decrypt_aggregate, protect_update  # noqa: E402
 from senseshield.he import generate_keys  # noqa: E402
-from senseshield.he.base import job_key, round_context  # noqa: E402
+from senseshield.he.base import job_key, model_digest, round_context  # noqa: E402
 from senseshield.runtime.identity import Identity, Trust  # noqa: E402
 from senseshield.runtime.protocol.envelope import decode_frame  # noqa: E402
 from senseshield.runtime.protocol.messages import (  # noqa: E402
@@ -48,6 +48,7 @@ from senseshield.runtime.protocol.messages import (  # noqa: E402
 
 SIZE = 50_826  # the digits MLP
 FLEET, RUN, R = "bench", "run-1", 1
+INITIAL = np.zeros(SIZE, np.float32)  # the cluster's current model, which every receipt signs
 
 
 def _round(secret, public, ids, budget: float, rng):  # noqa: ANN001, ANN202
@@ -69,7 +70,7 @@ def _round(secret, public, ids, budget: float, rng):  # noqa: ANN001, ANN202
         receipt = Receipt(run_id=RUN, cluster=0, n_samples=w, key_id=public.key_id,
                           mask_digest=hashlib.sha256(pack_mask(mask).tobytes()).hexdigest(),
                           ciphertext_digest=hashlib.sha256(cipher).hexdigest(),
-                          fingerprint=public.fingerprint(update.ciphertext, seed), start_digest="0" * 64,
+                          fingerprint=public.fingerprint(update.ciphertext, seed), start_digest=model_digest(INITIAL),
                           plain_digest=plain_digest(np.zeros(0, np.uint8), update.plaintext))
         parts.append((update, to_frame(receipt, fleet=FLEET, sender=name, round=R, signer=ident)))
     aggregate = aggregate_updates([u for u, _ in parts], public, round=R, cluster=0, min_encryptors=2)
@@ -83,20 +84,19 @@ def measure(scheme: str, secret, ids, budgets: list[float], repeats: int) -> lis
     rows = []
     for budget in budgets:
         msg, seed = _round(secret, public, ids, budget, np.random.default_rng(int(budget * 100)))
-        checks = Checks(trust=trust, run_id=RUN, plan={0: list(ids)}, taken={}, public=public, secret=secret, seed=seed,
-                        boxes={a: i.box_key for a, i in ids.items()}, ledger={}, min_contributors=2, min_fraction=0.0,
-                        min_encryptors=2, job_min_encryptors=2, allow_unverifiable=False,
-                        log=logging.getLogger("bench"))
+        state = KeyServerState(key_dir=ROOT, fleet=FLEET, run_id=RUN, initial=INITIAL, public=public, secret=secret,
+                               plans={R: {0: list(ids)}}, seeds={R: seed}, boxes={R: {a: i.box_key for a, i in ids.items()}})
+        rules = Rules(trust=trust, min_contributors=2, min_fraction=0.0, min_encryptors=2)
         receipts = {a: from_frame(decode_frame(f)) for a, f in zip(sorted(ids), _frames(msg))}
         plain_s, verify_s = [], []
         for _ in range(repeats):
             aggregate = aggregate_from_message(msg, public, round=R, size=SIZE)
             t = time.perf_counter()
-            assert check_plain_side(checks, msg, aggregate, receipts) is None
+            assert check_plain_side(state, rules, msg, aggregate, receipts) is None
             plain_s.append(time.perf_counter() - t)
             aggregate = aggregate_from_message(msg, public, round=R, size=SIZE)
             t = time.perf_counter()
-            refusal, weights, _ = verify(checks, R, 0, msg, aggregate, {})
+            refusal, weights, _ = verify(state, rules, R, 0, msg, aggregate, {}, {}, [])
             verify_s.append(time.perf_counter() - t)
             assert refusal is None, refusal
         if public.needs_contributors:

@@ -10,7 +10,7 @@ ledger, what was released) and the operator's :class:`Rules` (trust file, minimu
 changes neither and touches no transport. Its steps: the request's sender and run, a re-sent
 request or a new attempt after a refusal at the fingerprint check, the cluster's pending and
 applied rounds, the aggregate decoded from the message, then the checks before anything is
-decrypted (:func:`_verify`, with the k-encryptors rule of per-client-mask schemes,
+decrypted (:func:`verify`, with the k-encryptors rule of per-client-mask schemes,
 :func:`check_encryptors`, and the plaintext side of verifiable aggregates recomputed from the
 contributors' signed plaintext parts, :func:`check_plain_side`), and the contributors it
 names at fault after a refusal at the fingerprint check (:func:`at_fault`). The service acts
@@ -180,7 +180,7 @@ def decide(state: KeyServerState, rules: Rules, sender: str, r: int, msg: Aggreg
     plans: dict[str, str] = {}  # contributor -> the plan digest its receipt signs (its pads' context)
     notes: list[str] = []
     try:
-        refusal, weights, entries = _verify(state, rules, r, k, msg, aggregate, prints, plans, notes)
+        refusal, weights, entries = verify(state, rules, r, k, msg, aggregate, prints, plans, notes)
     except ProtocolError as exc:  # a malformed receipt or ciphertext: a verdict, not silence
         refusal, weights, entries = str(exc), {}, {}
     if refusal is not None:
@@ -213,10 +213,11 @@ def _no_new_attempt(state: KeyServerState, r: int, k: int, attempt: str) -> str 
     return None
 
 
-def _verify(state: KeyServerState, rules: Rules, r: int, k: int, msg: AggregateRequest,
-            aggregate: EncryptedAggregate, prints: dict[str, str], plans: dict[str, str], notes: list[str],
-            ) -> tuple[str | None, dict[str, int], dict[str, str]]:
-    """``(None, {contributor: weight}, ledger entries)`` if round ``r``'s aggregate of cluster
+def verify(state: KeyServerState, rules: Rules, r: int, k: int, msg: AggregateRequest,
+           aggregate: EncryptedAggregate, prints: dict[str, str], plans: dict[str, str], notes: list[str],
+           ) -> tuple[str | None, dict[str, int], dict[str, str]]:
+    """The checks of :func:`decide` before anything is decrypted (its one caller):
+    ``(None, {contributor: weight}, ledger entries)`` if round ``r``'s aggregate of cluster
     ``k`` may be decrypted, else ``(reason, {}, {})``: the plan, every receipt's signature, round, run,
     cluster and membership, no contribution used twice in the round, the minimum of
     contributors, the weights, (shared-mask schemes) every receipt signs the aggregate's
