@@ -11,7 +11,10 @@ Fewer contributors: refused, logged, and the reason goes back in the result.
 The global models live here because whoever decrypts the mean sees the new model anyway;
 they are checkpointed in the key directory together with every verdict given, so a restart
 resumes the run and a re-sent request for a round already applied gets the same verdict
-(and the model again), never a second application. ``keyserver/status`` (retained, with an
+(and the model again), never a second application. That state (the ledger across jobs, the
+run, its models, verdicts and rounds) is one object saved in one place,
+:class:`keyserver.state.KeyServerState`; whether a request is accepted is one pure function
+over it, :func:`keyserver.verify.decide`; this service decodes, asks, acts and publishes. ``keyserver/status`` (retained, with an
 offline last will) tells the coordinator when the key server is back, so it re-sends what
 is pending. The key directory and its key files are checked at start: a directory it
 cannot write or a key file group/other can read stops it there.
