@@ -364,10 +364,9 @@ class KeyServer(Service):
         state.boxes[r] = boxes
         state.challenges[r] = Challenge(run_id=state.run_id, box_key=b64(self.identity.box_key), sealed=sealed)
         state.save()  # the job's ledger entry, then the round (its seed), before its challenge is out
-        if self.metrics is not None:
-            self.metrics.ledger(len(state.ledger))
         self.send("keyserver/challenges", state.challenges[r], round=r, retain=True)
         if self.metrics is not None:
+            self.metrics.ledger(len(state.ledger))
             self.metrics.round_opened(r)
         self.log.info("round %d opened: clusters %s; challenge sealed to %d agents", r,
                       {k: len(v) for k, v in plan.items()}, len(sealed))
