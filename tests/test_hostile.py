@@ -29,7 +29,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 from senseshield.engine.aggregation import protect_update
 from senseshield.runtime.fleet import Fleet, FleetOptions, agent_ids
 from senseshield.runtime.identity import Identity
-from senseshield.runtime.protocol.messages import pack_mask
+from senseshield.runtime.protocol.messages import UpdateMessage, pack_mask
 from senseshield.runtime.protocol import CHUNK_SCHEMA, Frame, decode_frame, encode_frame
 from senseshield.runtime.protocol.envelope import FRAME_VERSION, MAGIC
 from senseshield.runtime.protocol.messages import from_frame
@@ -454,7 +454,7 @@ def test_the_fuzzers_descriptor_and_nan_frames_reach_the_checks_they_exercise():
 def _update_frame(fleet: str, sender: str, round: int, *, size: int, n_samples: int, plain: int) -> bytes:
     """An agent's plaintext update built by hand (the message class would refuse it)."""
     return encode_frame(
-        schema="update", version=2, fleet=fleet, sender=sender, round=round,
+        schema="update", version=UpdateMessage.version, fleet=fleet, sender=sender, round=round,
         fields={"cluster": 0, "n_samples": n_samples, "size": size, "has_withheld": False, "timings": {}, "report": {}},
         sections={"mask": np.zeros(-(-size // 8), np.uint8), "withheld": np.zeros(0, np.uint8),
                   "plaintext": np.full(plain, 0.01, np.float32), "ciphertext": b"", "receipt": b""},
