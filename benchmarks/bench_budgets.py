@@ -11,7 +11,10 @@ best-of-two probe, figures as reported ("before") against medians of several pro
 agreeing devices pooled ("after"), alternating.
 
     python benchmarks/bench_budgets.py [--joins 5] [--agents 3] [--mode measured|paper|calibrated]
-        [--hogs 1] [--label after] [--broker mqtt://...] [--out benchmarks/results/budgets-measured.json]
+        [--hogs 1] [--label after] [--append] [--broker mqtt://...] [--out benchmarks/results/budgets-measured.json]
+
+`--append` adds the joins to those already in --out (same agents and mode): two code trees can
+be measured alternately, one join each (PYTHONPATH=tree), into two files.
     python benchmarks/bench_budgets.py --compare-probes --mode paper --agents 6 --out benchmarks/results/budgets.json
 """
 
@@ -55,6 +58,7 @@ def main() -> None:
     parser.add_argument("--label", default="", help="what code this run measures (e.g. before, after), kept in the JSON")
     parser.add_argument("--broker", default=None, help="mqtt://HOST:PORT (default: the embedded broker)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/budgets-measured.json"))
+    parser.add_argument("--append", action="store_true", help="add to the joins already in --out")
     args = parser.parse_args()
     if args.compare_probes:
         setups = {name: {"hog": False, **path} for name, path in PROBES.items()}
@@ -62,7 +66,16 @@ def main() -> None:
         setups = {"idle": {"hog": False}, **({"hog": {"hog": True}} if args.hogs else {})}
     runs: dict[str, list[dict]] = {name: [] for name in setups}
     started = machine()
-    for j in range(1, args.joins + 1):
+    if args.append and args.out.exists():
+        before = json.loads(args.out.read_text())
+        if (before.get("agents"), before.get("budget_mode"), before.get("compare_probes")) != (
+                args.agents, args.mode, args.compare_probes):
+            parser.error(f"--append: {args.out} holds joins of another setup (agents, mode, --compare-probes)")
+        runs = {name: before["runs"].get(name, []) for name in setups}
+        started = before["machine"]
+        started.setdefault("loads_at_start", [started.get("load_at_start")]).append(list(os.getloadavg()))
+    first = 1 + max((len(r) for r in runs.values()), default=0)
+    for j in range(first, first + args.joins):
         for name, setup in setups.items():
             t = time.perf_counter()
             options = {k: v for k, v in setup.items() if k != "hog"}
@@ -90,7 +103,8 @@ def main() -> None:
               f"budgets over all joins {min(values):.3f} .. {max(values):.3f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
-        "label": args.label, "machine": started, "agents": args.agents, "joins": args.joins, "budget_mode": args.mode,
+        "label": args.label, "machine": started, "agents": args.agents, "joins": max(len(r) for r in runs.values()),
+        "budget_mode": args.mode,
         "compare_probes": args.compare_probes, "broker": args.broker or "embedded",
         "date": time.strftime("%Y-%m-%d %H:%M"), "summary": summary, "runs": runs}, indent=2))
     print(f"wrote {args.out}")
