@@ -7,18 +7,22 @@ The coordinator needs two numbers per agent (SenseCrypt sec. 3.2, sent in ``Hell
 * ``bandwidth`` -- r_i, MB/s (10^6 bytes per second): the measured up bandwidth through the
   broker (:func:`measure_bandwidth`), else the declared :data:`DEFAULT_BANDWIDTH_MBPS`.
 
-Every measured figure is the median of several probes of a minimum duration each;
-``measurements`` keeps min/median/max, quartiles, the probe count and the confidence of
-``[min, max]`` as an interval for the median (the coordinator treats devices whose intervals
-overlap as equal, :func:`senseshield.engine.measurements.pool_agreeing`). With
+Every measured figure is the median of several probes of a minimum duration each, except
+the encryption rate, which is the best of short bursts spread over about a second
+(:func:`measure_encryption`); ``measurements`` keeps min/median/max, quartiles, the probe
+count, the confidence of ``[min, max]`` as an interval for the median and which statistic
+is the figure (the coordinator treats devices whose intervals overlap as equal,
+:func:`senseshield.engine.measurements.pool_agreeing`). With
 ``--profile auto:NAME`` (or ``auto:FILE``) the measured r_i and v_i are bounded by the declared
 profile: a measured figure never exceeds the declared one (:func:`bound_profile`).
 
 :func:`measure_profile` also records what the device is (board, CPU, cores, memory) and two
 microbenchmarks that explain its round times: float32 matmul GFLOP/s with torch and values
 encrypted per second with the fleet's HE scheme and key size. Every measurement reports how
-long it took in ``timings`` (seconds). With the defaults the whole profile takes about a
-second on a 2-core x86 (key generation is random and can take longer on small boards).
+long it took in ``timings`` (seconds). At join (``quick``) the whole profile takes 5-7 s
+on a 2-vCPU x86: torch's import in the matmul child (2-3 s), the key's tables (~0.6 s) and
+the encryption bursts (1.2 s of wall time, ~0.17 s of CPU); key generation is random and can
+take longer on small boards.
 
 :func:`load_profile` turns ``--profile`` specs into a :class:`DeviceProfile`: ``"auto"``
 measures, a path reads a YAML file, a NAME reads ``NAME.yaml`` from the profile directories
@@ -149,8 +153,10 @@ class DeviceProfile(BaseModel):
         None,
         gt=0,
         description=(
-            "Plaintext values encrypted per second with he_scheme at he_key_bits; for packed "
-            "schemes (packed Paillier, CKKS) this counts values, not ciphertexts."
+            "Plaintext values encrypted per second with he_scheme at he_key_bits (the best of "
+            "bursts spread over about a second, per CPU-second of the encrypting thread times the "
+            "cgroup's CPU share); for packed schemes (packed Paillier, CKKS) this counts values, "
+            "not ciphertexts."
         ),
     )
     he_bytes_per_value: Optional[float] = Field(
@@ -212,7 +218,8 @@ class DeviceProfile(BaseModel):
         default_factory=dict,
         description=(
             "Probe summaries of the measured figures (bandwidth in MB/s, gflops, "
-            "he_encryptions_per_s): median, min, max, quartiles, probe count, confidence."
+            "he_encryptions_per_s): median, min, max, quartiles, probe count, confidence, "
+            "and which statistic is the figure (the median; the max for he_encryptions_per_s)."
         ),
     )
     declared_profile: Optional[str] = Field(
@@ -519,11 +526,11 @@ def measure_encryption(
     thread sleeps between them). A burst's time is this thread's CPU time over the share of a
     CPU the process's cgroup allows (:func:`cpu_share`): a neighbour's CPU hog does not lower
     the rate, a CPU quota does. The rate is the best burst's values/second (``spread``
-    summarises them all): CPU time still grows when the core's other hardware thread is busy
-    (an SMT sibling, a neighbour VM's vCPU), which slows a burst by up to a third on a shared
-    2-vCPU machine in spells of a fraction of a second to a few seconds; nothing makes a burst
-    faster than the device is, so the best of bursts spread over a second or more is the
-    figure identical devices agree on. Values are counted, not ciphertexts, so per-value
+    summarises them all): CPU time still grows when the hardware under the thread is shared
+    (the other hardware thread of an SMT core, other guests of a VM's host) -- on a shared
+    2-vCPU VM bursts of one process took 1.5x as long in spells lasting from a fraction of a
+    second to a few seconds -- and nothing makes a burst faster than the device is, so the
+    best of bursts spread over a second or more is the figure identical devices agree on. Values are counted, not ciphertexts, so per-value
     schemes and packed ones (66 values per packed-Paillier ciphertext, thousands per CKKS
     ciphertext) compare.
     """
@@ -728,10 +735,12 @@ def measure_profile(
 
     ``key_bits`` defaults to the scheme's (2048 for the Paillier schemes); ``public_key``
     (the fleet's) replaces key generation. ``quick`` shrinks every benchmark (256 x 256
-    matmuls, 0.15 s of encryption, 250 kB probe frames) for joins, tests and impatient users.
+    matmuls, 0.15 s of encryption CPU in bursts spread over 1.2 s, 250 kB probe frames) for joins,
+    tests and impatient users.
     ``probe`` names the bandwidth plan (:data:`PROBE_PLANS`: ``robust``, the median of several
     probes of a minimum duration, or ``single``, the old best-of-two short probe). Every
-    figure comes from several probes; ``measurements`` holds their summaries.
+    figure comes from several probes (the encryption rate: the best of 12 bursts,
+    :func:`measure_encryption`); ``measurements`` holds their summaries.
     The bandwidth is measured first, so an unreachable broker fails fast. Timings:
     ``bandwidth`` (with a broker), ``system``, ``matmul``, ``he_keygen``, ``he_setup``,
     ``he_encrypt`` and ``total``, in seconds.
@@ -981,8 +990,9 @@ def profile_command(
 
     Board, CPU, cores, clock and memory; float32 matmul GFLOP/s (torch); values encrypted per
     second with the fleet's HE scheme and key size; with --broker, MB/s through the broker
-    (reported for up and down alike). Every figure is the median of several probes;
-    `measurements` gives min/median/max, quartiles, probe count and confidence. `cpu_speed`
+    (reported for up and down alike). Every figure is the median of several probes, except the
+    encryption rate: the best of 12 bursts spread over 2.4 s; `measurements` gives min/median/max,
+    quartiles, probe count, confidence and which statistic is the figure. `cpu_speed`
     (GHz x cores) and `bandwidth` (MB/s) are the v_i and r_i the coordinator uses, at most
     the --declared profile's; `timings` says how long each measurement took in seconds.
     """
