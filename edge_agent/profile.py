@@ -521,16 +521,17 @@ def measure_encryption(
 
     The key is generated once (``keygen_s``); one warm-up encryption of one block
     (``setup_s``); then vectors of whole blocks, doubling in length while twice the time of
-    one encryption fits in ``budget_s / repeats``; then ``repeats`` encryptions of that length (bursts),
-    spread evenly over ``window_s`` seconds of wall time (default ``8 x budget_s``; the
-    thread sleeps between them). A burst's time is this thread's CPU time over the share of a
-    CPU the process's cgroup allows (:func:`cpu_share`): a neighbour's CPU hog does not lower
-    the rate, a CPU quota does. The rate is the best burst's values/second (``spread``
-    summarises them all): CPU time still grows when the hardware under the thread is shared
-    (the other hardware thread of an SMT core, other guests of a VM's host) -- on a shared
-    2-vCPU VM bursts of one process took 1.5x as long in spells lasting from a fraction of a
-    second to a few seconds -- and nothing makes a burst faster than the device is, so the
-    best of bursts spread over a second or more is the figure identical devices agree on. Values are counted, not ciphertexts, so per-value
+    one encryption fits in ``budget_s / repeats``; then ``repeats`` encryptions of that
+    length (bursts), spread evenly over ``window_s`` seconds of wall time (default
+    ``8 x budget_s``; the thread sleeps between them). A burst's time is this thread's CPU
+    time over the share of a CPU the process's cgroup allows (:func:`cpu_share`): a
+    neighbour's CPU hog does not lower the rate, a CPU quota does. The rate is the best
+    burst's values/second (``spread`` summarises them all): CPU time still grows when the
+    hardware under the thread is shared (the other hardware thread of an SMT core, other
+    guests of a VM's host) -- on a shared 2-vCPU VM bursts of one process took 1.5x as long
+    in spells lasting from a fraction of a second to a few seconds -- and nothing makes a
+    burst faster than the device is, so the best of bursts spread over a second or more is
+    the figure identical devices agree on. Values are counted, not ciphertexts, so per-value
     schemes and packed ones (66 values per packed-Paillier ciphertext, thousands per CKKS
     ciphertext) compare.
     """

@@ -4,8 +4,8 @@
 ``edge-agent join --profile auto`` processes on one broker: the embedded one of ``fleet up``
 or ``broker``), watches the broker for the coordinator's ``Assignment`` messages and stops
 the fleet once every agent has its budget: the join and bootstrap only, no training rounds.
-It returns the budgets and, from the run's ``report.json``, what every agent measured and
-what the coordinator decided (:class:`Join`); :func:`join_budgets` returns the budgets only.
+It returns the budgets, what every agent measured (its Hello) and what the coordinator
+decided (:class:`Join`); :func:`join_budgets` returns the budgets only.
 ``probe="single"`` with ``tolerance=None`` is the old bandwidth path (one short best-of-two
 probe, figures used as reported); ``probe="robust"`` with the default tolerance is the
 current one. :func:`cpu_hog` runs a busy-looping neighbour on one CPU. Used by
@@ -31,10 +31,11 @@ from senseshield.errors import ConfigError
 
 @dataclass(frozen=True)
 class Join:
-    """One join of identical agents: budget per agent id, and from ``report.json`` (empty
-    when the coordinator did not write it) the encryption rate every agent measured
-    (``he_encryptions_per_s`` of its profile), that figure's probe summary, and the
-    coordinator's budget notes (``budgets`` of the report: mode, pooled figures)."""
+    """One join of identical agents: budget per agent id (the coordinator's Assignments), the
+    encryption rate every agent measured (``he_encryptions_per_s`` of the profile in its
+    Hello) and that figure's probe summary, and from ``report.json`` the coordinator's budget
+    notes (``budgets`` of the report: mode, pooled figures; empty when the fleet stopped before
+    the coordinator wrote it)."""
 
     budgets: dict[str, float]
     rates: dict[str, float] = field(default_factory=dict)
@@ -62,7 +63,7 @@ def join(
     (at most ``timeout`` seconds, else :class:`ConfigError`)."""
     from senseshield.job import Job
     from senseshield.runtime.fleet import Fleet, FleetOptions, agent_ids
-    from senseshield.runtime.protocol.messages import Assignment, from_frame
+    from senseshield.runtime.protocol.messages import Assignment, Hello, from_frame
     from senseshield.runtime.transport import Link
     from senseshield.strategies.base import StrategyOptions
 
@@ -75,11 +76,14 @@ def join(
         min_contributors=1, agent_profiles=specs, extra_agent_args={a: ["--probe", probe] for a in ids}, wrap=wrap,
     )
     budgets: dict[str, float] = {}
+    profiles: dict[str, dict[str, Any]] = {}
     done = threading.Event()
 
     def on_frame(topic: str, frame) -> None:  # noqa: ANN001
         msg = from_frame(frame)
-        if isinstance(msg, Assignment):
+        if isinstance(msg, Hello):
+            profiles[topic.split("/")[-2]] = msg.profile
+        elif isinstance(msg, Assignment):
             budgets[topic.split("/")[-2]] = msg.encryption_budget
             if len(budgets) >= agents:
                 done.set()
@@ -89,6 +93,7 @@ def join(
         watcher = Link(running.url, client_id=f"budget-watch-{time.monotonic_ns()}", fleet=fleet,
                        on_frame=on_frame, protocol=running.mqtt)
         watcher.subscribe("agents/+/inbox")
+        watcher.subscribe("agents/+/hello")
         watcher.start()
         try:
             if not done.wait(timeout):
@@ -97,23 +102,18 @@ def join(
         finally:
             watcher.stop()
             running.stop(grace=0.0)
-    return _with_report(dict(sorted(budgets.items())), out / "report.json")
-
-
-def _with_report(budgets: dict[str, float], report: Path) -> Join:
-    try:
-        data = json.loads(report.read_text())
-    except (OSError, ValueError):
-        return Join(budgets)
     rates, summaries = {}, {}
-    for agent in data.get("agents") or []:
-        profile = agent.get("profile") or {}
+    for agent, profile in sorted(profiles.items()):
         if isinstance(profile.get("he_encryptions_per_s"), (int, float)):
-            rates[agent["id"]] = float(profile["he_encryptions_per_s"])
+            rates[agent] = float(profile["he_encryptions_per_s"])
         summary = (profile.get("measurements") or {}).get("he_encryptions_per_s")
         if isinstance(summary, dict):
-            summaries[agent["id"]] = summary
-    return Join(budgets, dict(sorted(rates.items())), dict(sorted(summaries.items())), data.get("budgets") or {})
+            summaries[agent] = summary
+    try:
+        notes = json.loads((out / "report.json").read_text()).get("budgets") or {}
+    except (OSError, ValueError):
+        notes = {}
+    return Join(dict(sorted(budgets.items())), rates, summaries, notes)
 
 
 def join_budgets(agents: int, out: Path, **options: Any) -> dict[str, float]:
