@@ -19,10 +19,10 @@ profile: a measured figure never exceeds the declared one (:func:`bound_profile`
 :func:`measure_profile` also records what the device is (board, CPU, cores, memory) and two
 microbenchmarks that explain its round times: float32 matmul GFLOP/s with torch and values
 encrypted per second with the fleet's HE scheme and key size. Every measurement reports how
-long it took in ``timings`` (seconds). At join (``quick``) the whole profile takes 5-7 s
-on a 2-vCPU x86: torch's import in the matmul child (2-3 s), the key's tables (~0.6 s) and
-the encryption bursts (1.2 s of wall time, ~0.17 s of CPU); key generation is random and can
-take longer on small boards.
+long it took in ``timings`` (seconds). At join (``quick``) the whole profile took 7.7-7.9 s
+for three agents starting together on a 2-vCPU x86: torch's import in the matmul child
+(~3 s), the key's tables (~0.6 s) and the encryption bursts (1.2 s of wall time, ~0.17 s of
+CPU); key generation is random and can take longer on small boards.
 
 :func:`load_profile` turns ``--profile`` specs into a :class:`DeviceProfile`: ``"auto"``
 measures, a path reads a YAML file, a NAME reads ``NAME.yaml`` from the profile directories
