@@ -92,6 +92,11 @@ def join(
         measure = {"broker": None if security else broker, "fleet": fleet, "quick": True, "mqtt": check_mqtt(mqtt),
                    "probe": probe}
         device = load_profile(profile, **measure)  # the measuring keywords apply to auto[:SPEC] only
+        rate = device.measurements.get("he_encryptions_per_s")
+        if rate is not None and device.he_encryptions_per_s:
+            logging.getLogger("edge_agent").info(
+                "measured %.0f values/s encrypted (%s/%s, best of %d bursts; min %.0f, median %.0f)",
+                device.he_encryptions_per_s, device.he_scheme, device.he_key_bits, rate.probes, rate.min, rate.median)
         labels = {}
         for item in label or []:
             key, sep, value = item.partition("=")

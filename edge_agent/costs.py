@@ -63,7 +63,7 @@ def measure_costs(config: Job, model, data: LocalData, public, profile: dict) ->
                         train_config(config, epochs=1), seed=0)
             epoch_s.append(time.perf_counter() - t)
     train_s = float(np.median(epoch_s)) * (config.local_epochs + 1)  # + ~one epoch for the sensitivity
-    measure_encryption(public_key=public, budget_s=0.05)  # builds the key's tables
+    measure_encryption(public_key=public, budget_s=0.05, repeats=1, window_s=0)  # builds the key's tables
     # sustained rate: whole blocks for ~0.5 s of wall time (a device sharing its CPU, or a
     # cgroup quota, runs short bursts faster than it can keep up)
     block = max(1, int(public.block_size))

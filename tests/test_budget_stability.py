@@ -1,10 +1,16 @@
-"""Identical agents measuring `--profile auto` on one machine get equal budgets (real broker, real processes)."""
+"""Identical agents measuring `--profile auto` on one machine get equal budgets, alone and beside
+a CPU hog, and an agent with half a CPU gets a visibly smaller one (real broker, real processes,
+the default budget mode: measured). Each test is one join, ~20-30 s on a 2-vCPU machine."""
 
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 
-from senseshield.bench.budgets import join_budgets, spread
+import pytest
+
+from senseshield.bench.budgets import cpu_hog, join, join_budgets, spread
 
 
 def test_identical_measuring_agents_get_budgets_within_ten_percent(mosquitto, tmp_path):
@@ -15,3 +21,41 @@ def test_identical_measuring_agents_get_budgets_within_ten_percent(mosquitto, tm
     log = (tmp_path / "logs" / "coordinator.log").read_text()
     measured = [float(x) for x in re.findall(r"joined \(\d/3\): \d+ samples, ([\d.]+) MB/s", log)]
     assert len(measured) == 3 and all(m != 10.0 for m in measured), measured
+
+
+def test_identical_agents_started_beside_a_cpu_hog_get_budgets_within_ten_percent(mosquitto, tmp_path):
+    """A busy-looping process pinned to CPU 0 from before the fleet starts until every agent
+    has its budget: the agents measure while it spins."""
+    with cpu_hog(0) as hog:
+        result = join(3, tmp_path, broker=mosquitto.url, fleet="stable-hog", timeout=60)
+        assert hog.poll() is None  # still spinning when the last budget came
+    assert spread(result.budgets) <= 1.10, (result.budgets, result.rates, result.summaries)
+    assert result.notes["clusters"]["0"]["mode"] == "measured"  # from the encryption rates they measured
+
+
+def _cpu_cgroup() -> tuple[str, Path] | None:
+    from senseshield.trials.trial import _cpu_cgroup_mount
+
+    found = _cpu_cgroup_mount()
+    return found if os.geteuid() == 0 and found is not None and os.access(found[1], os.W_OK) else None
+
+
+@pytest.mark.skipif(_cpu_cgroup() is None, reason="needs root and a writable cpu cgroup controller")
+def test_an_agent_with_half_a_cpu_gets_a_visibly_smaller_budget(mosquitto, tmp_path):
+    """c002 runs inside a 50 % cgroup CPU quota from its start (the trials' way of making a
+    device 2x slower): it measures half the others' encryption rate and gets about half their
+    budget, while the two identical others stay equal."""
+    from senseshield.trials.trial import _remove_cgroup, in_cgroup, set_cpu_quota
+
+    version, root = _cpu_cgroup()
+    group = root / f"senseshield-test-half-{os.getpid()}"
+    group.mkdir()
+    try:
+        set_cpu_quota(group, version, 0.5, period_us=100_000)
+        result = join(3, tmp_path, broker=mosquitto.url, fleet="stable-half", timeout=60,
+                      wrap=lambda name, argv: in_cgroup(group, argv) if name == "c002" else argv)
+    finally:
+        assert _remove_cgroup(group) == []
+    budgets, why = result.budgets, (result.budgets, result.rates, result.summaries)
+    assert max(budgets["c000"], budgets["c001"]) == 1.0 and spread({a: budgets[a] for a in ("c000", "c001")}) <= 1.10, why
+    assert 0.25 <= budgets["c002"] <= 0.6 * min(budgets["c000"], budgets["c001"]), why

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -302,3 +303,88 @@ def test_encryption_rate_from_a_hello_profile() -> None:
     for bad in ({}, {"he_encryptions_per_s": -1.0, "he_scheme": "x"}, {"he_encryptions_per_s": "fast", "he_scheme": "x"},
                 {"he_encryptions_per_s": 1e4}):
         assert EncryptionRate.from_profile(bad) is None
+
+
+# ---- snapping measured budgets to a grid -------------------------------------------------------
+
+from senseshield.engine.budgets import measured_budgets, snap_budgets  # noqa: E402
+
+budget = st.floats(min_value=1e-6, max_value=1.0, allow_nan=False, allow_infinity=False, exclude_min=False)
+
+
+def _snap_brute(alpha: float, tolerance: float) -> float:
+    """The grid level s^-k (s = (1 + t)^2) nearest to ``alpha`` in ratio, ties to the larger,
+    by trying every k from 0 past ``alpha``."""
+    s = (1.0 + tolerance) ** 2
+    levels, k = [], 0
+    while True:
+        levels.append(s ** -k)
+        if s ** -k < alpha / s:
+            break
+        k += 1
+    distance = [abs(math.log(level / alpha)) for level in levels]
+    best = min(distance)
+    return next(level for level, d in zip(levels, distance) if d <= best + 1e-9)  # ties: the larger level
+
+
+@FAST
+@given(st.lists(budget, min_size=1, max_size=12), st.floats(0.005, 0.5))
+def test_snap_budgets_is_the_nearest_grid_level(alphas, tolerance) -> None:
+    got = snap_budgets(np.array(alphas), tolerance=tolerance)
+    s = (1.0 + tolerance) ** 2
+    for a, g in zip(alphas, got):
+        want = _snap_brute(a, tolerance)
+        k = math.log(1.0 / g) / math.log(s)
+        assert abs(k - round(k)) < 1e-6 and round(k) >= 0  # a grid level
+        # the nearest level (up to rounding where the budget sits on a midpoint)
+        assert abs(math.log(g / a)) <= abs(math.log(want / a)) + 1e-9
+        assert abs(math.log(g / a)) <= math.log1p(tolerance) + 1e-9  # moves at most a factor 1 + t
+        if a * (1.0 + tolerance) >= 1.0:
+            assert g == 1.0  # within 1 + t of the top: 1
+    order = np.argsort(alphas, kind="stable")
+    assert np.all(np.diff(got[order]) >= 0)  # order kept: a larger budget never snaps below a smaller one
+
+
+@FAST
+@given(st.lists(budget, min_size=1, max_size=8))
+def test_snap_budgets_with_tolerance_zero_changes_nothing(alphas) -> None:
+    assert snap_budgets(np.array(alphas), tolerance=0.0).tolist() == alphas
+
+
+@FAST
+@given(st.floats(10_000.0, 1e6), st.lists(st.floats(0.0, 0.045), min_size=2, max_size=6), st.floats(0.3, 0.7))
+def test_identical_devices_within_the_tolerance_get_one_a_device_half_as_fast_about_half(rate, noise, slow) -> None:
+    """Identical devices whose measured rates scatter within the tolerance below the best (4.5 % < 1 - 1/1.05)
+    all get 1 after snapping; a device half as fast (or anywhere in 0.3-0.7 of the rate) gets
+    the level nearest its share, within 1.05 of it."""
+    rates = np.array([rate, *(rate * (1 - n) for n in noise), rate * slow])
+    alpha = snap_budgets(measured_budgets(encrypt_per_s=rates, bandwidth=np.full(rates.size, 1000.0),
+                                          bytes_per_encrypted=8.0), tolerance=0.05)
+    assert np.all(alpha[:-1] == 1.0)
+    assert abs(math.log(alpha[-1] / slow)) <= math.log(1.05) + 1e-3
+
+
+def test_snap_budgets_hand_computed_levels_and_mistakes() -> None:
+    # s = 1.05^2 = 1.1025: 0.96 -> 1, 0.9 -> 1/1.1025, 0.5 -> 1.1025^-7 (log 0.5 / log s = 6.98)
+    np.testing.assert_allclose(snap_budgets(np.array([1.0, 0.96, 0.9, 0.5]), tolerance=0.05),
+                               [1.0, 1.0, 1 / 1.1025, 1.1025 ** -7], rtol=1e-12)
+    for alphas, tolerance, fragment in (([0.5, 1.2], 0.05, "alphas[1]=1.2"), ([0.0, 1.0], 0.05, "alphas[0]=0.0"),
+                                        ([0.5], -0.1, "tolerance=-0.1"), ([0.5], math.nan, "tolerance=nan"),
+                                        ([0.5], True, "tolerance=True")):
+        with pytest.raises(ConfigError, match=re.escape(fragment)):
+            snap_budgets(np.array(alphas), tolerance=tolerance)
+
+
+def test_measured_budgets_of_a_cluster_are_snapped_and_the_note_keeps_what_moved() -> None:
+    from senseshield.strategies.base import BootstrapReport, EncryptionRate, budgets_per_cluster
+
+    def report(cid: str, rate: float) -> BootstrapReport:
+        return BootstrapReport(cid, 100, 1000.0, 8.0, encryption=EncryptionRate(rate, "packed-paillier/2048", 7.9))
+
+    fleet = [report("a", 90_000.0), report("b", 87_000.0), report("c", 45_000.0)]  # exact figures: no pooling
+    one = {r.client_id: 0 for r in fleet}
+    notes: dict = {}
+    budgets = budgets_per_cluster(fleet, one, notes=notes)  # the default tolerance, 5 %
+    assert budgets["a"] == budgets["b"] == 1.0 and budgets["c"] == pytest.approx(1.1025 ** -7)
+    assert notes["0"]["step"] == 1.1025 and set(notes["0"]["unsnapped"]) == {"b", "c"}
+    assert budgets_per_cluster(fleet, one, tolerance=None)["b"] < 1.0  # as reported: not snapped

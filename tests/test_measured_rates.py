@@ -165,3 +165,28 @@ def test_a_device_under_a_cpu_quota_gets_a_smaller_budget_and_fewer_local_steps(
     assert all(work[r]["c002"]["steps"] < work[r]["c002"]["full_steps"] for r in range(2, 6)), work
     assert report["straggling"]["median_ratio"] is not None
     assert report["final_accuracy"] > 0.8
+
+
+def test_the_encryption_rate_is_the_best_of_bursts_spread_over_the_window():
+    """measure_encryption times ``repeats`` bursts of one length, one per slot of
+    ``window_s / repeats`` (it sleeps until each slot; here a fake sleep records the slots
+    instead), and reports the best burst's rate; the profile's summary says so."""
+    import time
+
+    from edge_agent.profile import ProbeSummary, measure_encryption
+    from senseshield.errors import ConfigError
+    from senseshield.he import SCHEMES
+
+    public = SCHEMES.get("packed-paillier").generate(key_bits=1024).public_key
+    slots: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        slots.append(time.perf_counter() + seconds)
+
+    he = measure_encryption(public_key=public, budget_s=0.04, repeats=6, window_s=60.0, sleep=sleep)
+    assert he.spread.probes == 6 and he.encryptions_per_s == he.spread.high >= he.spread.median
+    assert len(slots) == 5  # the first burst starts at once
+    np.testing.assert_allclose(np.diff(slots), 10.0, atol=0.05)  # one burst per 60 s / 6
+    assert ProbeSummary.of(he.spread, "max").figure == "max" and ProbeSummary.of(he.spread).figure == "median"
+    with pytest.raises(ConfigError, match="repeats=0"):
+        measure_encryption(public_key=public, repeats=0)

@@ -8,6 +8,10 @@ Two budget modes:
   round times line up (at the time the quickest device needs with budget 1, or under the
   deadline).
 
+:func:`measured_budgets` gives budgets from measured encryption rates and bandwidths, and
+:func:`snap_budgets` puts budgets on a geometric grid anchored at 1, so that devices whose
+budgets differ by less than the grid's tolerance near the top get the same one.
+
 Pure functions over numpy arrays: no I/O, numeric parameters keyword-only.
 """
 
@@ -27,6 +31,7 @@ __all__ = [
     "measured_budgets",
     "predicted_round_seconds",
     "sigma_for_epsilon",
+    "snap_budgets",
 ]
 
 
@@ -106,6 +111,36 @@ def measured_budgets(*, encrypt_per_s: np.ndarray, bandwidth: np.ndarray, bytes_
     seconds = 1.0 / rate + float(bytes_per_encrypted) / (r * 1e6)
     capability = 1.0 / seconds
     return capability / capability.max()
+
+
+def snap_budgets(alphas: np.ndarray, *, tolerance: float) -> np.ndarray:
+    """Budgets snapped to the geometric grid ``1, s^-1, s^-2, ...`` with ``s = (1 + tolerance)^2``:
+    every budget goes to the grid level nearest to it in ratio (log distance; halfway between
+    two levels, the larger one)::
+
+        k_i = round(log(1 / alpha_i) / log s),   snapped_i = s^(-k_i)
+
+    so a budget moves by at most a factor ``1 + tolerance``, a device whose budget is within
+    ``1 + tolerance`` of 1 (the cluster's most capable device) gets 1, and budgets that differ
+    by less than that near the top are made equal. Order is kept (a larger budget never snaps
+    below a smaller one) and a device at half the top's budget gets about half (``s^-k``
+    nearest to 0.5). ``tolerance`` 0 returns the budgets unchanged.
+
+    ``alphas`` must be finite and lie in (0, 1]; ``tolerance`` finite and >= 0; otherwise
+    :class:`ConfigError`.
+    """
+    a = _positive_finite_vector("alphas", alphas)
+    if np.any(a > 1):
+        i = int(np.flatnonzero(a > 1)[0])
+        raise ConfigError(f"alphas[{i}]={float(a[i])!r} is not allowed; budgets lie in (0, 1].")
+    if not (isinstance(tolerance, (int, float, np.floating)) and not isinstance(tolerance, bool)
+            and math.isfinite(tolerance) and tolerance >= 0):
+        raise ConfigError(f"tolerance={tolerance!r} is not allowed; it must be a finite number >= 0.")
+    if tolerance == 0:
+        return a.copy()
+    step = 2.0 * math.log1p(float(tolerance))  # log s
+    k = np.ceil(np.log(1.0 / a) / step - 0.5)  # nearest k; a tie goes to the smaller k (larger budget)
+    return np.exp(-k * step)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from senseshield import defaults
 from senseshield.engine.clustering import nearest_cluster
-from senseshield.engine.budgets import encryption_budgets, measured_budgets
+from senseshield.engine.budgets import encryption_budgets, measured_budgets, snap_budgets
 from senseshield.engine.dp import check_clip, check_sigma
 from senseshield.engine.measurements import pool_agreeing
 from senseshield.engine.zones import check_unit, parse_ratio
@@ -70,8 +70,10 @@ class StrategyOptions(BaseModel):
         description=(
             "Relative tolerance added to every measured figure's probe interval [min, max] before "
             "budgets: devices whose widened intervals overlap count as equal and share the median "
-            "figure (declared figures are exact); 0 pools only overlapping probe intervals; None "
-            "uses every figure as reported (no pooling, as before)."
+            "figure (declared figures are exact); measured budgets are then snapped to the grid "
+            "1, s^-1, s^-2, ... with s = (1 + tolerance)^2 (within 1 + tolerance of the cluster's "
+            "top budget is 1). 0 pools only overlapping probe intervals and does not snap; None "
+            "uses every figure as reported (no pooling, no snapping)."
         ),
     )
     min_encryptors: int = Field(
@@ -627,11 +629,17 @@ def _budgets(reports: Sequence[BootstrapReport]) -> dict[str, float]:
     return {r.client_id: float(a) for r, a in zip(reports, alphas)}
 
 
-def measured_cluster_budgets(reports: Sequence[BootstrapReport]) -> tuple[dict[str, float], dict[str, Any]]:
+def measured_cluster_budgets(
+    reports: Sequence[BootstrapReport], *, tolerance: float | None = None
+) -> tuple[dict[str, float], dict[str, Any]]:
     """Budgets of one cluster from what its members measured
-    (:func:`senseshield.engine.budgets.measured_budgets`: values encrypted and sent per second)
-    when every member measured its encryption rate with the same scheme and key size; else the
-    paper's formula over bandwidth and the spec sheet's CPU speed, and the note says why."""
+    (:func:`senseshield.engine.budgets.measured_budgets`: values encrypted and sent per second,
+    relative to the cluster's most capable member) when every member measured its encryption
+    rate with the same scheme and key size, snapped to the grid of ``tolerance``
+    (:func:`senseshield.engine.budgets.snap_budgets`: within ``1 + tolerance`` of the top
+    budget is 1; None or 0: not snapped); else the paper's formula over bandwidth and the spec
+    sheet's CPU speed, and the note says why. The note keeps the budgets before snapping
+    (``unsnapped``) where snapping changed them."""
     rates = [r.encryption for r in reports]
     if not reports or any(e is None for e in rates):
         missing = [r.client_id for r, e in zip(reports, rates) if e is None]
@@ -648,10 +656,15 @@ def measured_cluster_budgets(reports: Sequence[BootstrapReport]) -> tuple[dict[s
         bandwidth=np.array([r.bandwidth for r in reports], dtype=np.float64),
         bytes_per_encrypted=float(np.mean(sizes)) if sizes else 0.0,
     )
-    return {r.client_id: float(a) for r, a in zip(reports, alphas)}, {
-        "mode": "measured", "method": methods[0],
-        "encrypt_per_s": {r.client_id: round(e.per_s, 1) for r, e in zip(reports, rates)},  # type: ignore[union-attr]
-    }
+    snapped = snap_budgets(alphas, tolerance=tolerance) if tolerance else alphas
+    note = {"mode": "measured", "method": methods[0],
+            "encrypt_per_s": {r.client_id: round(e.per_s, 1) for r, e in zip(reports, rates)}}  # type: ignore[union-attr]
+    if tolerance:
+        note["step"] = round((1.0 + tolerance) ** 2, 6)
+        moved = {r.client_id: round(float(a), 4) for r, a, b in zip(reports, alphas, snapped) if a != b}
+        if moved:
+            note["unsnapped"] = moved
+    return {r.client_id: float(a) for r, a in zip(reports, snapped)}, note
 
 
 def budgets_per_cluster(
@@ -673,7 +686,8 @@ def budgets_per_cluster(
     get one figure, so identical devices get identical budgets). ``mode="calibrated"`` then
     uses :func:`calibrated_cluster_budgets` (it needs ``size`` and the reports' measured
     ``costs``); ``"measured"`` (the default) :func:`measured_cluster_budgets` (the encryption rates
-    measured at join, the paper's formula in a cluster where one device did not measure);
+    measured at join, relative to the cluster's best and snapped to the grid of ``tolerance``;
+    the paper's formula in a cluster where one device did not measure);
     ``"paper"`` the paper's max-abs formula; ``notes`` (a dict) receives what was decided
     per cluster (with ``pooled``: the figures pooling changed), for the run's report.
     """
@@ -687,7 +701,7 @@ def budgets_per_cluster(
                 slack=tolerance or 0.0,
             )
         elif mode == "measured":
-            budgets, note = measured_cluster_budgets(members)
+            budgets, note = measured_cluster_budgets(members, tolerance=tolerance)
         else:
             budgets, note = _budgets(members), {"mode": "paper"}
         out.update(budgets)
