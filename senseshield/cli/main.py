@@ -595,13 +595,13 @@ def main() -> None:
     try:
         app()
     except (ConfigError, SenseShieldError) as exc:
-        console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except ModuleNotFoundError as exc:  # a package of an extra this install lacks (senseshield.extras)
-        sentence = missing_sentence(exc)
+        sentence = missing_sentence(exc, prefer="lab")  # this command is the operator's (lab) tool
         if sentence is None:
             raise
-        console.print(f"[bold red]error:[/] {sentence}", highlight=False, soft_wrap=True)
+        console.print(f"[bold red]error:[/] {escape(sentence)}", highlight=False, soft_wrap=True)
         sys.exit(2)
 
 
