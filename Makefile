@@ -1,6 +1,8 @@
 # SenseShield: two commands do all the set-up on a fresh machine.
-#   make test   create .venv if missing, install the project with its dev extras, run the suite
+#   make test   create .venv if missing, install the project with every extra, run the suite
 #   make demo   create .venv if missing, install, run the main job
+# Both install `.[all,dev]`: the servers, simulation, plots and the test tools. A device needs
+# only `pip install senseshield` (docs/pi.md#install-targets).
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -35,7 +37,7 @@ broker:
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet -e ".[all,dev]"
 	touch $(STAMP)
 
 test: $(STAMP) broker

@@ -70,6 +70,12 @@ def serve(
     if metrics_port is not None and not 0 < metrics_port < 65536:
         fail(f"--metrics-port {metrics_port} is not allowed; use a port in 1..65535.")
     starting("coordinator", "coordinator", broker, fleet)  # before the imports below
+    from senseshield.extras import require
+
+    try:  # clustering and the privacy accountant (`pip install senseshield` alone is a device's install)
+        require(("sklearn", "scipy", "opacus"), "The coordinator")
+    except ConfigError as exc:
+        fail(str(exc))
     from coordinator.jobs import OPEN
     from coordinator.service import Coordinator
     from senseshield.runtime.service import leave

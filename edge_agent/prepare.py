@@ -14,7 +14,8 @@ from senseshield.data import load_dataset
 from senseshield.data.local import describe_data, load_local_data
 from senseshield.data.shards import shards
 from senseshield.errors import ConfigError
-from senseshield.job import Job, announced_run, device_index, initial_model
+from senseshield.extras import require
+from senseshield.job import Job, announced_run, device_index, initial_model, opacus_use
 from senseshield.rounds import LocalData
 from senseshield.runtime.protocol.messages import FleetConfig
 
@@ -47,6 +48,9 @@ def prepare(msg: FleetConfig, spec: DataSpec, agent_id: str, *, rebuild_initial:
     from senseshield.training import layout_of
 
     config, strategy, _ = announced_run(msg.config)
+    why = opacus_use(config, strategy)
+    if why is not None:  # `pip install senseshield` alone has no Opacus: decline, saying what to install
+        require(("opacus",), f"This job ({why})")
     if config.data is not None or spec.sources:
         data = own_data(config, msg, spec)
         index, count = spec.index if spec.index is not None else device_index(agent_id), 1

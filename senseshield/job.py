@@ -376,6 +376,20 @@ def noise_multipliers(
     return user, record
 
 
+def opacus_use(config: Job, strategy: Strategy) -> str | None:
+    """Why a device taking ``config`` needs Opacus (None: it does not): DP-SGD rounds train
+    through Opacus' PrivacyEngine, and with ``target_epsilon`` a device calibrates the noise
+    multipliers it checks the plans against with Opacus' accountant (as
+    :func:`noise_multipliers` does). Opacus comes with the ``dp`` extra (senseshield.extras)."""
+    rounds = range(1, config.rounds + 1)
+    if any(strategy.round_plan(r).dpsgd for r in rounds):
+        return f"strategy {config.strategy!r} trains with DP-SGD"
+    if (strategy.dp_level is not None and config.options.target_epsilon is not None
+            and any(strategy.user_dp_round(r) for r in rounds)):
+        return f"its noise is calibrated to target_epsilon {config.options.target_epsilon:g}"
+    return None
+
+
 def announced_run(config: dict) -> tuple[Job, Strategy, str | None]:
     """The run a ``fleet/config`` message announces (its ``config`` field), checked before a
     service acts on it: (job, strategy, HE scheme); :class:`ProtocolError` naming the
@@ -397,4 +411,5 @@ def announced_run(config: dict) -> tuple[Job, Strategy, str | None]:
 
 
 __all__ = ["Job", "Selection", "announced_run", "build_job_model", "device_index", "job_from_dict", "job_shape",
-           "load_job", "with_shape", "effective_scheme", "initial_model", "key_pair", "noise_multipliers", "train_config"]
+           "load_job", "with_shape", "effective_scheme", "initial_model", "key_pair", "noise_multipliers", "opacus_use",
+           "train_config"]

@@ -590,7 +590,19 @@ BAD_INVENTORIES = {
 }
 
 
-@pytest.mark.parametrize("case", [*BAD_INVENTORIES, "missing-ca"])
+# a host's senseshield_python as the first play reads it (Python version, then glibc): JetPack
+# 4.6, Raspberry Pi OS Bullseye; and an interpreter that does not exist
+OLD_HOSTS = {
+    "jetpack-4.6": ("3 6", "glibc 2.27",
+                    r"Host agent-a: \S+ is Python 3\.6 on glibc 2\.27, and SenseShield needs Python 3\.10 or newer "
+                    r"\(senseshield_python\) on glibc 2\.28 or newer .*JetPack 4\.6 \(Ubuntu 18\.04, the original Jetson "
+                    r"Nano's last\).*docs/pi\.md#boards"),
+    "bullseye": ("3 9", "glibc 2.31", r"Host agent-a: \S+ is Python 3\.9 on glibc 2\.31, and SenseShield needs"),
+    "no-python": (None, None, r"Host agent-a: \S+/no-such-python does not run, and SenseShield needs Python 3\.10"),
+}
+
+
+@pytest.mark.parametrize("case", [*BAD_INVENTORIES, "missing-ca", *OLD_HOSTS])
 def test_bad_input_fails_early_naming_the_host_and_the_variable(tmp_path, case):
     root = tmp_path / "fleet"
     extra: list[str] = []
@@ -598,6 +610,14 @@ def test_bad_input_fails_early_naming_the_host_and_the_variable(tmp_path, case):
     if case == "missing-ca":
         extra = ["-e", "senseshield_ca_create=false", "-e", f"senseshield_ca_cert={tmp_path}/no-such-ca.crt"]
         expected = rf"Host [\w-]+: senseshield_ca_cert '{re.escape(str(tmp_path))}/no-such-ca.crt' does not exist"
+    elif case in OLD_HOSTS:  # agent-a's interpreter reports an old Python and glibc (or is missing)
+        version, glibc, expected = OLD_HOSTS[case]
+        python = tmp_path / ("python3" if version else "no-such-python")
+        if version:
+            python.write_text(f"#!/bin/sh\nprintf '%s\\n' '{version}' '{glibc}'\n")
+            python.chmod(0o755)
+        (tmp_path / "extra.yml").write_text(f"all:\n  hosts:\n    agent-a: {{senseshield_python: {python}}}\n")
+        inventories = ("inventory/sandbox", str(tmp_path / "extra.yml"))
     else:
         text, expected = BAD_INVENTORIES[case]
         (tmp_path / "extra.yml").write_text(text)

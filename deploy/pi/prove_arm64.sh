@@ -26,9 +26,11 @@
 #   6. prints the max absolute difference (deploy/pi/compare.py; exits 1 above 1e-5);
 #   7. with AGENT=1: builds this checkout's wheel on x86, pip-installs it in the same venv
 #      under -cpu cortex-a72 (the aarch64 interpreter evaluates pyproject's torch markers and
-#      resolves the agent's other dependencies from PyPI), prints the venv's size again,
-#      and runs deploy/pi/simulate_check.py (the project's own training: simulate of a
-#      3-client, 2-round MLP job, train_threads 2) under cortex-a72 and on x86.
+#      resolves the agent's other dependencies from PyPI), prints the venv's size (the lean
+#      device install, `pip install senseshield`), adds the `lab` extra (simulate and the
+#      built-in digits data need scikit-learn), prints the size again, and runs
+#      deploy/pi/simulate_check.py (the project's own training: simulate of a 3-client,
+#      2-round MLP job, train_threads 2) under cortex-a72 and on x86.
 #
 # Environment: TORCH (default 2.9.1), CPUS (default "cortex-a72 cortex-a76 cortex-a57"),
 # THREADS (default 2), AGENT (default 0), X86_PYTHON (default .venv/bin/python of this
@@ -137,7 +139,10 @@ if grep -qi '^nvidia-\|^triton' "$work/pip-list-agent.txt"; then
     exit 1
 fi
 grep -i '^torch==' "$work/pip-list-agent.txt"
-echo "venv size with the agent: $(du -sm "$root$venv" | cut -f1) MB"
+echo "venv size with the agent (the lean device install): $(du -sm "$root$venv" | cut -f1) MB"
+echo "== the lab extra (simulate_check.py: scikit-learn for the digits data and clustering)"
+arm cortex-a72 "$venv/bin/python" -m pip install -q --no-cache-dir --progress-bar off "/tmp/$whl[lab]"
+echo "venv size with the agent and [lab]: $(du -sm "$root$venv" | cut -f1) MB"
 cp "$here/simulate_check.py" "$root/tmp/"
 arm cortex-a72 "$venv/bin/python" /tmp/simulate_check.py /tmp/sim-arm64.json
 cp "$root/tmp/sim-arm64.json" "$work/"

@@ -5,7 +5,8 @@
 #   sudo deploy/pi/prove_arm64_fleet.sh [WORKDIR]     # default WORKDIR: /tmp/senseshield-arm64
 #
 # Needs the root and venv of `AGENT=1 deploy/pi/prove_arm64.sh WORKDIR` (Debian bookworm
-# arm64, /opt/agent with torch 2.9.1 and the agent), mosquitto, and this checkout's x86
+# arm64, /opt/agent with torch 2.9.1, the agent and its `lab` extra: c000's shard of the
+# built-in digits data is read from scikit-learn's data file), mosquitto, and this checkout's x86
 # interpreter ($X86_PYTHON) with its dev extras (ansible-core). Not part of `make test`:
 # about 6 minutes on a busy 2-core machine. It runs itself at nice 10. Steps:
 #   1. registers a binfmt_misc handler for aarch64 (deploy/pi/binfmt.sh: flag F, so it works

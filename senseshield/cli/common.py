@@ -10,6 +10,7 @@ from typing import Any, Optional
 import typer
 from pydantic import ValidationError
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from senseshield.errors import STORAGE_EXIT, ConfigError, StorageError
@@ -19,8 +20,9 @@ out = Console()  # results
 
 
 def fail(message: str) -> None:
-    """Print ``error: <message>`` on stderr and exit with code 2."""
-    console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    """Print ``error: <message>`` on stderr and exit with code 2 (``message`` as written: its
+    brackets, e.g. ``senseshield[dp]``, are not markup)."""
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(2)
 
 
@@ -34,7 +36,7 @@ def storage_stop(exc: StorageError, service: str, then: str) -> None:
     if logging.getLogger().handlers:  # a service: setup_logging
         logging.getLogger().error("%s", line)
     else:
-        console.print(f"[bold red]error:[/] {line}", highlight=False, soft_wrap=True)
+        console.print(f"[bold red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)
     raise typer.Exit(STORAGE_EXIT)
 
 

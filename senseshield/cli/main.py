@@ -590,10 +590,18 @@ def report_command(
 
 def main() -> None:
     """Console entry point: user mistakes exit 2 with one sentence, no traceback."""
+    from senseshield.extras import missing_sentence
+
     try:
         app()
     except (ConfigError, SenseShieldError) as exc:
-        console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except ModuleNotFoundError as exc:  # a package of an extra this install lacks (senseshield.extras)
+        sentence = missing_sentence(exc, prefer="lab")  # this command is the operator's (lab) tool
+        if sentence is None:
+            raise
+        console.print(f"[bold red]error:[/] {escape(sentence)}", highlight=False, soft_wrap=True)
         sys.exit(2)
 
 

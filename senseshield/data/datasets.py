@@ -113,7 +113,9 @@ def _sklearn_data_file(name: str) -> np.ndarray:
 
     spec = find_spec("sklearn")
     if spec is None or not spec.submodule_search_locations:
-        raise ConfigError("The built-in datasets need scikit-learn; install it with `pip install scikit-learn`.")
+        raise ConfigError(f"The built-in dataset {name.split('.')[0]!r} is read from scikit-learn's data file, and this "
+                          "install lacks scikit-learn; install it with `pip install 'senseshield[lab]'` (or scikit-learn "
+                          "alone; it is not imported).")
     path = Path(next(iter(spec.submodule_search_locations))) / "datasets" / "data" / name
     with gzip.open(path, "rt") as handle:
         return np.loadtxt(handle, delimiter=",")

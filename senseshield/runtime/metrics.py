@@ -77,6 +77,9 @@ def metrics_port(port: int | None, env: str) -> int | None:
             raise ConfigError(f"{where} is not allowed; give a port in 1..65535.") from None
     if not 0 <= port < 65536:
         raise ConfigError(f"{where} is not allowed; give a port in 1..65535.")
+    from senseshield.extras import require
+
+    require(("prometheus_client",), f"{where} (the Prometheus endpoint)")
     return port
 
 
