@@ -72,3 +72,28 @@ def test_the_coordinators_parts_do_not_touch_the_transport():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.split() == []
+
+
+def test_the_library_never_reaches_up_in_its_source():
+    """Every import statement of the library, at load time or inside a function: nothing
+    under ``senseshield/`` imports a role (coordinator, edge agent, key server), and nothing
+    outside ``senseshield/cli`` imports the command lines."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    reaching = []
+    for path in sorted((root / "senseshield").rglob("*.py")):
+        rel = path.relative_to(root)
+        for node in ast.walk(ast.parse(path.read_text(), str(rel))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                if name.split(".")[0] in ("coordinator", "edge_agent", "keyserver") or (
+                        name.startswith("senseshield.cli") and "cli" not in rel.parts):
+                    reaching.append(f"{rel}:{node.lineno} imports {name}")
+    assert reaching == []

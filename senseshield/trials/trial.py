@@ -51,7 +51,7 @@ from typing import Any, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from edge_agent.profile import DeviceProfile, load_profile
+from senseshield.profiles import DeviceProfile, load_declared
 from senseshield.runtime.broker import MosquittoProcess, mosquitto_binary
 from senseshield.errors import ConfigError
 
@@ -247,7 +247,7 @@ def plan_agents(spec: TrialSpec) -> tuple[list[AgentPlan], float]:
 
     entries = []
     for entry in spec.fleet:
-        base = load_profile(entry.profile)
+        base = load_declared(entry.profile)
         entries.extend([(entry, base)] * entry.count)
     shares = [e.cpu_share if e.cpu_share is not None else b.cpu_share for e, b in entries]
     if spec.scale == "auto":
