@@ -95,6 +95,17 @@ class JobBook:
                 return min(found, key=lambda r: r.submitted_at)
         return None
 
+    def cancel(self, job_id: str) -> tuple[JobRecord | None, str]:
+        """Cancel job ``job_id``: a queued one now; a waiting or running one is returned as it
+        is, for its loop to stop at its next step. (None, why) if it is not queued or running."""
+        record = self.get(job_id)
+        if record is None or record.state not in OPEN:
+            return None, f"job {job_id!r} is not queued or running" + ("" if record is None else f" (it is {record.state})")
+        if record.state == "queued":
+            self.set(record, state="cancelled", finished_at=time.time(), reason="cancelled before it started")
+            self.event(record, "cancelled before it started")
+        return record, ""
+
     def event(self, record: JobRecord, line: str) -> None:
         stamp = time.strftime("%H:%M:%S")
         record.events.append(f"{stamp} {line}")

@@ -31,9 +31,12 @@ from pathlib import Path
 import numpy as np
 
 from coordinator import roster
-from coordinator.accept import DUPLICATE, FOLD, LATE, REFUSED, SPARE, Late, accept_update, cluster_round_of
+from coordinator.accept import (
+    DUPLICATE, FOLD, LATE, REFUSED, SPARE, Late, accept_decline, accept_failure, accept_metrics, accept_update,
+    accept_vector, cluster_round_of,
+)
 from coordinator.drill import Drill
-from coordinator.jobs import OPEN, JobBook, JobRecord
+from coordinator.jobs import JobBook, JobRecord
 from coordinator.keylink import KeyLink
 from coordinator.metrics import METRICS_PORT_ENV, CoordinatorMetrics  # noqa: F401 (re-exported)
 from coordinator.report import FleetReport, report, round_failure, round_line, straggling_now  # noqa: F401
@@ -181,8 +184,8 @@ class Coordinator(Service):
             AggregateResult: self._on_result,
             ClusterModel: self._on_model,
             FleetConfig: self._on_foreign_config,
-            JobSubmit: self._on_submit,
-            JobCancel: self._on_cancel,
+            JobSubmit: self._on_request,
+            JobCancel: self._on_request,
         }.items():
             self.on(cls, handler)
         self.watch("keyserver", lambda online: online and self._resend_requests("the key server is back online"))
@@ -217,39 +220,29 @@ class Coordinator(Service):
             self.replies.pop(next(iter(self.replies)))
         self.send(f"jobs/replies/{reply.request_id}", reply)
 
-    def _on_submit(self, item: Inbound) -> None:
-        msg: JobSubmit = item.message  # type: ignore[assignment]
-        check_operator(self.trust, item)
-        if msg.request_id in self.replies:  # a repeat (the operator did not hear the answer)
-            self._reply(self.replies[msg.request_id])
-            return
-        try:
-            record = self.submit(job_from_dict(msg.job, where="job"), msg.nonce or None, signed=item.frame.raw,
-                                 operator=item.sender)
-            reply = JobReply(request_id=msg.request_id, accepted=True, job_id=record.id)
-        except ConfigError as exc:
-            self.log.warning("job refused: %s", exc)
-            reply = JobReply(request_id=msg.request_id, accepted=False, reason=str(exc))
-        self._reply(reply)
-
-    def _on_cancel(self, item: Inbound) -> None:
-        msg: JobCancel = item.message  # type: ignore[assignment]
+    def _on_request(self, item: Inbound) -> None:
+        """An operator's ``jobs/submit`` or ``jobs/cancel``, answered on ``jobs/replies/<id>``
+        (a repeated request, whose answer the operator did not hear, gets the same answer)."""
+        msg: JobSubmit | JobCancel = item.message  # type: ignore[assignment]
         check_operator(self.trust, item)
         if msg.request_id in self.replies:
             self._reply(self.replies[msg.request_id])
-            return
-        record = self.book.get(msg.job_id)
-        if record is None or record.state not in OPEN:
-            reason = f"job {msg.job_id!r} is not queued or running" + ("" if record is None else f" (it is {record.state})")
-            self._reply(JobReply(request_id=msg.request_id, accepted=False, reason=reason))
-            return
-        if record.state == "queued":
-            self.book.set(record, state="cancelled", finished_at=time.time(), reason="cancelled before it started")
-            self.book.event(record, "cancelled before it started")
+        elif isinstance(msg, JobCancel):
+            record, reason = self.book.cancel(msg.job_id)
+            if record is not None and record.state != "cancelled":
+                self.cancelled.add(record.id)  # the running job's loop stops at its next step
+            self._reply(JobReply(request_id=msg.request_id, accepted=record is not None,
+                                 job_id=record.id if record is not None else "", reason=reason))
+            if record is not None:
+                self._publish_board()
         else:
-            self.cancelled.add(record.id)  # the running job's loop stops at its next step
-        self._reply(JobReply(request_id=msg.request_id, accepted=True, job_id=record.id))
-        self._publish_board()
+            try:
+                record = self.submit(job_from_dict(msg.job, where="job"), msg.nonce or None, signed=item.frame.raw,
+                                     operator=item.sender)
+                self._reply(JobReply(request_id=msg.request_id, accepted=True, job_id=record.id))
+            except ConfigError as exc:
+                self.log.warning("job refused: %s", exc)
+                self._reply(JobReply(request_id=msg.request_id, accepted=False, reason=str(exc)))
 
     def _check_cancelled(self) -> None:
         if self.stopping.is_set():
@@ -399,28 +392,14 @@ class Coordinator(Service):
 
     def _on_bootstrap(self, item: Inbound) -> None:
         agent_id = check_sender(item)
-        s = self.state
-        info = s.agents.get(agent_id) if s is not None else None
-        if info is None:
-            raise ProtocolError(f"Bootstrap vector from {agent_id!r}, which has not said hello in this run.")
-        vector = item.message.sensitivity  # type: ignore[attr-defined]
-        if vector.size != s.size:
-            raise ProtocolError(f"Bootstrap vector of {agent_id!r} has {vector.size} values; the model has {s.size}.")
-        if s.plan is not None and info.vector is not None:
-            return  # the fleet is planned: a repeated vector changes nothing
-        info.vector = vector
-        if s.plan is not None and agent_id not in s.plan.cluster_of:
+        if accept_vector(self.state, agent_id, item.message.sensitivity):  # type: ignore[attr-defined]
             self._admit(agent_id)
 
     def _on_decline(self, item: Inbound) -> None:
         agent_id = check_sender(item)
         msg: Decline = item.message  # type: ignore[assignment]
-        s = self.state
-        if self.job is None or msg.run_id != s.run_id or agent_id in s.declined:
+        if not accept_decline(self.state if self.job is not None else None, msg, agent_id=agent_id):
             return
-        if agent_id in s.agents:  # it said hello to this job: it takes part, whatever it says now
-            raise ProtocolError(f"Decline of job {msg.run_id} from {agent_id!r}, which takes part in it; ignored.")
-        s.declined[agent_id] = msg.reason
         if msg.selected:
             self._event(f"agent {agent_id} refused the job: {msg.reason}")
         else:
@@ -433,22 +412,13 @@ class Coordinator(Service):
         the job's events (``job logs``, ``--follow``)."""
         agent_id = check_sender(item)
         msg: RoundFailure = item.message  # type: ignore[assignment]
-        r, s = item.round, self.state
-        if self.job is None or msg.run_id != s.run_id:
-            raise ProtocolError(f"Round failure of job {msg.run_id} from {agent_id!r}; the current job is "
-                                f"{s.run_id if s is not None else ''}.")
-        if msg.phase == "evaluation":
-            if r not in s.agent_rounds.get(agent_id, {}):
-                raise ProtocolError(f"Evaluation failure of {agent_id!r} for round {r}, which it was not in.")
-        else:
-            cr = self._cluster_round_of(agent_id, r, "round failure")
-            if agent_id in cr.updates:
-                raise ProtocolError(f"Round failure of {agent_id!r} for round {r}, whose update arrived; ignored.")
-            cr.failed[agent_id] = msg.reason
-        failed = s.agent_rounds[agent_id][r].setdefault("failed", {})
-        if msg.phase in failed:
-            return  # said once
-        failed[msg.phase] = msg.reason
+        r = item.round
+        try:
+            if not accept_failure(self.state if self.job is not None else None, msg, agent_id=agent_id, r=r):
+                return  # said once
+        except Late as late:
+            self._late(late)
+            raise
         if self.metrics_server is not None:
             self.metrics_server.failure(agent_id, r, msg.phase)
         what = "its round" if msg.phase == "round" else "evaluating the model of the round"
@@ -488,9 +458,7 @@ class Coordinator(Service):
         if not self._wait(lambda: self.keys.ready, left()):
             raise ConfigError(f"No public key from the key server within {timeout:g} s; is `keyserver serve` running for fleet {self.fleet!r}?")
         need = s.config.min_devices
-        needs_vector = s.strategy.needs_bootstrap_sensitivity
-        ready = lambda a: roster.ready(s.agents, a, needs_vector=needs_vector)  # noqa: E731
-        count = lambda: (sum(ready(a) for a in s.agents), len(s.declined))  # noqa: E731
+        count = lambda: (len(s.ready_agents()), len(s.declined))  # noqa: E731
         last, enough_at = None, None
         self.book.set(self.job, state="waiting")
         while True:
@@ -511,7 +479,7 @@ class Coordinator(Service):
             if end is not None and time.monotonic() >= end:
                 break
             self.pump(0.2)
-        ids = sorted(a for a in s.agents if ready(a))
+        ids = s.ready_agents()
         if len(ids) < need:
             raise ConfigError(f"{len(ids)} of the {need} devices job {self.job.id} needs joined fleet {self.fleet!r} within {timeout:g} s.")
         s.bootstrap(ids, block_size=self.keys.block_size)
@@ -543,23 +511,17 @@ class Coordinator(Service):
         if self.metrics_server is not None:
             self.metrics_server.round_started(r, s.plan.cluster_of, s.plan.budget_of)
 
-    def _cluster_round_of(self, agent_id: str, r: int, what: str):  # noqa: ANN202 - a ClusterRound
-        """coordinator.accept.cluster_round_of; a message for a closed round is noted late."""
-        if self.state is None:
-            raise ProtocolError(f"{what.capitalize()} from {agent_id!r}; no job is running.")
-        try:
-            return cluster_round_of(self.state, agent_id, r, what)
-        except Late as late:
-            self._late(late)
-            raise
-
     def _on_proposal(self, item: Inbound) -> None:
         agent_id = check_sender(item)
         msg: Proposal = item.message  # type: ignore[assignment]
         s = self.state
         check_facts(s.plan if s else None, s.agents if s else {}, s.size if s else 0, agent_id, "Proposal",
                     cluster=msg.cluster, size=msg.size)
-        cr = self._cluster_round_of(agent_id, item.round, "proposal")
+        try:
+            cr = cluster_round_of(s, agent_id, item.round, "proposal")
+        except Late as late:
+            self._late(late)
+            raise
         if cr.phase != "proposals":
             self._late(Late("", agent=agent_id, r=item.round, what="proposal", when=item.received))
             return
@@ -570,8 +532,6 @@ class Coordinator(Service):
         """An update: coordinator.accept decides (everything is checked before the update
         touches the round), then the outcome is applied."""
         agent_id, s = check_sender(item), self.state
-        if s is None:
-            raise ProtocolError(f"Update from {agent_id!r}; no job is running.")
         try:
             out = accept_update(s, item.message, agent_id=agent_id, r=item.round, nbytes=item.nbytes,  # type: ignore[arg-type]
                                 trust=self.trust, public=self.keys.public)
@@ -663,16 +623,8 @@ class Coordinator(Service):
         agent_id = check_sender(item)
         msg: Metrics = item.message  # type: ignore[assignment]
         s = self.state
-        if s is None or s.plan is None or agent_id not in s.plan.cluster_of:
-            raise ProtocolError(f"Metrics from {agent_id!r}, which is not in this run.")
-        r, k = item.round, s.plan.cluster_of[agent_id]
-        if msg.cluster != k:
-            raise ProtocolError(f"Metrics of {agent_id!r} are for cluster {msg.cluster}; it belongs to {k}.")
-        if not s.has_model(k, r, announced=self.keys.model_round(k)):
-            raise ProtocolError(f"Metrics of {agent_id!r} for round {r}, in which cluster {k} got no model (now round {s.round}).")
-        if (agent_id, r) in s.metrics:
+        if not accept_metrics(s, msg, agent_id=agent_id, r=item.round, announced=self.keys.model_round(msg.cluster)):
             return  # the first report of a round stands (agents repeat theirs after a restart)
-        s.metrics[(agent_id, r)] = msg
         s.uplink(agent_id, item.received, item.frame.sent_at)
         if self.metrics_server is not None:
             self.metrics_server.agent_round(agent_id, item.round, msg.timings)
@@ -805,7 +757,8 @@ class Coordinator(Service):
                 failure = round_failure(s.records[-1]) if s.records and s.records[-1]["round"] == r else None
                 if failure is not None:
                     raise JobFailed(failure)
-            self._wait_final_metrics()
+            want = s.final_metrics_wanted()  # a moment for the devices' metrics of the final models
+            self.wait_until(lambda: all((a, s.config.rounds) in s.metrics for a in want), 30.0)
             self.send("fleet/control", Notice(run_id=s.run_id, kind="done"), retain=True)
         except JobCancelled:
             end, reason = "cancelled", "cancelled by the operator"
@@ -841,11 +794,3 @@ class Coordinator(Service):
             self.store.clear_state()
         self.cancelled.discard(record.id)
         self.job = None
-
-    def _wait_final_metrics(self, timeout: float = 30.0) -> None:
-        """Give agents a moment to report their accuracy on the final models."""
-        s = self.state
-        last = s.config.rounds
-        updated = {k for k, r in s.model_round.items() if r == last}
-        want = {a for a, k in s.plan.cluster_of.items() if k in updated and s.online(a)}
-        self.wait_until(lambda: all((a, last) in s.metrics for a in want), timeout)

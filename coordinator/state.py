@@ -126,6 +126,11 @@ class JobState:
     def online(self, agent_id: str) -> bool:
         return roster.online(self.agents, agent_id)
 
+    def ready_agents(self) -> list[str]:
+        """The agents the strategy can plan: hello in and, if it needs one, the bootstrap vector."""
+        needs = self.strategy.needs_bootstrap_sensitivity
+        return sorted(a for a in self.agents if roster.ready(self.agents, a, needs_vector=needs))
+
     def full_steps_of(self, agent: str) -> int:
         """Local steps of full work of ``agent`` (its sample count, the job's epochs and batch)."""
         return budgets.full_steps_of(self, agent)
@@ -297,6 +302,13 @@ class JobState:
         self.completed = r
         self.in_flight = None
         return record
+
+    def final_metrics_wanted(self) -> set[str]:
+        """The devices online whose cluster got a model in the job's last round: their
+        metrics of it are waited for (a moment) before the job ends."""
+        last = self.config.rounds
+        updated = {k for k, r in self.model_round.items() if r == last}
+        return {a for a, k in self.plan.cluster_of.items() if k in updated and self.online(a)}
 
     def user_epsilons(self, *, records: list | None = None, pld: bool = False) -> Epsilons:
         """The run's epsilons so far (:func:`coordinator.report.user_epsilons`)."""
