@@ -16,9 +16,13 @@ import logging
 import os
 import signal
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from senseshield.errors import ConfigError
 from senseshield.runtime.files import write_atomic
+
+if TYPE_CHECKING:
+    from senseshield.runtime.service import Inbound
 
 
 def kill(log: logging.Logger, why: str) -> None:
@@ -47,15 +51,17 @@ class Drill:
         """Whether messages are counted (``--kill-at-message``)."""
         return bool(self.points)
 
-    def message_handled(self) -> None:
-        """One more inbound message handled: SIGKILL if that reaches a kill point not yet fired."""
+    def message_handled(self, item: Inbound) -> None:
+        """One more inbound message (``item``) handled: SIGKILL if that reaches a kill point not yet fired."""
         self.handled += 1
+        self.log.debug("fault drill: message %d: %s from %s (round %d)", self.handled, item.suffix, item.sender,
+                       item.round)
         due = [n for n in self.points if n <= self.handled and n not in self.fired]
         if due:
             self.fired.append(due[0])
         write_atomic(self.path, json.dumps({"handled": self.handled, "fired": self.fired}))
         if due:
-            kill(self.log, f"after message {self.handled} (kill point {due[0]})")
+            kill(self.log, f"after message {self.handled}, {item.suffix} from {item.sender} (kill point {due[0]})")
 
     def before_close(self, r: int, *, restarted: bool) -> None:
         """Round ``r`` has every verdict: SIGKILL if it is the drill's round (``restarted``: the

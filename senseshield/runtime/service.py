@@ -177,8 +177,8 @@ class Service:
         self.stopping = threading.Event()
         self.stop_signal: int | None = None  # the SIGTERM/SIGINT that stopped it (see leave)
         self.abandon_work = False  # True: a signal ends the service thread's work at once (Stopped)
-        # called on the service's thread after each inbound message is handled (or rejected)
-        self.after_message: Callable[[], None] | None = None
+        # called on the service's thread with each inbound message once it is handled (or rejected)
+        self.after_message: Callable[[Inbound], None] | None = None
         self.status_topic = status_topic
         self.peers: dict[str, Peer] = {}  # status topic -> watched peer
         will = None
@@ -279,7 +279,7 @@ class Service:
         else:
             self.guard(item.suffix, lambda: handler(item))
         if self.after_message is not None:
-            self.after_message()
+            self.after_message(item)
         return True
 
     def wait_until(self, predicate: Callable[[], bool], timeout: float | None = None, *,
