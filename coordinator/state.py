@@ -73,7 +73,9 @@ class JobState:
     # ---- progress -----------------------------------------------------------------------
     completed: int = 0  # rounds closed
     model_round: dict[int, int] = field(default_factory=dict)  # cluster -> round of its latest model
-    in_flight: dict | None = None  # the round under way when last saved: its number, start (and restart) time
+    # the round under way when last saved: its number, start (and restart) time, and the sampler
+    # before its draw (a restarted coordinator samples the round as it first did)
+    in_flight: dict | None = None
     sampler: np.random.Generator | None = None  # who is sampled each round (None: seeded from the job)
     user_accountant: Accountant = field(default_factory=Accountant)
     participations: dict[str, int] = field(default_factory=dict)  # user-DP rounds each agent was sampled in
@@ -189,27 +191,32 @@ class JobState:
         """Round ``r`` begins: devices offline now (last will) are not sampled until they are
         back; who joined (admitted after the bootstrap, or back online) and who left since the
         last round; budgets refined (:mod:`coordinator.budgets`), partial work planned, and the
-        round noted as in flight (after a restart: the time it first started, and a note)."""
+        round noted as in flight (after a restart: the time it first started, a note, and the
+        sampler as it was before the round's first draw, so the same devices are sampled)."""
         assert self.plan is not None
         o = self.config.options
         ids = sorted(self.plan.cluster_of)
         online = {a for a in ids if self.online(a)}
         self.joined, self.left = sorted(online - self.active) if r > 1 else [], sorted(self.active - online)
         self.active = online
+        flight = self.in_flight if self.in_flight and self.in_flight["round"] == r else None
+        if flight is not None and "sampler" in flight:  # the round again: the draw of its first start
+            self.sampler.bit_generator.state = flight["sampler"]
+        before = self.sampler.bit_generator.state
         sampled = set(ids) if o.sample_rate >= 1.0 else {a for a in ids if self.sampler.random() < o.sample_rate}
         self.round, self.clusters, self.notes = r, {}, []
         budgets.recalibrate(self, r, block_size=block_size, log=log)
         budgets.refresh_measured(self, r, block_size=block_size, log=log)
         self.steps_of = budgets.local_steps(self, r, sorted(sampled & online), log=log)
         self.round_started = now
-        restarted = self.in_flight.get("restarted_at") if self.in_flight and self.in_flight["round"] == r else None
+        restarted = flight.get("restarted_at") if flight is not None else None
         if restarted is not None:
-            self.round_started = self.in_flight["started_at"]
+            self.round_started = flight["started_at"]
             self.notes.append(
                 f"round {r}: the coordinator restarted during this round "
                 f"({time.strftime('%H:%M:%S', time.localtime(restarted))}, {restarted - self.round_started:.1f} s "
                 "after it started) and resumed it from the previous round's checkpoint")
-        self.in_flight = {"round": r, "started_at": self.round_started,
+        self.in_flight = {"round": r, "started_at": self.round_started, "sampler": before,
                           **({"restarted_at": restarted} if restarted is not None else {})}
         offline = sorted(sampled - online)
         if offline:  # known gone (last will): not sampled until they are back

@@ -142,3 +142,32 @@ def test_a_restarted_coordinator_takes_up_only_the_same_job_and_configuration(ca
     # a note of a round that is not the next one is dropped
     stale = JobState.from_json({**full_state().to_json(), "in_flight": {"round": 5, "started_at": 1.0}})
     assert take_up(fresh, stale).in_flight is None
+
+
+def test_a_restarted_round_samples_the_devices_its_first_start_sampled():
+    """A coordinator saved with round 1 in flight and taken up again opens round 1 with the
+    draw of its first start (not the sampler's next one), and round 2 as without a restart."""
+    from senseshield.strategies import StrategyOptions
+
+    job = with_shape(Job(strategy="plaintext", model="linear", clients=6, rounds=3,
+                         options=StrategyOptions(sample_rate=0.5)))
+    ids = [f"a{i}" for i in range(6)]
+
+    def planned() -> JobState:
+        s = JobState("j-1", job, SIZE, [1], 2)
+        s.agents = {a: AgentInfo(Hello(run_id="j-1", agent_id=a, n_samples=50, bandwidth=1.0, cpu_speed=1.0, index=i))
+                    for i, a in enumerate(ids)}
+        s.plan = FleetPlan(dict.fromkeys(ids, 0), dict.fromkeys(ids, 1.0))
+        return s
+
+    log = logging.getLogger("test")
+    first = planned()
+    first.open_round(1, block_size=1, now=1.0, log=log)
+    saved = JobState.from_json(json.loads(json.dumps(first.to_json())))  # killed with round 1 in flight
+    again = take_up(planned(), saved)
+    again.open_round(1, block_size=1, now=2.0, log=log)
+    assert again.sampled == first.sampled and 0 < len(first.sampled) < 6
+    assert any("the coordinator restarted during this round" in n for n in again.notes)
+    first.open_round(2, block_size=1, now=3.0, log=log)
+    again.open_round(2, block_size=1, now=3.0, log=log)
+    assert again.sampled == first.sampled
