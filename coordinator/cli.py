@@ -52,6 +52,7 @@ def serve(
     metrics_port: Annotated[Optional[int], typer.Option(help="Serve Prometheus metrics on this port (default: off, or $SENSESHIELD_METRICS_PORT).")] = None,
     metrics_host: Annotated[str, typer.Option(help="Address the Prometheus endpoint binds to (0.0.0.0: every interface; the metrics name every device).")] = "127.0.0.1",
     kill_before_close: Annotated[Optional[int], typer.Option(help="Fault drill: SIGKILL the coordinator once round R has every verdict, before it closes the round (not again after a restart).", hidden=True)] = None,
+    kill_at_message: Annotated[Optional[list[int]], typer.Option(help="Fault drill: SIGKILL the coordinator right after it handled the job's N-th inbound message, counted over restarts in --state-dir (each N once; repeatable).", hidden=True)] = None,
     mqtt: Mqtt = defaults.MQTT,
     ca_file: CaFile = None,
     username: Username = None,
@@ -116,7 +117,7 @@ def serve(
             broker, fleet=fleet, once=once, identity=me, trust=trusted, join_timeout=join_timeout, round_deadline=round_deadline,
             state_dir=state_dir, out_dir=out, protocol=check_mqtt(mqtt),
             max_frame_bytes=int(max_message_mb * 1e6), metrics_port=metrics_port,
-            metrics_host=metrics_host, kill_before_close=kill_before_close,
+            metrics_host=metrics_host, kill_before_close=kill_before_close, kill_at_message=kill_at_message or (),
         )
         # restarted with the same --job: the checkpointed job resumes, and a long-running
         # coordinator (a service restarted by its supervisor) does not run a finished one again

@@ -2,24 +2,24 @@
 
 A job is queued when submitted (``senseshield job submit``, or ``coordinator serve --job``),
 ``waiting`` while too few devices are ready, ``running``, then ``done``, ``failed`` or
-``cancelled``. One job runs at a time, in submission order. The book is written to
-``--state-dir`` after every change (so a restarted coordinator resumes the running job and
-keeps the queue) and published as the retained ``jobs/board`` message (what ``job list``,
-``job status`` and ``job logs`` read).
+``cancelled``. One job runs at a time, in submission order. Every change of a job's record
+is saved in the coordinator's store (:mod:`coordinator.store`: with ``--state-dir`` a
+restarted coordinator resumes the running job and keeps the queue) and the book is published
+as the retained ``jobs/board`` message (what ``job list``, ``job status`` and ``job logs`` read).
 """
 
 from __future__ import annotations
 
 import base64
-import json
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from senseshield.job import Job
-from senseshield.runtime.files import write_atomic
+
+if TYPE_CHECKING:
+    from coordinator.store import Store
 
 STATES = ("queued", "waiting", "running", "done", "failed", "cancelled")
 OPEN = ("queued", "waiting", "running")
@@ -62,15 +62,16 @@ class JobRecord:
 
 
 class JobBook:
-    """The queue and the finished jobs, persisted in ``path`` (None: memory only)."""
+    """The queue and the finished jobs, kept in ``store`` (None: a
+    :class:`~coordinator.store.MemoryStore` of its own)."""
 
-    def __init__(self, path: Path | None) -> None:
-        self.path = path
-        self.records: dict[str, JobRecord] = {}
-        if path is not None and path.exists():
-            for entry in json.loads(path.read_text()):
-                record = JobRecord(**entry)
-                self.records[record.id] = record
+    def __init__(self, store: Store | None = None) -> None:
+        if store is None:
+            from coordinator.store import MemoryStore
+
+            store = MemoryStore()
+        self.store = store
+        self.records: dict[str, JobRecord] = {record.id: record for record in store.load_jobs()}
 
     def add(self, job: Job, job_id: str | None = None, *, signed: bytes = b"", operator: str = "") -> JobRecord:
         """Queue ``job`` (a fresh id unless given), with the frame ``operator`` signed it in
@@ -94,16 +95,27 @@ class JobBook:
                 return min(found, key=lambda r: r.submitted_at)
         return None
 
+    def cancel(self, job_id: str) -> tuple[JobRecord | None, str]:
+        """Cancel job ``job_id``: a queued one now; a waiting or running one is returned as it
+        is, for its loop to stop at its next step. (None, why) if it is not queued or running."""
+        record = self.get(job_id)
+        if record is None or record.state not in OPEN:
+            return None, f"job {job_id!r} is not queued or running" + ("" if record is None else f" (it is {record.state})")
+        if record.state == "queued":
+            self.set(record, state="cancelled", finished_at=time.time(), reason="cancelled before it started")
+            self.event(record, "cancelled before it started")
+        return record, ""
+
     def event(self, record: JobRecord, line: str) -> None:
         stamp = time.strftime("%H:%M:%S")
         record.events.append(f"{stamp} {line}")
         del record.events[:-MAX_EVENTS]
-        self.save()
+        self.store.save_job(record)
 
     def set(self, record: JobRecord, **fields: Any) -> None:
         for name, value in fields.items():
             setattr(record, name, value)
-        self.save()
+        self.store.save_job(record)
 
     def board(self) -> list[dict[str, Any]]:
         """The jobs for ``jobs/board``: every open one and the newest others, oldest first."""
@@ -112,10 +124,3 @@ class JobBook:
         rest = [r for r in ordered if r.state not in OPEN][-max(MAX_BOARD - len(keep), 0):]
         return [{k: v for k, v in asdict(r).items() if k != "submission"}
                 for r in sorted(keep + rest, key=lambda r: r.submitted_at)]
-
-    def save(self) -> None:
-        if self.path is None:
-            return
-        # nothing secret: jobs, states and events (published on jobs/board) and the signed
-        # submissions (forwarded to the key server and the agents in fleet/config)
-        write_atomic(self.path, json.dumps([asdict(r) for r in self.records.values()]), mode=0o644)

@@ -44,6 +44,10 @@ class KeyLink:
         self.models: dict[int, tuple[int, np.ndarray]] = {}  # last announced model per cluster
         self.model_bytes: int | None = None  # the frame size of a model announcement
 
+    def for_job(self, run_id: str, scheme: str | None) -> "KeyLink":
+        """A fresh link for job ``run_id`` of HE scheme ``scheme``, sending the same way."""
+        return KeyLink(run_id, scheme, sign=self.sign, publish=self.publish, log=self.log)
+
     # ---- the key ------------------------------------------------------------------------
     @property
     def ready(self) -> bool:

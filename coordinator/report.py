@@ -1,22 +1,20 @@
 """The coordinator's report of a job: ``report.json`` (:class:`FleetReport`), the per-round
 records, the operator's round line and the straggling figures of the Prometheus endpoint.
 
-Everything here is computed from a :class:`RunView`, an explicit view of the state the
-coordinator keeps of a job (it holds references, not copies: build one when you need it),
-so a report can be built from a hand-made state without a broker (tests/test_coordinator_report.py).
+Everything here is computed from the job's state (:class:`coordinator.state.JobState`, read
+as it is), so a report can be built from a hand-made state without a broker
+(tests/test_coordinator_report.py).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from coordinator.roster import AgentInfo, online
+from coordinator.roster import online
 from senseshield.accounting import Accountant, Epsilons, epsilons
-from senseshield.job import Job
 from senseshield.results import (
     ClientRecord,
     RoundRecord,
@@ -27,8 +25,9 @@ from senseshield.results import (
     weighted_metrics,
 )
 from senseshield.runtime.protocol.messages import Metrics
-from senseshield.strategies import FleetPlan
-from senseshield.strategies.base import Strategy
+
+if TYPE_CHECKING:
+    from coordinator.state import JobState
 
 
 class FleetReport(RunResult):
@@ -170,154 +169,120 @@ def failures(agent_rounds: dict[str, dict[int, dict]]) -> list[dict]:
     return sorted(out, key=lambda f: (f["round"], f["agent"], f["phase"]))
 
 
-@dataclass
-class RunView:
-    """The state of a job a report is built from (the coordinator's, by reference)."""
+def agent_rounds_of(state: JobState, agent_id: str) -> dict[str, dict]:
+    """report.json ``agents[].rounds`` of ``agent_id``, on the coordinator's clock (its
+    estimated :func:`clock_offset`)."""
+    return agent_round_records(state.agent_rounds, state.metrics, agent_id,
+                               clock_offset(state.metrics, state.uplink_delays, agent_id))
 
-    fleet: str
-    run_id: str
-    config: Job
-    strategy: Strategy
-    scheme: str | None
-    metric_name: str
-    size: int
-    input_shape: list[int]
-    num_classes: int
-    round_deadline: float
-    plan: FleetPlan
-    agents: dict[str, AgentInfo]
-    records: list[dict]  # per closed round (the coordinator's round records, with their RoundTally)
-    metrics: dict[tuple[str, int], Metrics]
-    agent_rounds: dict[str, dict[int, dict]]
-    uplink_delays: dict[str, list[float]]
-    user_accountant: Accountant
-    participations: dict[str, int]
-    started: float = 0.0
-    bootstrap_seconds: float = 0.0
-    key_id: str | None = None
-    sigma_user: float | None = None
-    sigma_record: dict[str, float] | None = None
-    straggling: list[dict] | None = None  # events: agents a round closed without
-    refused: dict[str, str] | None = None
-    declined: dict[str, str] | None = None
-    rejected: Any = ()  # the latest rejection reasons
-    rejected_total: int = 0
 
-    def clock_offset(self, agent_id: str) -> float:
-        return clock_offset(self.metrics, self.uplink_delays, agent_id)
+def straggling_now(state: JobState) -> tuple[dict, float | None] | None:
+    """The straggling figures of the latest round with delivered updates and the median
+    ratio so far (None before any): what the Prometheus endpoint shows."""
+    from senseshield.trials.report import straggling_summary
 
-    def agent_round_records(self, agent_id: str, offset: float) -> dict[str, dict]:
-        return agent_round_records(self.agent_rounds, self.metrics, agent_id, offset)
+    agents = [{"id": a, "rounds": agent_rounds_of(state, a)} for a in sorted(state.plan.cluster_of)]
+    summary = straggling_summary(agents)
+    return (summary["rounds"][-1], summary["median_ratio"]) if summary["rounds"] else None
 
-    def user_epsilons(self, *, records: list | None = None, pld: bool = False) -> Epsilons:
-        return user_epsilons(self.config.options.delta, self.user_accountant, self.participations,
-                             records=records, pld=pld)
 
-    def training(self, agent_id: str, r: int | None = None) -> dict[str, float]:
-        """The ``training_*`` metrics of the agent's latest update delivered in round ``r`` or
-        before (None: in any round), as the simulator keeps a client's latest training figures."""
-        return latest_training(self.agent_rounds.get(agent_id, {}), r)
-
-    def straggling_now(self) -> tuple[dict, float | None] | None:
-        """The straggling figures of the latest round with delivered updates and the median
-        ratio so far (None before any): what the Prometheus endpoint shows."""
-        from senseshield.trials.report import straggling_summary
-
-        agents = [{"id": a, "rounds": self.agent_round_records(a, self.clock_offset(a))}
-                  for a in sorted(self.plan.cluster_of)]
-        summary = straggling_summary(agents)
-        return (summary["rounds"][-1], summary["median_ratio"]) if summary["rounds"] else None
-
-    def round_records(self) -> list[RoundRecord]:
-        """Per round: the tally plus accuracy from the agents' metrics (latest at or before r)."""
-        out = []
-        ids = sorted(self.plan.cluster_of)
-        by_agent: dict[str, dict[int, Metrics]] = {}
-        for (a, rr), m in self.metrics.items():
-            by_agent.setdefault(a, {})[rr] = m
-        for rec in self.records:
-            r = rec["round"]
-            pairs = []
-            for a in ids:
-                rounds = [rr for rr in by_agent.get(a, {}) if rr <= r]
-                if rounds:
-                    latest = by_agent[a][max(rounds)]
-                    pairs.append(({**latest.metrics, self.metric_name: latest.metric, **self.training(a, r)},
-                                  latest.n_test))
-            eps, eps_server = rec["user_epsilon"], rec.get("user_epsilon_server", rec["user_epsilon"])
-            if self.strategy.dp_level is not None:
-                agent_eps = [m.epsilon for (aid, rr), m in self.metrics.items() if rr == r and m.epsilon is not None]
-                eps = max([eps or 0.0, *agent_eps])
-                eps_server = max([eps_server or 0.0, *agent_eps])
-            record = rec["tally"].record(
-                r, self.strategy, metric_name=self.metric_name, metrics=weighted_metrics(pairs), seconds=rec["seconds"],
-                participants=rec["participants"], sample_rate=self.config.options.sample_rate,
-                sampled=rec.get("sampled"),
-                epsilon=eps, epsilon_server=eps_server, delta=self.config.options.delta,
-            )
-            out.append(record.model_copy(update={"joined": rec.get("joined", []), "left": rec.get("left", [])}))
-        return out
-
-    def report(self) -> FleetReport:
-        """The run's report: the simulator's fields plus per-agent phase timings and straggling."""
-        import platform
-
-        import torch
-
-        from senseshield.trials.report import straggling_summary
-
-        rounds = self.round_records()
-        latest: dict[str, Metrics] = {}
-        for (a, r), m in sorted(self.metrics.items(), key=lambda x: x[0][1]):
-            latest[a] = m
-        clients = []
-        agents = []
-        for a in sorted(self.plan.cluster_of):
-            hello = self.agents[a].hello if a in self.agents else None
-            ratios = [v["he_ratio"] for v in self.agent_rounds.get(a, {}).values() if "he_ratio" in v]
-            clients.append(ClientRecord(
-                id=a, cluster=self.plan.cluster_of[a], category=None,
-                encryption_budget=self.plan.budget_of[a], he_ratio=float(np.mean(ratios)) if ratios else 0.0,
-                accuracy=(latest[a].metric if a in latest else 0.0) if self.metric_name == "accuracy" else None,
-                metric=latest[a].metric if a in latest else None,
-                metrics={**(latest[a].metrics if a in latest else {}), **self.training(a)},
-                n_train=hello.n_samples if hello else 0, n_test=latest[a].n_test if a in latest else 0,
-                bandwidth=hello.bandwidth if hello else 0.0, cpu_speed=hello.cpu_speed if hello else 0.0,
-            ))
-            offset = self.clock_offset(a)
-            agents.append({"id": a, "profile": hello.profile if hello else {}, "online": online(self.agents, a),
-                           "clock_offset_s": offset,
-                           "inference": latest[a].inference if a in latest else {},
-                           "rounds": self.agent_round_records(a, offset)})
-        server = [{"round": rec["round"], "started_at": rec.get("started_at"), "finished_at": rec.get("finished_at"),
-                   "clusters": {str(k): v for k, v in rec["clusters"].items()}}
-                  for rec in self.records]
-        straggling = straggling_summary(agents)
-        o = self.config.options
-        dp = self.strategy.dp_level is not None
-        final = (self.user_epsilons(records=[m.dp_history for m in latest.values()], pld=True)
-                 if dp and rounds else None)
-        sigma_record = self.sigma_record or {}
-        return FleetReport(
-            strategy=self.config.strategy, scheme=self.scheme, dataset=self.config.dataset,
-            model=self.config.model, partition=self.config.partition, seed=self.config.seed,
-            num_params=self.size, num_clusters=len(self.plan.clusters), cluster_ari=None,
-            clustering_epsilon=o.cluster_epsilon if self.strategy.clusters_clients else None,
-            # None: no device reported the metric (e.g. every round failed)
-            final_accuracy=(rounds[-1].accuracy if rounds and rounds[-1].metrics else None)
-            if self.metric_name == "accuracy" else None,
-            metric_name=self.metric_name, final_metric=rounds[-1].metric if rounds else None,
-            seconds_total=time.time() - self.started, rounds=rounds, clients=clients,
-            config=self.config.model_dump(mode="json"),
-            machine={"python": platform.python_version(), "processor": platform.processor() or platform.machine(),
-                     "torch": torch.__version__},
-            delta=o.delta if dp else None, **privacy_fields(self.strategy, final),
-            noise_multiplier=self.sigma_user if self.sigma_user is not None else (max(sigma_record.values()) if sigma_record else None),
-            fleet=self.fleet, run_id=self.run_id, key_id=self.key_id if self.scheme else None,
-            input_shape=self.input_shape, num_classes=self.num_classes,
-            round_deadline=self.round_deadline, bootstrap_seconds=self.bootstrap_seconds,
-            agents=agents, server=server, straggling=straggling, straggling_events=self.straggling or [],
-            budgets=self.plan.budget_notes, failures=failures(self.agent_rounds),
-            refused=self.refused or {}, declined=self.declined or {},
-            rejected_messages=list(self.rejected), rejected_total=self.rejected_total,
+def round_records(state: JobState) -> list[RoundRecord]:
+    """Per closed round: the tally plus the metric from the agents' metrics (each agent's
+    latest at or before the round, with the training metrics of its latest update)."""
+    out = []
+    ids = sorted(state.plan.cluster_of)
+    by_agent: dict[str, dict[int, Metrics]] = {}
+    for (a, rr), m in state.metrics.items():
+        by_agent.setdefault(a, {})[rr] = m
+    for rec in state.records:
+        r = rec["round"]
+        pairs = []
+        for a in ids:
+            rounds = [rr for rr in by_agent.get(a, {}) if rr <= r]
+            if rounds:
+                latest = by_agent[a][max(rounds)]
+                pairs.append(({**latest.metrics, state.metric_name: latest.metric,
+                               **latest_training(state.agent_rounds.get(a, {}), r)}, latest.n_test))
+        eps, eps_server = rec["user_epsilon"], rec.get("user_epsilon_server", rec["user_epsilon"])
+        if state.strategy.dp_level is not None:
+            agent_eps = [m.epsilon for (aid, rr), m in state.metrics.items() if rr == r and m.epsilon is not None]
+            eps = max([eps or 0.0, *agent_eps])
+            eps_server = max([eps_server or 0.0, *agent_eps])
+        record = rec["tally"].record(
+            r, state.strategy, metric_name=state.metric_name, metrics=weighted_metrics(pairs), seconds=rec["seconds"],
+            participants=rec["participants"], sample_rate=state.config.options.sample_rate,
+            sampled=rec.get("sampled"),
+            epsilon=eps, epsilon_server=eps_server, delta=state.config.options.delta,
         )
+        out.append(record.model_copy(update={"joined": rec.get("joined", []), "left": rec.get("left", [])}))
+    return out
+
+
+def report(state: JobState, *, fleet: str, key_id: str | None = None, rejected: Any = (),
+           rejected_total: int = 0) -> FleetReport:
+    """The job's report: the simulator's fields plus per-agent phase timings and straggling
+    (``key_id``: the key server's key of the job; ``rejected``: the latest rejection reasons
+    of the coordinator, ``rejected_total`` how many in all)."""
+    import platform
+
+    import torch
+
+    from senseshield.trials.report import straggling_summary
+
+    config, strategy, plan = state.config, state.strategy, state.plan
+    rounds = round_records(state)
+    latest: dict[str, Metrics] = {}
+    for (a, r), m in sorted(state.metrics.items(), key=lambda x: x[0][1]):
+        latest[a] = m
+    clients = []
+    agents = []
+    for a in sorted(plan.cluster_of):
+        hello = state.agents[a].hello if a in state.agents else None
+        ratios = [v["he_ratio"] for v in state.agent_rounds.get(a, {}).values() if "he_ratio" in v]
+        training = latest_training(state.agent_rounds.get(a, {}))
+        clients.append(ClientRecord(
+            id=a, cluster=plan.cluster_of[a], category=None,
+            encryption_budget=plan.budget_of[a], he_ratio=float(np.mean(ratios)) if ratios else 0.0,
+            accuracy=(latest[a].metric if a in latest else 0.0) if state.metric_name == "accuracy" else None,
+            metric=latest[a].metric if a in latest else None,
+            metrics={**(latest[a].metrics if a in latest else {}), **training},
+            n_train=hello.n_samples if hello else 0, n_test=latest[a].n_test if a in latest else 0,
+            bandwidth=hello.bandwidth if hello else 0.0, cpu_speed=hello.cpu_speed if hello else 0.0,
+        ))
+        offset = clock_offset(state.metrics, state.uplink_delays, a)
+        agents.append({"id": a, "profile": hello.profile if hello else {}, "online": online(state.agents, a),
+                       "clock_offset_s": offset,
+                       "inference": latest[a].inference if a in latest else {},
+                       "rounds": agent_round_records(state.agent_rounds, state.metrics, a, offset)})
+    server = [{"round": rec["round"], "started_at": rec.get("started_at"), "finished_at": rec.get("finished_at"),
+               "clusters": {str(k): v for k, v in rec["clusters"].items()}}
+              for rec in state.records]
+    straggling = straggling_summary(agents)
+    o = config.options
+    dp = strategy.dp_level is not None
+    final = (state.user_epsilons(records=[m.dp_history for m in latest.values()], pld=True)
+             if dp and rounds else None)
+    sigma_record = state.sigma_record or {}
+    return FleetReport(
+        strategy=config.strategy, scheme=state.scheme, dataset=config.dataset,
+        model=config.model, partition=config.partition, seed=config.seed,
+        num_params=state.size, num_clusters=len(plan.clusters), cluster_ari=None,
+        clustering_epsilon=o.cluster_epsilon if strategy.clusters_clients else None,
+        # None: no device reported the metric (e.g. every round failed)
+        final_accuracy=(rounds[-1].accuracy if rounds and rounds[-1].metrics else None)
+        if state.metric_name == "accuracy" else None,
+        metric_name=state.metric_name, final_metric=rounds[-1].metric if rounds else None,
+        seconds_total=time.time() - state.started, rounds=rounds, clients=clients,
+        config=config.model_dump(mode="json"),
+        machine={"python": platform.python_version(), "processor": platform.processor() or platform.machine(),
+                 "torch": torch.__version__},
+        delta=o.delta if dp else None, **privacy_fields(strategy, final),
+        noise_multiplier=state.sigma_user if state.sigma_user is not None else (max(sigma_record.values()) if sigma_record else None),
+        fleet=fleet, run_id=state.run_id, key_id=key_id if state.scheme else None,
+        input_shape=state.input_shape, num_classes=state.num_classes,
+        round_deadline=state.round_deadline, bootstrap_seconds=state.bootstrap_seconds,
+        agents=agents, server=server, straggling=straggling, straggling_events=state.straggling,
+        budgets=plan.budget_notes, failures=failures(state.agent_rounds),
+        refused=state.refused, declined=state.declined,
+        rejected_messages=list(rejected), rejected_total=rejected_total,
+    )

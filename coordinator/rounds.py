@@ -77,6 +77,20 @@ class ClusterRound:
     sealed: dict | None = None  # positions left sealed (too few encryptors), engine.aggregation.aggregate_sealed
     held: tuple | None = None  # (refusal, arrival) while every attempt was refused and a later update may come
 
+    def fold(self, agent: str, update, note: UpdateNote, *, make, keep: bool) -> None:  # noqa: ANN001
+        """Fold ``agent``'s checked ``update`` (:mod:`coordinator.accept`) into the running
+        aggregate (``make()``: a fresh one, for the first update); ``keep``: the update is kept
+        too, so that a refusal at the fingerprint check can be retried without it. A bad
+        update raises ProtocolError in the fold and changes nothing."""
+        if self.running is None:
+            self.running = make()
+        t = time.perf_counter()
+        self.running.add(update)
+        self.timings["aggregate_streamed"] = self.timings.get("aggregate_streamed", 0.0) + time.perf_counter() - t
+        self.updates[agent] = note
+        if keep:
+            self.book.keep(agent, update, note)
+
     def record(self) -> dict:
         """The cluster's part of the round's record (report.json ``server[].clusters``)."""
         return {"members": self.members, "updates": sorted(self.updates), "straggled": self.straggled,

@@ -12,7 +12,9 @@ privacy draw comes from secret OS entropy (:mod:`senseshield.device_noise`), unl
 development-mode test hands the agent a replayable noise seed (``--dev-noise-seed``).
 
 paho reconnects after a broker or network loss; the agent then says hello again and
-re-sends its last update (the coordinator drops duplicates). SIGTERM ends it cleanly.
+re-sends its last update (the coordinator drops duplicates). A coordinator that comes back
+online (restarted, perhaps before it saved the job's bootstrap) hears its hello again, and
+its bootstrap vector until the agent has a cluster. SIGTERM ends it cleanly.
 """
 
 from __future__ import annotations
@@ -121,6 +123,7 @@ class RunState:
     done_rounds: set[int] = field(default_factory=set)
     timings: dict[int, dict[str, float]] = field(default_factory=dict)
     hello: Hello | None = None
+    vector: np.ndarray | None = None  # the bootstrap vector sent (again to a restarted coordinator)
     sent_metrics: dict[int, Metrics] = field(default_factory=dict)
     inference: dict[str, float] = field(default_factory=dict)  # onnxruntime latency of the model
     partial: bool = False  # its last round plan cut its local steps (see EdgeAgent._evaluate_new_model)
@@ -244,7 +247,8 @@ class EdgeAgent(Service):
             self.on(cls, handler)
         self.seeds: dict[tuple[str, int], bytes] = {}  # (run, round) -> the key server's challenge seed
         self.plan_cluster: dict[tuple[str, int], int] = {}  # (run, round) -> the cluster of its first plan
-        self.watch("coordinator")  # says so in the log when it is gone, and keeps waiting
+        # says so in the log when it is gone, and keeps waiting; says hello again when it is back
+        self.watch("coordinator", self._on_coordinator_status)
 
     # ---- handlers (they only record; the main loop acts) --------------------------------
     def _on_config(self, item: Inbound) -> None:
@@ -426,6 +430,17 @@ class EdgeAgent(Service):
                 r, frame = self.run.last_update
                 self.link.publish(f"agents/{self.agent_id}/update", frame)
 
+    def _on_coordinator_status(self, online: bool) -> None:
+        """The coordinator is (back) online: a restarted one resumes from what it saved, which
+        may be from before this agent's hello, so it hears the hello again, and the bootstrap
+        vector until the agent has a cluster (a repeat of either changes nothing there)."""
+        run = self.run
+        if not online or run is None or run.hello is None:
+            return
+        self.send(f"agents/{self.agent_id}/hello", run.hello)
+        if run.vector is not None and run.cluster is None:
+            self.send(f"agents/{self.agent_id}/bootstrap", BootstrapVector(sensitivity=run.vector))
+
     def _leave_run(self) -> None:
         """Forget the current job (the key, its randomness pool and the data stay)."""
         if self.run is not None and self.run.cluster is not None:
@@ -488,6 +503,7 @@ class EdgeAgent(Service):
         if strategy.needs_bootstrap_sensitivity:
             if vector is None:
                 vector = self._bootstrap(run, strategy, model, data, index)
+            run.vector = vector
             self.send(f"agents/{self.agent_id}/bootstrap", BootstrapVector(sensitivity=vector))
         if strategy.needs_synthetic:
             fit_synthetic(run.client, data, num_classes=msg.num_classes, epsilon=config.options.synthetic_epsilon,

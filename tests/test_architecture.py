@@ -54,12 +54,12 @@ def test_the_front_door_exports_the_public_names_lazily():
 
 def test_the_coordinators_parts_do_not_touch_the_transport():
     """coordinator/service.py wires the parts to MQTT; each part (job book, roster, rounds and
-    their checks, key-server link, reporter, checkpoint, metrics, contributions) imports neither the broker
-    client nor the service, nor torch (the report imports it only when it builds one); nor
-    do the key server's and the agent's parts (keyserver.state, keyserver.verify, edge_agent.dataspec, prepare, costs,
-    round, evaluate)."""
-    parts = tuple(f"coordinator.{p}" for p in ("jobs", "contributions", "keylink", "metrics", "checkpoint", "report",
-                                                 "roster", "rounds")) + (
+    their checks, an update's acceptance, budgets, the job's state and its store, key-server link,
+    reporter, metrics, contributions, fault drills) imports neither the broker client nor the service,
+    nor torch (the report imports it only when it builds one); nor do the key server's and the
+    agent's parts (keyserver.state, keyserver.verify, edge_agent.dataspec, prepare, costs, round, evaluate)."""
+    parts = tuple(f"coordinator.{p}" for p in ("jobs", "contributions", "keylink", "metrics", "report", "roster",
+                                                 "rounds", "accept", "budgets", "state", "store", "drill")) + (
         "keyserver.state", "keyserver.verify", "edge_agent.dataspec", "edge_agent.prepare", "edge_agent.costs",
         "edge_agent.round", "edge_agent.evaluate")
     code = (

@@ -1,4 +1,4 @@
-"""The coordinator's report (coordinator.report) from a hand-made job state, no broker: the
+"""The coordinator's report (coordinator.report) from a hand-made job state (JobState), no broker: the
 metric is the agents' test metrics weighted by test samples, agents' timestamps move onto the
 coordinator's clock by their estimated offset, busy time and straggling follow, and the
 operator's round line says what happened."""
@@ -7,16 +7,17 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.report import RunView, clock_offset, round_failure, round_line
+from coordinator.report import clock_offset, report, round_failure, round_line, round_records, straggling_now
 from coordinator.roster import AgentInfo
+from coordinator.state import JobState
 from senseshield.accounting import Accountant
 from senseshield.job import Job
 from senseshield.results import RoundTally
 from senseshield.runtime.protocol.messages import Hello, Metrics
-from senseshield.strategies import FleetPlan, build_strategy
+from senseshield.strategies import FleetPlan
 
 
-def _view() -> RunView:
+def _view() -> JobState:
     job = Job(strategy="plaintext", model="linear", clients=2, rounds=2, min_devices=2)
     tally = RoundTally()
     for a, n in (("a0", 500), ("a1", 700)):
@@ -41,38 +42,37 @@ def _view() -> RunView:
     agents = {a: AgentInfo(Hello(run_id="j-1", agent_id=a, n_samples=100, bandwidth=2.0, cpu_speed=1.0, index=i),
                            online=a == "a0")
               for i, a in enumerate(["a0", "a1"])}
-    return RunView(
-        fleet="f", run_id="j-1", config=job, strategy=build_strategy(job.strategy, job.options), scheme=None,
-        metric_name="accuracy", size=10, input_shape=[4], num_classes=2, round_deadline=30.0,
+    return JobState(
+        run_id="j-1", config=job, size=10, input_shape=[4], num_classes=2, round_deadline=30.0,
         plan=FleetPlan({"a0": 0, "a1": 0}, {"a0": 1.0, "a1": 1.0}), agents=agents, records=[record],
         metrics=metrics, agent_rounds=agent_rounds, uplink_delays={"a0": [0.1]}, user_accountant=Accountant(),
-        participations={}, started=99.0, straggling=[], rejected=["bad frame"], rejected_total=3,
+        participations={}, started=99.0, straggling=[],
     )
 
 
 def test_a_report_from_a_hand_made_state():
     view = _view()
     assert clock_offset(view.metrics, view.uplink_delays, "a0") == 0.2
-    assert view.clock_offset("a1") == 0.0  # no uplink sample: one clock assumed
-    report = view.report()
-    assert report.rounds[0].accuracy == pytest.approx(0.65)  # (0.8 * 10 + 0.6 * 30) / 40
-    assert report.final_accuracy == pytest.approx(0.65) and report.rounds[0].left == ["a2"]
-    assert report.rounds[0].bytes_up == 1200 and report.rounds[0].participants == 2
-    a0, a1 = report.agents
+    assert clock_offset(view.metrics, view.uplink_delays, "a1") == 0.0  # no uplink sample: one clock assumed
+    result = report(view, fleet="f", rejected=["bad frame"], rejected_total=3)
+    assert result.rounds[0].accuracy == pytest.approx(0.65)  # (0.8 * 10 + 0.6 * 30) / 40
+    assert result.final_accuracy == pytest.approx(0.65) and result.rounds[0].left == ["a2"]
+    assert result.rounds[0].bytes_up == 1200 and result.rounds[0].participants == 2
+    a0, a1 = result.agents
     assert (a0["online"], a1["online"]) == (True, False) and a0["clock_offset_s"] == 0.2
     r0 = a0["rounds"]["1"]
     assert r0["timestamps"]["start_at"] == pytest.approx(100.4)  # ready_at on the coordinator's clock
     assert r0["busy_s"] == pytest.approx(1.6) and a1["rounds"]["1"]["busy_s"] == pytest.approx(0.6)
     assert r0["delivered"] and r0["metric"] == 0.8 and r0["phases"] == {"train": 1.0}
-    last = report.straggling["rounds"][-1]
+    last = result.straggling["rounds"][-1]
     assert (last["slowest_agent"], last["fastest_agent"]) == ("a0", "a1")
     assert last["ratio"] == pytest.approx(1.6 / 0.6, abs=1e-3)
-    assert view.straggling_now()[0] == last
-    assert [c.accuracy for c in report.clients] == [0.8, 0.6]
-    assert report.server[0]["clusters"]["0"]["timings"]["decrypt"] == 0.2
-    assert (report.rejected_messages, report.rejected_total) == (["bad frame"], 3)
-    assert report.epsilon is None and report.key_id is None
-    report.model_validate(report.model_dump(mode="json"))  # what report.json holds reads back
+    assert straggling_now(view)[0] == last
+    assert [c.accuracy for c in result.clients] == [0.8, 0.6]
+    assert result.server[0]["clusters"]["0"]["timings"]["decrypt"] == 0.2
+    assert (result.rejected_messages, result.rejected_total) == (["bad frame"], 3)
+    assert result.epsilon is None and result.key_id is None
+    result.model_validate(result.model_dump(mode="json"))  # what result.json holds reads back
 
 
 def test_the_round_line():
@@ -95,11 +95,11 @@ def test_each_round_has_the_training_metrics_of_its_own_updates():
     view.records.append(second)
     view.agent_rounds["a0"][2] = {"cluster": 0, "training": {"training_loss": 1.0}}
     view.agent_rounds["a1"][2] = {"cluster": 0}  # no update in round 2
-    first, then = view.round_records()
+    first, then = round_records(view)
     assert first.metrics["training_loss"] == pytest.approx((2.0 * 10 + 4.0 * 30) / 40)
     assert then.metrics["training_loss"] == pytest.approx((1.0 * 10 + 4.0 * 30) / 40)
-    report = view.report()
-    assert report.clients[0].metrics["training_loss"] == 1.0 and report.agents[0]["rounds"]["2"]["training"] == {
+    result = report(view, fleet="f")
+    assert result.clients[0].metrics["training_loss"] == 1.0 and result.agents[0]["rounds"]["2"]["training"] == {
         "training_loss": 1.0}
 
 

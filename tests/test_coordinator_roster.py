@@ -69,6 +69,8 @@ def test_a_last_will_from_before_the_latest_reconnect_does_not_take_a_device_out
 
     from coordinator.roster import AgentInfo
     from coordinator.service import Coordinator
+    from coordinator.state import JobState
+    from senseshield.job import Job
     from senseshield.runtime.identity import Identity
     from senseshield.runtime.protocol.envelope import decode_frame
     from senseshield.runtime.protocol.messages import Hello, Status, to_frame
@@ -76,13 +78,14 @@ def test_a_last_will_from_before_the_latest_reconnect_does_not_take_a_device_out
 
     coordinator = Coordinator("mqtt://127.0.0.1:1", fleet="wills", state_dir=tmp_path, identity=Identity.generate("coordinator"))
     agent = Identity.generate("c000")
-    coordinator.agents = {"c000": AgentInfo(Hello(run_id="j", agent_id="c000", n_samples=10, bandwidth=1.0,
-                                                  cpu_speed=1.0), vector=np.zeros(1))}
-    coordinator.round, coordinator.round_deadline, coordinator.straggling = 1, 60.0, []  # no round open
+    coordinator.state = JobState("j", Job(strategy="plaintext", model="linear"), 1, [1], 2, round_deadline=60.0,
+                                 completed=1)  # no round open
+    coordinator.state.agents = {"c000": AgentInfo(Hello(run_id="j", agent_id="c000", n_samples=10, bandwidth=1.0,
+                                                        cpu_speed=1.0), vector=np.zeros(1))}
     frame = decode_frame(to_frame(Status(online=False), fleet="wills", sender="c000", round=0, signer=agent))
     before = _time.time()
     coordinator.link.connects, coordinator.link.connected_at = 2, before + 1.0  # reconnected after the will came
     coordinator._on_status(Inbound("agents/c000/status", frame, Status(online=False), received=before))
-    assert coordinator.agents["c000"].online
+    assert coordinator.state.agents["c000"].online
     coordinator._on_status(Inbound("agents/c000/status", frame, Status(online=False), received=before + 2.0))
-    assert not coordinator.agents["c000"].online
+    assert not coordinator.state.agents["c000"].online

@@ -319,6 +319,76 @@ def test_a_restarted_coordinator_resumes_from_its_checkpoint(mosquitto, tmp_path
     assert [r["accuracy"] for r in report["rounds"]] == pytest.approx([r.accuracy for r in sim.rounds], abs=1e-9)
 
 
+def run_with_kills(mosquitto, tmp_path: Path, config: Job, points: list[int], fleet: str) -> tuple[dict, str]:  # noqa: ANN001
+    """``config`` on 3 agents, the coordinator SIGKILLed after the job's ``points``-th inbound
+    messages (``--kill-at-message``, counted over restarts) and started again each time with
+    the same command line; the report and the coordinator's log."""
+    args = [arg for n in points for arg in ("--kill-at-message", str(n))]
+    options = FleetOptions(agents=3, out=tmp_path, broker=mosquitto.url, fleet=fleet, round_deadline=60,
+                           min_contributors=1, extra_coordinator_args=args)
+    kills = 0
+    with Fleet(config, options) as running:
+        running.start()
+        while True:
+            coordinator = running.processes["coordinator"]
+            wait_for(lambda: coordinator.poll() is not None, timeout=300)
+            if coordinator.returncode != -9 or kills > len(points):  # SIGKILL: the drill fired
+                break
+            kills += 1
+            running.restart("coordinator")  # the same command line again
+        report = running.wait(timeout=60)
+    log = (tmp_path / "logs" / "coordinator.log").read_text()
+    fired = [int(line.split("(kill point ")[1].rstrip(")")) for line in log.splitlines()
+             if "fault drill: killing myself (SIGKILL) after message" in line]
+    assert fired == sorted(points) and kills == len(points), (fired, kills)
+    return report, log
+
+
+def assert_the_simulators_job(tmp_path: Path, fleet: str, config: Job, report: dict) -> None:
+    """The job ended with the simulator's rounds, accuracies and final models (bit for bit)."""
+    sim = run_simulation(config)
+    assert [r["round"] for r in report["rounds"]] == list(range(1, config.rounds + 1))
+    assert [r["accuracy"] for r in report["rounds"]] == pytest.approx([r.accuracy for r in sim.rounds], abs=1e-9)
+    models = keyserver_models(tmp_path, fleet)
+    assert sorted(models) == sorted(sim.models)
+    for k, weights in sim.models.items():
+        assert np.array_equal(models[k], weights), f"cluster {k}: the key server's model differs from the simulator's"
+
+
+# The inbound messages of a plaintext (or masked) job of 3 agents and 3 rounds at its
+# coordinator, 33 without a kill: 1-6 the agents' and the key server's statuses, its own
+# fleet/config, the key; 7-9 the hellos (the bootstrap: nothing is saved before the fleet is
+# planned); 10-14 round 1's updates, its model and verdict; 15-22 round 2's, with the
+# metrics of round 1; 23-30 round 3's; 31-33 the metrics of the final models.
+KILL_POINTS = [8, 12, 20, 30, 32]  # a hello, an update, metrics mid-job, the last verdict, final metrics
+SLOW_POINTS = [n for n in range(1, 34) if n not in KILL_POINTS]
+
+
+@pytest.mark.parametrize("point", [
+    *KILL_POINTS, *(pytest.param(n, marks=pytest.mark.slow) for n in SLOW_POINTS)])
+def test_a_coordinator_killed_at_any_message_resumes_to_the_simulators_model(mosquitto, tmp_path, point):
+    """The coordinator SIGKILLed right after its ``point``-th inbound message (every one of
+    the job's 33 with make test-slow) and started again with the same command line: the job
+    ends with the simulator's accuracies and models."""
+    config = Job(strategy="plaintext", model="linear", clients=3, rounds=3)
+    report, _ = run_with_kills(mosquitto, tmp_path, config, [point], "kills")
+    assert_the_simulators_job(tmp_path, "kills", config, report)
+
+
+@pytest.mark.slow  # make test-slow: two jobs, 9 kills (~3 min on 2 cores)
+@pytest.mark.parametrize("model, strategy, points", [("mlp", "masked", [9, 14, 22, 29, 31]),
+                                                     ("linear", "plaintext", [8, 19, 33, 47])])
+def test_a_coordinator_killed_again_and_again_resumes_to_the_simulators_model(mosquitto, tmp_path, model, strategy,
+                                                                            points):
+    """Kill points counted over the restarts (``--kill-at-message`` repeated): the first kill
+    lands in the bootstrap, the others while restarted coordinators take the job up again or
+    run its rounds (a restart adds 6-9 messages: statuses, config, key, hellos again); the
+    job still ends as the simulator's."""
+    config = Job(strategy=strategy, model=model, clients=3, rounds=3)
+    report, _ = run_with_kills(mosquitto, tmp_path, config, points, "again")
+    assert_the_simulators_job(tmp_path, "again", config, report)
+
+
 def test_fleet_up_on_the_embedded_broker(tmp_path):
     from typer.testing import CliRunner
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from coordinator.store import SqliteStore
 from senseshield.errors import STORAGE_EXIT, StorageError
 from senseshield.job import Job
 from senseshield.runtime.files import write_atomic
@@ -139,11 +140,11 @@ def test_a_full_out_disk_stops_the_coordinator_with_one_sentence_and_the_job_res
             assert not (out / "report.json").exists()
             # the job is resumable: still running in the book, its checkpoint behind the key
             # server by the round whose model could not be saved
-            state = options.out / "state"
-            (record,) = json.loads((state / f"jobs-{fleet_name}.json").read_text())
-            assert record["state"] == "running"
-            checkpoint = json.loads((state / f"coordinator-{fleet_name}.json").read_text())
-            assert checkpoint["completed"] == 1
+            store = SqliteStore.open(options.out / "state", fleet_name)
+            (record,) = store.load_jobs()
+            assert record.state == "running"
+            assert store.load_state(record.id).completed == 1
+            store.close()
             with np.load(options.out / "keys" / f"models-{fleet_name}.npz") as data:
                 assert json.loads(bytes(data["meta"]).decode())["rounds"] == {"0": 2}
             (fs.path / "filler").unlink()  # space again

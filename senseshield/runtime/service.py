@@ -177,6 +177,8 @@ class Service:
         self.stopping = threading.Event()
         self.stop_signal: int | None = None  # the SIGTERM/SIGINT that stopped it (see leave)
         self.abandon_work = False  # True: a signal ends the service thread's work at once (Stopped)
+        # called on the service's thread with each inbound message once it is handled (or rejected)
+        self.after_message: Callable[[Inbound], None] | None = None
         self.status_topic = status_topic
         self.peers: dict[str, Peer] = {}  # status topic -> watched peer
         will = None
@@ -269,14 +271,15 @@ class Service:
             self.guard("reconnect", self.on_reconnect)
             return True
         peer = self.peers.get(item.suffix)
+        handler = self._handlers.get(type(item.message))
         if peer is not None and isinstance(item.message, Status):
             self.guard(item.suffix, lambda: self._on_peer_status(peer, item))
-            return True
-        handler = self._handlers.get(type(item.message))
-        if handler is None:
+        elif handler is None:
             self.reject(item.suffix, f"{item.message.schema_name!r} is not expected here")
-            return True
-        self.guard(item.suffix, lambda: handler(item))
+        else:
+            self.guard(item.suffix, lambda: handler(item))
+        if self.after_message is not None:
+            self.after_message(item)
         return True
 
     def wait_until(self, predicate: Callable[[], bool], timeout: float | None = None, *,
