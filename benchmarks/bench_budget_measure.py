@@ -2,7 +2,7 @@
 
 Each trial starts N processes at once (default 3, optionally beside a CPU hog pinned to CPU 0);
 each generates its own 2048-bit packed-Paillier key, as an agent does at join, then measures its
-encryption rate with `edge_agent.profile.measure_encryption` at the join's settings (0.15 s of
+encryption rate with `edge_agent.probes.measure_encryption` at the join's settings (0.15 s of
 CPU), and with --before-tree also with the measure_encryption of an older checkout of the code
 (e.g. `git worktree add /tmp/before COMMIT`, or `git archive COMMIT | tar -x -C /tmp/before`),
 the two in alternating order. The parent turns each method's figures and [min, max] into
@@ -29,13 +29,16 @@ from bench_budgets import machine
 
 CHILD = r"""
 import importlib.util, json, sys, warnings
+from pathlib import Path
 warnings.simplefilter("ignore")
-from edge_agent.profile import measure_encryption
+from edge_agent.probes import measure_encryption
 from senseshield.he import SCHEMES
 methods = {"after": measure_encryption}
 tree, first = sys.argv[1], sys.argv[2]
 if tree:
-    spec = importlib.util.spec_from_file_location("profile_before", f"{tree}/edge_agent/profile.py")
+    old = Path(tree) / "edge_agent" / "probes.py"  # the measuring's module (profile.py in older trees)
+    spec = importlib.util.spec_from_file_location(
+        "profile_before", old if old.exists() else Path(tree) / "edge_agent" / "profile.py")
     module = sys.modules["profile_before"] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     methods["before"] = module.measure_encryption

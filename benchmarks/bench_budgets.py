@@ -30,7 +30,7 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
-from edge_agent.profile import cpu_name
+from edge_agent.probes import cpu_name
 from senseshield.bench.budgets import cpu_hog, join, spread
 
 PROBES = {"before": {"probe": "single", "tolerance": None}, "after": {"probe": "robust", "tolerance": 0.05}}

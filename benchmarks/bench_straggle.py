@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_agent.profile import cpu_name
+from edge_agent.probes import cpu_name
 from senseshield.bench.budgets import join_budgets, spread
 from senseshield.job import Job
 from senseshield.runtime.fleet import FleetOptions, agent_ids, fleet_up

@@ -66,7 +66,7 @@ def join(
     setup_logging(log_level, f"agent:{agent_id or socket.gethostname()}")
     development(insecure_dev)
     starting("edge agent", agent_id or socket.gethostname(), broker, fleet)  # before the imports below
-    from edge_agent.profile import is_measured, load_profile
+    from edge_agent.probes import is_measured, load_profile
     from edge_agent.padlog import file_name
     from edge_agent.service import DataSpec, EdgeAgent
     from senseshield.runtime.service import leave

@@ -46,7 +46,7 @@ def measure_costs(config: Job, model, data: LocalData, public, profile: dict) ->
     ~0.5 s), and ciphertext bytes per value, with ``spread`` (min/max of the epochs and of
     the encryption calls). The first encryption also builds the key's tables, as
     round 1 would. The coordinator refines these from every round it sees."""
-    from edge_agent.profile import measure_encryption
+    from edge_agent.probes import measure_encryption
     from senseshield.training import torch_threads, train_local
 
     import copy

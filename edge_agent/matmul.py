@@ -1,6 +1,6 @@
-"""The matmul probes of the device profile (:func:`edge_agent.profile.measure_gflops`), in a
+"""The matmul probes of the device profile (:func:`edge_agent.probes.measure_gflops`), in a
 module that imports only torch: the agent runs them in a child process
-(:func:`edge_agent.profile.measure_gflops_apart`), which should load nothing else."""
+(:func:`edge_agent.probes.measure_gflops_apart`), which should load nothing else."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ def gflops_probes(n: int, probes: int, min_seconds: float, cpu_limit: float | No
     each), each probe repeating products for at least ``min_seconds`` of wall time, after one
     warm-up. A probe's figure is its flops per CPU-second of this process times the CPUs
     torch's threads may use (``min(threads, cpu_limit)``; ``cpu_limit``: CPUs this process's
-    cgroup allows, :func:`edge_agent.profile.cpu_limit`, None = unlimited): another process
+    cgroup allows, :func:`edge_agent.probes.cpu_limit`, None = unlimited): another process
     busy on the same cores takes wall time, not this process's CPU time, so it does not lower
     the figure; a CPU quota does."""
     import torch

@@ -12,19 +12,15 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from edge_agent.profile import (
+from edge_agent.probes import cpu_name, detect_board, load_profile, measure_bandwidth, measure_profile
+from edge_agent.profile import profile_command
+from senseshield.profiles import (
     DEFAULT_BANDWIDTH_MBPS,
-    LOOPBACK_BANDWIDTH_MBPS,
     DEFAULT_CLOCK_GHZ,
+    LOOPBACK_BANDWIDTH_MBPS,
     PROFILES_ENV,
     DeviceProfile,
-    cpu_name,
     cpu_speed_of,
-    detect_board,
-    load_profile,
-    measure_bandwidth,
-    measure_profile,
-    profile_command,
     profile_names,
 )
 from senseshield.errors import ConfigError

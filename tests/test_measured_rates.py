@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edge_agent.profile import cpu_limit, cpu_share, is_loopback
+from edge_agent.probes import cpu_limit, cpu_share, is_loopback
 
 pytestmark = pytest.mark.filterwarnings("ignore::senseshield.he.paillier.InsecureKeyWarning")
 
@@ -79,7 +79,7 @@ def test_a_cpu_quota_lowers_the_measured_encryption_rate_a_busy_neighbour_does_n
         script = textwrap.dedent(f"""
             import pickle, sys
             from pathlib import Path
-            from edge_agent.profile import measure_encryption
+            from edge_agent.probes import measure_encryption
             public = pickle.loads(Path({str(key)!r}).read_bytes())
             measure_encryption(public_key=public, budget_s=0.05)  # imports and tables, outside the quota
             if sys.argv[1] == "quota":
@@ -173,7 +173,7 @@ def test_the_encryption_rate_is_the_best_of_bursts_spread_over_the_window():
     instead), and reports the best burst's rate; the profile's summary says so."""
     import time
 
-    from edge_agent.profile import ProbeSummary, measure_encryption
+    from edge_agent.probes import ProbeSummary, measure_encryption
     from senseshield.errors import ConfigError
     from senseshield.he import SCHEMES
 

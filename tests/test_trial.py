@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 # trials own cgroups, namespaces and links: never two at a time (make test: --dist loadgroup)
 pytestmark = pytest.mark.xdist_group("trials")
 
-from edge_agent.profile import load_profile
+from edge_agent.probes import load_profile
 from senseshield.cli import app
 from senseshield.errors import ConfigError
 from senseshield.trials.trial import (

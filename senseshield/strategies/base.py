@@ -292,7 +292,7 @@ class EncryptionRate:
 
     @staticmethod
     def from_profile(profile: dict[str, Any] | None) -> "EncryptionRate | None":
-        """The rate of a hello profile (:class:`edge_agent.profile.DeviceProfile` fields
+        """The rate of a hello profile (:class:`senseshield.profiles.DeviceProfile` fields
         ``he_encryptions_per_s``, ``he_scheme``, ``he_key_bits``, ``he_bytes_per_value``); None
         when absent or malformed (the device then counts as not measured)."""
         profile = profile or {}
