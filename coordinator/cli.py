@@ -46,7 +46,7 @@ def serve(
     set_: Sets = None,
     round_deadline: Annotated[Optional[float], typer.Option(help="Seconds a round waits for updates (overrides every job's round_deadline).")] = None,
     join_timeout: Annotated[Optional[float], typer.Option(help="With --once: seconds a job waits for its devices before failing (default: forever).")] = None,
-    state_dir: Annotated[Optional[Path], typer.Option(help="Checkpoints and the job queue; a restarted coordinator resumes the running job.")] = None,
+    state_dir: Annotated[Optional[Path], typer.Option(help="The job queue and the running job's state (one SQLite file, coordinator-FLEET.sqlite); a restarted coordinator resumes the running job.")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Reports and models: OUT/jobs/<id>/ (with --once: OUT/ itself).")] = None,
     max_message_mb: Annotated[float, typer.Option(help="Refuse messages larger than this (MB).")] = 256.0,
     metrics_port: Annotated[Optional[int], typer.Option(help="Serve Prometheus metrics on this port (default: off, or $SENSESHIELD_METRICS_PORT).")] = None,
