@@ -81,7 +81,7 @@ def test_an_idle_agent_loads_no_heavy_runtime(mosquitto, tmp_path):
     assert "gflops" not in done.stderr  # no failure of the (child process) matmul benchmark
 
 
-@pytest.mark.parametrize("strategy", ["masked", "dpsgd"])
+@pytest.mark.parametrize("strategy", ["masked", pytest.param("dpsgd", marks=pytest.mark.slow)])  # dpsgd: make test-slow
 def test_an_agent_through_a_job_loads_nothing_a_device_install_lacks(mosquitto, tmp_path, strategy):
     """Two agents (`edge-agent join`, as `fleet up` starts them) through a 2-round MLP job on
     digits: they train (torch), evaluate (onnxruntime) and never load scikit-learn,

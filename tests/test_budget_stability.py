@@ -41,6 +41,7 @@ def _cpu_cgroup() -> tuple[str, Path] | None:
 
 
 @pytest.mark.skipif(_cpu_cgroup() is None, reason="needs root and a writable cpu cgroup controller")
+@pytest.mark.slow  # make test-slow: the default suite stays under 8 min on 2 cores
 def test_an_agent_with_half_a_cpu_gets_a_visibly_smaller_budget(mosquitto, tmp_path):
     """c002 runs inside a 50 % cgroup CPU quota from its start (the trials' way of making a
     device 2x slower): it measures half the others' encryption rate and gets about half their

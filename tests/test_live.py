@@ -161,7 +161,9 @@ def test_a_fleet_run_is_watched_live(mosquitto, tmp_path):
         wait_for(lambda: try_scrape(ks_url, "key server"), 60, "the key server's endpoint")
         with fleet.job_client() as client:
             job_id = client.submit(job)
-            wait_for(lambda: (s := try_scrape(co_url)) and (value(s, "senseshield_round") or 0) >= 1, 120, "round 1")
+            # round 1 closed and round 2 opened (the coordinator opens the next round just after it closes one)
+            wait_for(lambda: (s := try_scrape(co_url)) and (value(s, "senseshield_round") or 0) >= 1
+                     and (value(s, "senseshield_round_current") or 0) >= 2, 120, "round 2 open")
             paused = fleet.processes["c000"]
             os.kill(paused.pid, signal.SIGSTOP)  # its round waits for it: the job stays running
             try:

@@ -325,7 +325,10 @@ class Link:
     def clear_retained(self, suffix: str) -> None:
         with self._lock:
             self._retained.pop(suffix, None)
-        self._client.publish(topic(self.fleet, suffix), b"", qos=1, retain=True).wait_for_publish(10)
+        try:
+            self._client.publish(topic(self.fleet, suffix), b"", qos=1, retain=True).wait_for_publish(10)
+        except RuntimeError as exc:  # not connected: paho sends the queued QoS 1 message after the reconnect
+            log.warning("%s: clearing %s deferred (%s)", self.client_id, suffix, exc)
 
     # -- paho callbacks (network thread; must never raise) --------------------------------
     # VERSION2 callbacks get a ReasonCode for MQTT 5 and for 3.1.1 alike (paho maps the 3.1.1
