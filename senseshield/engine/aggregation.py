@@ -294,6 +294,13 @@ class ExactSum:
                 self.slices[i][positions] += part
             above = upto
 
+    def merge(self, other: "ExactSum") -> None:
+        """Add ``other``'s sums (the same positions): exact, as if its terms were added here."""
+        for i, part in other.slices.items():
+            if i not in self.slices:
+                self.slices[i] = np.zeros(self.size, dtype=np.float64)
+            self.slices[i] += part
+
     def value(self) -> np.ndarray:
         total = np.zeros(self.size, dtype=np.float64)
         for i in sorted(self.slices, reverse=True):  # low to high: a fixed order
@@ -382,6 +389,36 @@ class StreamingAggregate:
         self.withheld |= withheld is not None
         self.total_weight += int(n_samples)
         self.contributors.append(client_id)
+
+    def merge(self, other: "StreamingAggregate") -> None:
+        """Fold in ``other``, the running aggregate of other contributors of the same round and
+        cluster (a site's partial sum, :mod:`senseshield.engine.partial`): the result is the
+        aggregate of both sets of updates, bit for bit, however they were split.
+        :class:`ProtocolError`, changing nothing, if a contributor is in both or they do not fit."""
+        if (other.size, other.round, other.cluster, other.ragged) != (self.size, self.round, self.cluster, self.ragged):
+            raise ProtocolError(f"A partial sum of round {other.round} cluster {other.cluster} ({other.size} "
+                                f"parameters) cannot join round {self.round} cluster {self.cluster} ({self.size}).")
+        both = set(self.contributors) & set(other.contributors)
+        if both:
+            raise ProtocolError(f"A partial sum repeats contributor(s) {', '.join(sorted(both))} of round {self.round}.")
+        if (self.plains is None) != (other.plains is None):
+            raise ProtocolError("A partial sum without its contributors' plaintext parts cannot join a verifiable "
+                                "aggregate, or the reverse.")
+        if (other.accumulator is None) != (self.accumulator is None):
+            raise ProtocolError("A partial sum under a public key cannot join a plaintext aggregate, or the reverse.")
+        if other.accumulator is not None:
+            self.accumulator.merge(other.accumulator)
+        self.union |= other.union
+        self.plain.merge(other.plain)
+        self.position_weight += other.position_weight
+        self.encryptors += other.encryptors
+        self.plain_weight += other.plain_weight
+        self.masks.update(other.masks)
+        if self.plains is not None:
+            self.plains.update(other.plains)
+        self.withheld |= other.withheld
+        self.total_weight += other.total_weight
+        self.contributors.extend(other.contributors)
 
     def __len__(self) -> int:
         return len(self.contributors)

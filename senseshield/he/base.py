@@ -109,6 +109,20 @@ class Accumulator(ABC):
         recomputation adds only plaintext parts and calls this (verifiable schemes)."""
         raise NotImplementedError(f"{type(self).__name__} cannot recompute a plaintext fold.")
 
+    def merge(self, other: "Accumulator") -> None:
+        """Take in ``other``'s parts (a running aggregate of other contributors under the same
+        key: a site's partial sum), as if each had been added here; :class:`ProtocolError`,
+        changing nothing, when the two do not fit. A scheme whose running aggregate cannot
+        travel says so."""
+        raise ProtocolError(f"{type(self).__name__}: this scheme's running aggregates cannot be folded at a site; "
+                            "site aggregation folds the masked scheme and plaintext.")
+
+    def state(self) -> tuple[dict, dict[str, np.ndarray]]:
+        """What a partial sum carries of this running aggregate: JSON fields and 1-D arrays,
+        read back by :meth:`PublicKey.accumulator_from_state`."""
+        raise ProtocolError(f"{type(self).__name__}: this scheme's running aggregates cannot be folded at a site; "
+                            "site aggregation folds the masked scheme and plaintext.")
+
 
 class PartsAccumulator(Accumulator):
     """The generic accumulator: keeps the parts (memory grows with them) and calls the
@@ -176,6 +190,12 @@ class PublicKey(ABC):
         that decryption uses (packed Paillier's block weights, whose offsets it removes);
         None for a scheme without. The key server checks them against the signed counts."""
         return None
+
+    def accumulator_from_state(self, size: int, fields: dict, arrays: dict[str, np.ndarray]) -> Accumulator:
+        """The running aggregate :meth:`Accumulator.state` described (a site's partial sum),
+        every field checked against this key and ``size``; :class:`ProtocolError` otherwise."""
+        raise ProtocolError(f"The {self.scheme} scheme's running aggregates cannot be folded at a site; "
+                            "site aggregation folds the masked scheme and plaintext.")
 
     def verify_aggregate(self, aggregate: EncryptedVector, seed: bytes,
                          contributions: Sequence[tuple[bytes, int]], plain: bytes) -> bool:

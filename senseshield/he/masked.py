@@ -374,6 +374,9 @@ class MaskedPublicKey(PublicKey):
             accumulator.add(part)
         return accumulator.result(np.asarray(positions, dtype=np.int64))
 
+    def accumulator_from_state(self, size: int, fields: dict, arrays: dict[str, np.ndarray]) -> "MaskedAccumulator":
+        return MaskedAccumulator.from_state(self, size, fields, arrays)
+
     def accumulator(self, size: int) -> "MaskedAccumulator":
         return MaskedAccumulator(self, size)
 
@@ -579,6 +582,107 @@ class MaskedAccumulator(Accumulator):
     def fold(self, like: EncryptedVector) -> bytes:
         self.public_key.check(like)
         return _fold_bytes(self._fold(np.asarray(like.positions, dtype=np.int64), ring_of_words(like.payload)))
+
+    def merge(self, other: Accumulator) -> None:
+        """Add ``other``'s running sum (a site's partial sum of other contributors): the words
+        add modulo the ring and the plaintext parts join, so the result is the one of every
+        part added here; ProtocolError, changing nothing, if the rings, positions or weights
+        do not fit."""
+        if not isinstance(other, MaskedAccumulator) or other.public_key.key_id != self.public_key.key_id:
+            raise ProtocolError("A partial sum under another key cannot join a masked aggregate.")
+        if other.ragged != self.ragged:
+            raise ProtocolError("A partial sum of per-client masks cannot join one of a shared mask, or the reverse.")
+        if other.ring is not None:
+            if self.ring is not None and other.ring is not self.ring:
+                raise ProtocolError(f"A partial sum is masked modulo 2^{other.ring.bits}; the aggregate is modulo "
+                                    f"2^{self.ring.bits}, and every part of one aggregate must be in one ring.")
+            if self.weight + other.weight >= other.ring.max_total_weight:
+                raise ProtocolError(f"A partial sum of weight {other.weight} would take the aggregate's weight to "
+                                    f"{self.weight + other.weight}; the {other.ring.bits}-bit masked head-room stays "
+                                    f"below {other.ring.max_total_weight}.")
+            if not self.ragged and self.positions is not None and not np.array_equal(self.positions, other.positions):
+                raise ProtocolError("A partial sum masks other positions than the aggregate's; every contributor "
+                                    "of a masked aggregate masks the same positions.")
+            if self.ring is None:
+                self.ring, self.total = other.ring, np.zeros(0 if self.ragged else other.total.size, dtype=other.ring.dtype)
+                if not self.ragged:
+                    self.positions = other.positions.copy()
+            if self.ragged:
+                need = max(self.total.size, other.total.size)
+                total = np.zeros(need, dtype=self.ring.dtype)
+                covered = np.zeros(need, dtype=bool)
+                total[: self.total.size] += self.total
+                total[: other.total.size] += other.total  # modulo 2^bits
+                covered[: self.covered.size] |= self.covered
+                covered[: other.covered.size] |= other.covered
+                self.total, self.covered = total, covered
+            else:
+                self.total = self.total + other.total  # modulo 2^bits
+            self.weight += other.weight
+        self.plain.extend(other.plain)
+        self.count += other.count
+
+    def state(self) -> tuple[dict, dict[str, np.ndarray]]:
+        fields = {"ring_bits": self.ring.bits if self.ring is not None else 0, "weight": int(self.weight),
+                  "count": int(self.count), "ragged": self.ragged}
+        plain = self.plain
+        arrays = {
+            "total": self.total, "covered": self.covered.astype(np.uint8),
+            "positions": self.positions if self.positions is not None else np.zeros(0, dtype=np.int64),
+            "plain_lengths": np.array([where.size for where, _, _ in plain], dtype=np.int64),
+            "plain_weights": np.array([w for _, _, w in plain], dtype=np.int64),
+            "plain_positions": np.concatenate([w for w, _, _ in plain]) if plain else np.zeros(0, dtype=np.int64),
+            "plain_values": np.concatenate([v for _, v, _ in plain]) if plain else np.zeros(0),
+        }
+        return fields, arrays
+
+    @classmethod
+    def from_state(cls, public_key: MaskedPublicKey, size: int, fields: dict, arrays: dict[str, np.ndarray]) -> "MaskedAccumulator":
+        """The running sum :meth:`state` described, every field checked (a partial sum comes
+        from another process); ProtocolError naming what does not fit."""
+        acc = cls(public_key, size)
+        bits, weight, count = fields.get("ring_bits"), fields.get("weight"), fields.get("count")
+        if fields.get("ragged") is not acc.ragged:
+            raise ProtocolError("A partial sum's masks are per-client where the key's are shared, or the reverse.")
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (bits, weight, count)):
+            raise ProtocolError("A partial sum's ring, weight and count must be non-negative integers.")
+        need = ("total", "covered", "positions", "plain_lengths", "plain_weights", "plain_positions", "plain_values")
+        if any(name not in arrays for name in need):
+            raise ProtocolError(f"A masked partial sum needs the arrays {', '.join(need)}.")
+        lengths, weights = arrays["plain_lengths"].astype(np.int64), arrays["plain_weights"].astype(np.int64)
+        where, values = arrays["plain_positions"].astype(np.int64), arrays["plain_values"].astype(np.float64)
+        if lengths.size != weights.size or int(lengths.sum()) != where.size or where.size != values.size \
+                or np.any(lengths < 0) or np.any(weights < 1) or np.any((where < 0) | (where >= size)) \
+                or not np.all(np.isfinite(values)):
+            raise ProtocolError("A partial sum's plaintext parts are inconsistent (lengths, weights, positions "
+                                f"within 0..{size - 1}, finite values).")
+        starts = np.concatenate([[0], np.cumsum(lengths)])
+        acc.plain = [(where[a:b], values[a:b], int(w)) for a, b, w in zip(starts[:-1], starts[1:], weights)]
+        acc.count = count
+        if bits == 0:
+            if weight or arrays["total"].size or arrays["positions"].size:
+                raise ProtocolError("A partial sum without a ring carries masked words.")
+            return acc
+        ring = ring_of(bits) if bits in (32, 64) else None
+        if ring is None:
+            raise ProtocolError(f"A partial sum's ring is 2^{bits}; the masked scheme has rings of 32 and 64 bits.")
+        total = arrays["total"]
+        if total.dtype != ring.dtype or not weight or weight >= ring.max_total_weight:
+            raise ProtocolError(f"A partial sum in the {bits}-bit ring needs {np.dtype(ring.dtype).name} words and a "
+                                f"weight in 1..{ring.max_total_weight - 1}.")
+        acc.ring, acc.weight, acc.total = ring, weight, total.copy()
+        if acc.ragged:
+            covered = arrays["covered"].astype(bool)
+            if covered.size != total.size or total.size > size:
+                raise ProtocolError(f"A partial sum's per-position words and coverage must be as long, at most {size}.")
+            acc.covered = covered
+        else:
+            positions = arrays["positions"].astype(np.int64)
+            if positions.size != total.size or (positions.size and (positions[0] < 0 or positions[-1] >= size
+                                                                    or np.any(np.diff(positions) <= 0))):
+                raise ProtocolError(f"A partial sum's positions must be increasing within 0..{size - 1}, one per word.")
+            acc.positions = positions
+        return acc
 
 
 class MaskedSecretKey(SecretKey):
