@@ -53,6 +53,7 @@ def serve(
     metrics_host: Annotated[str, typer.Option(help="Address the Prometheus endpoint binds to (0.0.0.0: every interface; the metrics name every device).")] = "127.0.0.1",
     kill_before_close: Annotated[Optional[int], typer.Option(help="Fault drill: SIGKILL the coordinator once round R has every verdict, before it closes the round (not again after a restart).", hidden=True)] = None,
     kill_at_message: Annotated[Optional[list[int]], typer.Option(help="Fault drill: SIGKILL the coordinator right after it handled the job's N-th inbound message, counted over restarts in --state-dir (each N once; repeatable).", hidden=True)] = None,
+    site: Annotated[Optional[str], typer.Option(help="Run as the aggregator of site NAME instead: on the site's own broker (--broker), bridged to the hub's (`senseshield fleet bridge`), fold the site's devices' updates and send one partial sum per cluster to the coordinator (masked and plaintext jobs). Identity: site-NAME.")] = None,
     mqtt: Mqtt = defaults.MQTT,
     ca_file: CaFile = None,
     username: Username = None,
@@ -64,8 +65,15 @@ def serve(
 ) -> None:
     """Run the fleet's coordinator: it stays up and runs jobs one at a time, in the order they
     are submitted (--job files, `senseshield job submit`), on the devices that are online."""
-    setup_logging(log_level, "coordinator")
+    setup_logging(log_level, "coordinator" if site is None else f"site-{site}")
     development(insecure_dev)
+    if site is not None:
+        return serve_site(site, broker=broker, fleet=fleet, mqtt=mqtt, ca_file=ca_file, username=username,
+                          password_file=password_file, identity=identity, trust=trust, state_dir=state_dir,
+                          max_message_mb=max_message_mb,
+                          job_flags=[name for name, value in (("--job", job), ("--strategy", strategy), ("--once", once),
+                                                              ("--out", out), ("--metrics-port", metrics_port))
+                                     if value])
     if agents is not None and agents < 1:
         fail(f"--agents {agents} is not allowed; a job needs at least 1 device.")
     if metrics_port is not None and not 0 < metrics_port < 65536:
@@ -144,6 +152,36 @@ def serve(
         if server is not None:
             leave(server, 130)
         raise typer.Exit(130)
+
+
+def serve_site(site: str, *, broker: str, fleet: str, mqtt: str, ca_file, username, password_file, identity,  # noqa: ANN001
+               trust, state_dir, max_message_mb: float, job_flags: list[str]) -> None:
+    """``coordinator serve --site NAME``: the site aggregator (coordinator.site_service)."""
+    from senseshield.runtime.sites import site_name
+
+    try:
+        site_name(site)
+    except ValueError as exc:
+        fail(f"--site: {exc}")
+    if job_flags:
+        fail(f"{job_flags[0]} is not allowed with --site; a site aggregator runs no job of its own, it folds the "
+             "updates of the jobs the coordinator runs.")
+    starting(f"site-{site}", "site aggregator", broker, fleet)
+    from coordinator.site_service import SiteAggregator
+    from senseshield.runtime.service import leave
+
+    security = mqtt_security(broker, ca_file=ca_file, username=username, password_file=password_file)
+    try:
+        home = state_dir if state_dir is not None else Path.home() / ".senseshield" / fleet
+        me, trusted = identity_and_trust(f"site-{site}", identity, home / "identity" / f"site-{site}.key", trust, fleet)
+        server = SiteAggregator(broker, site=site, fleet=fleet, identity=me, trust=trusted, protocol=check_mqtt(mqtt),
+                                max_frame_bytes=int(max_message_mb * 1e6))
+        server.link.secure(**security)
+        server.install_signal_handlers()
+        server.serve()
+        leave(server)
+    except (ConfigError, ConnectionError) as exc:
+        fail(str(exc))
 
 
 def main() -> None:

@@ -88,9 +88,26 @@ def _signature(attempt: dict[str, Entry]) -> frozenset:
 
 
 def aggregate_of(attempt: dict[str, Entry], make: Callable[[], StreamingAggregate]) -> StreamingAggregate:
-    """A fresh running aggregate (``make()``) of the attempt's updates; a ProtocolError if
-    one does not fold (it was checked on arrival, so only a spare can)."""
+    """A fresh running aggregate (``make()``) of the attempt's updates and partial sums (a
+    site's running aggregate, kept as one entry, :mod:`coordinator.sites`); a ProtocolError
+    if one does not fold (it was checked on arrival, so only a spare can)."""
     running = make()
     for agent in sorted(attempt):
-        running.add(attempt[agent][0])
+        part = attempt[agent][0]
+        if isinstance(part, StreamingAggregate):
+            running.merge(part)
+        else:
+            running.add(part)
     return running
+
+
+def notes_of(attempt: dict[str, Entry]) -> dict[str, Any]:
+    """What the report keeps of each update in the attempt, per device (a partial sum's entry
+    holds its contributors' notes)."""
+    notes: dict[str, Any] = {}
+    for agent, (part, note) in attempt.items():
+        if isinstance(part, StreamingAggregate):
+            notes.update(note)
+        else:
+            notes[agent] = note
+    return notes

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from coordinator.contributions import aggregate_of
+from coordinator.contributions import aggregate_of, notes_of
 from coordinator.rounds import ClusterRound
 from senseshield.engine.aggregation import StreamingAggregate, aggregate_sealed
 from senseshield.errors import ProtocolError
@@ -181,7 +181,7 @@ class KeyLink:
             except ProtocolError as exc:  # a spare that does not fold: the next attempt
                 self.log.warning("round %d cluster %d: an attempt does not aggregate (%s)", r, k, exc)
                 continue
-            cr.updates = {a: note for a, (_, note) in attempt.items()}
+            cr.updates = notes_of(attempt)
             self.log.info("round %d cluster %d: aggregating again over %s", r, k, sorted(attempt))
             self.request(cr, aggregate, t, r=r)
             return True

@@ -41,6 +41,7 @@ from coordinator.keylink import KeyLink
 from coordinator.metrics import METRICS_PORT_ENV, CoordinatorMetrics  # noqa: F401 (re-exported)
 from coordinator.report import FleetReport, report, round_failure, round_line, straggling_now  # noqa: F401
 from coordinator.rounds import Closed, advance, check_facts
+from coordinator.sites import accept_partial, fold_partial
 from coordinator.state import JobState, take_up
 from coordinator.store import MemoryStore, SqliteStore, Store
 from senseshield.errors import ConfigError, ProtocolError
@@ -54,7 +55,7 @@ from senseshield.runtime.protocol.envelope import DEFAULT_MAX_FRAME_BYTES
 from senseshield.runtime.protocol.messages import (
     AggregateResult, Assignment, BootstrapVector, ClusterModel, Decline, FleetConfig, Hello, JobBoard, JobCancel,
     JobReply, JobSubmit, MaskDecision, Metrics, Notice, Proposal, PublicKeyAnnouncement, RoundFailure, Status,
-    UpdateMessage, pack_mask, unpack_mask,
+    SitePartial, UpdateMessage, pack_mask, unpack_mask,
 )
 from senseshield.runtime.service import Inbound, Service, Stopped, check_sender, writable_dir
 
@@ -101,7 +102,7 @@ class Coordinator(Service):
     SUBSCRIPTIONS = [
         "keys/public", "keyserver/results", "clusters/+/model", "fleet/config", "jobs/submit", "jobs/cancel",
         "agents/+/hello", "agents/+/decline", "agents/+/status", "agents/+/bootstrap", "agents/+/proposal",
-        "agents/+/update", "agents/+/metrics", "agents/+/failure",
+        "agents/+/update", "agents/+/metrics", "agents/+/failure", "sites/+/partial",
     ]
 
     def __init__(
@@ -180,6 +181,7 @@ class Coordinator(Service):
             BootstrapVector: self._on_bootstrap,
             Proposal: self._on_proposal,
             UpdateMessage: self._on_update,
+            SitePartial: self._on_partial,
             Metrics: self._on_metrics,
             AggregateResult: self._on_result,
             ClusterModel: self._on_model,
@@ -557,6 +559,24 @@ class Coordinator(Service):
             self._advance()
         else:
             assert out.kind == DUPLICATE  # a re-sent duplicate: nothing to do
+
+    def _on_partial(self, item: Inbound) -> None:
+        """A site aggregator's partial sum (coordinator.sites): accepted like the updates it
+        folds, then folded into the cluster's running aggregate."""
+        s, msg = self.state, item.message
+        if item.suffix != f"sites/{getattr(msg, 'site', '')}/partial":
+            raise ProtocolError(f"A partial sum of site {getattr(msg, 'site', '')!r} on {item.suffix!r}.")
+        out = accept_partial(s, msg, sender=item.sender, r=item.round, trust=self.trust,  # type: ignore[arg-type]
+                             public=self.keys.public)
+        if out.kind == "duplicate":
+            return
+        k, r = out.k, item.round
+        fold_partial(out.cr, msg.site, out, make=lambda: s.new_aggregate(k, r, self.keys.public),  # type: ignore[union-attr]
+                     keep=self.keys.verifiable)
+        for a in out.contributors:
+            s.agent_rounds[a][r]["update_received"] = item.received
+        self.log.info("round %d cluster %d: site %s folded %d update(s)", r, k, msg.site, len(out.contributors))
+        self._advance()
 
     def _late(self, late: Late) -> None:
         """A message of a part of a round that closed: dropped, noted as straggling."""

@@ -315,9 +315,11 @@ class MosquittoProcess:
 
     ``start`` returns once it accepts TCP connections; ``stop`` terminates it (SIGKILL after
     5 s); a stopped broker can be started again on the same port (its log is appended).
+    ``extra``: more configuration (e.g. a site's bridge, :func:`senseshield.runtime.sites.mosquitto_bridge`).
     """
 
-    def __init__(self, workdir, host: str = "127.0.0.1", *, message_size_limit: int = 0) -> None:  # noqa: ANN001
+    def __init__(self, workdir, host: str = "127.0.0.1", *, message_size_limit: int = 0,  # noqa: ANN001
+                 extra: str = "") -> None:
         import socket
         from pathlib import Path
 
@@ -330,7 +332,7 @@ class MosquittoProcess:
         self.config = workdir / "mosquitto.conf"
         self.config.write_text(
             f"listener {self.port} {host}\nallow_anonymous true\npersistence false\n"
-            f"message_size_limit {message_size_limit}\nlog_dest stderr\n"
+            f"message_size_limit {message_size_limit}\nlog_dest stderr\n{extra}"
         )
         self.log = workdir / "mosquitto.log"
         self.process = None

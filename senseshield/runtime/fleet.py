@@ -39,6 +39,7 @@ from senseshield.job import Job, check_job, with_shape
 from senseshield.runtime.files import write_atomic
 from senseshield.runtime.identity import Identity, Trust, check_frame
 from senseshield.runtime.jobsig import sign_job
+from senseshield.runtime.sites import SITE_PREFIX
 from senseshield.runtime.service import writable_dir
 
 Progress = Callable[[str, int, int], None]
@@ -69,6 +70,9 @@ class FleetOptions:
     # test only: the agents replay their privacy noise from this seed (development mode), so the
     # fleet ends with the model of run_simulation(config, noise_seed=...); None: secret noise
     noise_seed: int | None = None
+    # sites: name -> the indexes of the agents there; each site gets a Mosquitto bridged to the
+    # fleet's broker (then a Mosquitto too) and a site aggregator; the other agents use the hub's
+    sites: dict[str, list[int]] = field(default_factory=dict)
 
 
 def _python(module: str) -> list[str]:
@@ -118,6 +122,9 @@ class Fleet:
         self.processes: dict[str, subprocess.Popen] = {}
         self.argv: dict[str, list[str]] = {}
         self.observer = None
+        self.hub = None  # the fleet's own Mosquitto (sites without --broker)
+        self.site_brokers: dict = {}  # site -> its MosquittoProcess
+        self.agent_broker: dict[int, str] = {}  # agent index -> its site's broker (default: the hub's)
         self.started = time.time()
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -134,6 +141,11 @@ class Fleet:
                 stale.unlink()
             elif stale.is_dir():
                 shutil.rmtree(stale)
+        if self.url is None and self.options.sites:  # a Mosquitto hub: the sites' Mosquittos bridge to it
+            from senseshield.runtime.broker import MosquittoProcess
+
+            self.hub = MosquittoProcess(self.out / "broker", self.options.broker_host).start()
+            self.url = self.hub.url
         if self.url is None:
             from senseshield.runtime.broker import EmbeddedBroker
 
@@ -166,9 +178,38 @@ class Fleet:
             *self.options.extra_coordinator_args,
         ])
         self.common = common
+        self._start_sites()
         self.profiles = self._profiles()
         for i in range(self.options.agents):
             self.spawn_agent(i)
+
+    def _start_sites(self) -> None:
+        """Each site's Mosquitto, bridged to the hub's broker, and its aggregator."""
+        from senseshield.runtime.broker import MosquittoProcess
+        from senseshield.runtime.sites import mosquitto_bridge, site_name
+        from senseshield.runtime.transport import PREFIX, parse_broker
+
+        self.agent_broker: dict[int, str] = {}
+        host, port = parse_broker(self.url)
+        for site, members in self.options.sites.items():
+            try:
+                site_name(site)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+            bridge = mosquitto_bridge(hub_host=host, hub_port=port, fleet=self.options.fleet, site=site, prefix=PREFIX)
+            broker = MosquittoProcess(self.out / "sites" / site, self.options.broker_host, extra=bridge).start()
+            self.site_brokers[site] = broker
+            self._spawn(f"{SITE_PREFIX}{site}", [
+                *_python("coordinator.cli"), "serve", "--site", site, *self._common(broker.url),
+                "--identity", str(self.identity_file(f"{SITE_PREFIX}{site}"))])
+            for i in members:
+                if not 0 <= i < self.options.agents:
+                    raise ConfigError(f"Site {site!r} lists agent {i}; the fleet has agents 0..{self.options.agents - 1}.")
+                self.agent_broker[i] = broker.url
+
+    def _common(self, broker: str) -> list[str]:
+        """The flags every process of the fleet shares, on ``broker``."""
+        return ["--broker", broker, *self.common[2:]]
 
     def spawn_agent(self, i: int) -> str:
         """Start agent ``i`` (again): shard i/N or data file i, its profile, its model folder."""
@@ -178,7 +219,7 @@ class Fleet:
         source = (["--data", str(own), "--index", str(i)] if own is not None
                   else ["--shard", f"{sharded.index(i)}/{len(sharded)}"])
         self._spawn(agent, [
-            *_python("edge_agent.cli"), "join", *self.common, "--agent-id", agent, "--profile", str(self.profiles[i]),
+            *_python("edge_agent.cli"), "join", *self._common(self.agent_broker.get(i, self.url)), "--agent-id", agent, "--profile", str(self.profiles[i]),
             *source, "--threads", str(self.threads), *([] if self.options.serve else ["--once"]),
             *([] if self.options.noise_seed is None else ["--dev-noise-seed", str(self.options.noise_seed)]),
             # the operator's one job on its own agents: a plaintext run (a trial's baseline) is
@@ -202,6 +243,7 @@ class Fleet:
         """One identity per process (and one for the operator who submits jobs), and the
         fleet's trust file pinning their public keys: ``OUT/identities/``, ``OUT/trust.json``."""
         names = {"keyserver": "keyserver", "coordinator": "coordinator", "operator": "operator",
+                 **{f"{SITE_PREFIX}{site}": "site" for site in self.options.sites},
                  **{a: "agent" for a in agent_ids(self.options.agents)}}
         self.identities = {n: (Identity.load_or_create(n, self.identity_file(n)), role) for n, role in names.items()}
         self.trust = Trust.for_identities(self.identities, fleet=self.options.fleet)
@@ -373,6 +415,9 @@ class Fleet:
         if self.broker is not None:
             self.broker.stop()
             self.broker = None
+        for broker in [*self.site_brokers.values(), *([self.hub] if self.hub is not None else [])]:
+            broker.stop()
+        self.site_brokers, self.hub = {}, None
         self.exit_codes = {name: proc.returncode for name, proc in self.processes.items()}
         return self.exit_codes
 

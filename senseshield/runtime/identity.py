@@ -19,6 +19,7 @@ A **trust file** (YAML or JSON) pins the fleet's principals: name -> role and pu
     principals:
       keyserver:   {role: keyserver,   sign: <base64>, box: <base64>}
       coordinator: {role: coordinator, sign: <base64>}
+      site-north:  {role: site,        sign: <base64>}
       agent-0:     {role: agent,       sign: <base64>, box: <base64>}
       operator:    {role: operator,    fingerprint: 3f2a...}
 
@@ -67,7 +68,7 @@ from senseshield.runtime.keyfiles import check_private, secure_dir, write_secret
 
 log = logging.getLogger("senseshield.identity")
 
-ROLES = ("keyserver", "coordinator", "agent", "operator")
+ROLES = ("keyserver", "coordinator", "site", "agent", "operator")
 SIGNATURE_BYTES = 64
 SEALED_SEED_BYTES = 12 + 32 + 16  # nonce, a 32-byte challenge seed, Poly1305 tag
 _SEED_BYTES = 32
@@ -267,7 +268,7 @@ class Trust:
             if entry["role"] != role_of_name(str(name)):
                 raise ConfigError(f"{where}: the name says role {role_of_name(str(name))!r}, the file {entry['role']!r}; "
                                   "the key server and the coordinator are named after their roles, operators "
-                                  "'operator' or 'operator-...', agents anything else.")
+                                  "'operator' or 'operator-...', site aggregators 'site-...', agents anything else.")
             sign = unb64(entry["sign"], f"{where}: sign") if entry.get("sign") else None
             box = unb64(entry["box"], f"{where}: box") if entry.get("box") else None
             pinned = entry.get("fingerprint")
@@ -433,6 +434,8 @@ def role_of_name(name: str) -> str:
     """The role a name has by convention (trust on first use; trust files must agree)."""
     if name in ("keyserver", "coordinator"):
         return name
+    if name.startswith("site-"):  # a site aggregator: a coordinator for its site's updates
+        return "site"
     return "operator" if name == "operator" or name.startswith("operator-") else "agent"
 
 

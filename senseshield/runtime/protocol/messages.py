@@ -633,6 +633,27 @@ class AggregateResult(Message):
     excluded: dict[str, str] = {}
 
 
+@message
+class SitePartial(Message):
+    """``sites/<site>/partial``: a site aggregator's partial sum of one cluster's round (the
+    round is in the header): the running aggregate of its site's updates
+    (:mod:`senseshield.engine.partial`: JSON ``state`` and ``arrays``, an ``.npz`` of 1-D
+    arrays), each contributor's signed receipt (``receipts``, :func:`pack_frames`, in the
+    order of ``state["contributors"]``, which is sorted) and what the report keeps of each
+    update (``notes``: a JSON list in the same order). Sent by ``site-<site>``."""
+
+    schema_name: ClassVar[str] = "site-partial"
+    sections: ClassVar[dict[str, str]] = {"arrays": "bytes", "receipts": "bytes", "notes": "bytes"}
+    run_id: str
+    site: str = Field(min_length=1, max_length=64)
+    cluster: int = Field(ge=0)
+    size: int = Field(ge=1)
+    state: dict[str, Any]
+    arrays: bytes
+    receipts: bytes
+    notes: bytes
+
+
 # ---- conversions between engine objects and messages ---------------------------------------
 
 
