@@ -319,6 +319,30 @@ from senseshield.cli.top import top as _top  # noqa: E402
 fleet_app.command("top")(_top)
 
 
+@fleet_app.command("bridge")
+def fleet_bridge(
+    site: Annotated[str, typer.Option(help="The site's name (letters, digits, '-'); its aggregator is `coordinator serve --site NAME`.")],
+    hub: Annotated[str, typer.Option(help="The hub's broker, HOST:PORT, as the site's Mosquitto reaches it.")],
+    fleet: _run.Fleet = defaults.FLEET,
+    protocol: Annotated[str, typer.Option(help="MQTT version of the bridge: mqttv311 or mqttv50.")] = "mqttv311",
+) -> None:
+    """Print the Mosquitto bridge of a site's broker to the hub's: every topic the site's
+    devices and aggregator need, never the devices' updates (add TLS and credentials for a
+    real uplink; the Ansible role renders them)."""
+    from senseshield.runtime.sites import mosquitto_bridge, site_name
+    from senseshield.runtime.transport import PREFIX, parse_broker
+
+    try:
+        site_name(site)
+        host, port = parse_broker(hub)
+    except (ValueError, ConfigError) as exc:
+        _fail(str(exc))
+    if protocol not in ("mqttv311", "mqttv50"):
+        _fail(f"--protocol {protocol!r} is not allowed; use mqttv311 or mqttv50.")
+    typer.echo(mosquitto_bridge(hub_host=host, hub_port=port, fleet=fleet, site=site, prefix=PREFIX, protocol=protocol),
+               nl=False)
+
+
 
 @fleet_app.command("up")
 def fleet_up(
@@ -347,6 +371,7 @@ def fleet_up(
     out_dir: Annotated[Path, typer.Option("--out", help="Directory for report.json, models/, logs/, keys/.")] = Path("fleet-run"),
     metrics_port: Annotated[Optional[int], typer.Option(help="Serve the coordinator's Prometheus metrics on this port (watch it with `senseshield fleet top`).")] = None,
     keyserver_metrics_port: Annotated[Optional[int], typer.Option(help="Serve the key server's Prometheus metrics on this port.")] = None,
+    sites: Annotated[int, typer.Option(help="Spread the agents over this many sites (site1, site2, ...; round robin): each site gets its own Mosquitto bridged to the hub's and a site aggregator that folds its devices' updates (needs Mosquitto; 0: every agent on the hub's broker).")] = 0,
     html: _run.Report = True,
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
 ) -> None:
@@ -391,8 +416,11 @@ def fleet_up(
 
     if threads is not None and threads < 1:
         _fail(f"--threads {threads} is not allowed; use 1 or more.")
+    if not 0 <= sites <= agents:
+        _fail(f"--sites {sites} is not allowed; use 0 (no sites) up to the number of agents ({agents}).")
     options = FleetOptions(agents=agents, out=out_dir, broker=broker, fleet=fleet, round_deadline=round_deadline,
-                           min_contributors=min_contributors, threads=threads, wrap=wrap, data=files)
+                           min_contributors=min_contributors, threads=threads, wrap=wrap, data=files,
+                           sites={f"site{s + 1}": list(range(s, agents, sites)) for s in range(sites)})
     with progress_bar(quiet) as bar:
         progress = phase_progress(bar, "fleet")
 
