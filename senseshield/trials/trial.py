@@ -508,15 +508,9 @@ def _write(path: Path, data: dict) -> None:
 
 
 def _machine() -> dict:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+    from senseshield.bench.machine import cpu_model
+
+    return {"cpu": cpu_model("unknown"), "cores": os.cpu_count(), "python": platform.python_version(),
             "kernel": platform.release(), "load_at_start": list(os.getloadavg()),
             "hostname": socket.gethostname()}
 
