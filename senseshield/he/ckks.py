@@ -542,6 +542,8 @@ class CKKSScheme(Scheme):
     """
 
     name: ClassVar[str] = "ckks"
+    public_key_class: ClassVar[type[PublicKey]] = CKKSPublicKey
+    secret_key_class: ClassVar[type[SecretKey]] = CKKSSecretKey
     ragged_masks: ClassVar[bool] = False
     exact: ClassVar[bool] = False
     description: ClassVar[str] = (
@@ -569,13 +571,6 @@ class CKKSScheme(Scheme):
         )
         return CKKSSecretKey(context)
 
-    @classmethod
-    def public_key_from_bytes(cls, data: bytes) -> CKKSPublicKey:
-        return CKKSPublicKey.from_bytes(data)
-
-    @classmethod
-    def secret_key_from_bytes(cls, data: bytes) -> CKKSSecretKey:
-        return CKKSSecretKey.from_bytes(data)
 
 
 # --------------------------------------------------------------------------- sum-only CKKS
@@ -790,6 +785,8 @@ class CKKSSumScheme(Scheme):
     """
 
     name: ClassVar[str] = "ckks-sum"
+    public_key_class: ClassVar[type[PublicKey]] = CKKSSumPublicKey
+    secret_key_class: ClassVar[type[SecretKey]] = CKKSSumSecretKey
     ragged_masks: ClassVar[bool] = False
     exact: ClassVar[bool] = False
     description: ClassVar[str] = (
@@ -817,11 +814,3 @@ class CKKSSumScheme(Scheme):
             why="one data prime and the special prime",
         )
         return CKKSSumSecretKey(context)
-
-    @classmethod
-    def public_key_from_bytes(cls, data: bytes) -> CKKSSumPublicKey:
-        return CKKSSumPublicKey.from_bytes(data)  # type: ignore[return-value]
-
-    @classmethod
-    def secret_key_from_bytes(cls, data: bytes) -> CKKSSumSecretKey:
-        return CKKSSumSecretKey.from_bytes(data)  # type: ignore[return-value]

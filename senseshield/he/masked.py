@@ -659,6 +659,8 @@ class MaskedSecretKey(SecretKey):
 @SCHEMES.register(SCHEME)
 class MaskedScheme(Scheme):
     name = SCHEME
+    public_key_class = MaskedPublicKey
+    secret_key_class = MaskedSecretKey
     ragged_masks = False
     ragged_capable = True  # per-client masks when the job's strategy gives them (PublicKey.for_masks)
     exact = True
@@ -674,12 +676,3 @@ class MaskedScheme(Scheme):
             raise ConfigError(f"The masked scheme takes no parameters; got {sorted(params)}.")
         return MaskedSecretKey(X25519PrivateKey.generate().private_bytes(
             serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()))
-
-    @classmethod
-    def public_key_from_bytes(cls, data: bytes) -> MaskedPublicKey:
-        return MaskedPublicKey.from_bytes(data)
-
-    @classmethod
-    def secret_key_from_bytes(cls, data: bytes) -> MaskedSecretKey:
-        return MaskedSecretKey._import(data)
-

@@ -105,7 +105,7 @@ import gmpy2
 import numpy as np
 
 from senseshield.errors import ConfigError, ProtocolError, SecretKeyExportError
-from senseshield.he.base import SCHEMES, EncryptedVector, Scheme, SecretKey, int_param
+from senseshield.he.base import SCHEMES, EncryptedVector, PublicKey, Scheme, SecretKey, int_param
 from senseshield.he.encoding import (
     DEFAULT_CLIP,
     DEFAULT_MAX_TOTAL_WEIGHT,
@@ -326,6 +326,8 @@ class PackedPaillierScheme(Scheme):
     granularity; ``public_key.block_size`` = slots per ciphertext, 66 with the defaults)."""
 
     name: ClassVar[str] = SCHEME_NAME
+    public_key_class: ClassVar[type[PublicKey]] = PackedPaillierPublicKey
+    secret_key_class: ClassVar[type[SecretKey]] = PackedPaillierSecretKey
     ragged_masks: ClassVar[bool] = True
     description: ClassVar[str] = (
         "Packed Paillier: 2048-bit modulus, 15-bit fixed point in [-1, 1], 66 values per "
@@ -427,11 +429,3 @@ class PackedPaillierScheme(Scheme):
                 stacklevel=2,
             )
         return PackedPaillierSecretKey(p, q, public, alphas)
-
-    @classmethod
-    def public_key_from_bytes(cls, data: bytes) -> PackedPaillierPublicKey:
-        return PackedPaillierPublicKey.from_bytes(data)
-
-    @classmethod
-    def secret_key_from_bytes(cls, data: bytes) -> PackedPaillierSecretKey:
-        return PackedPaillierSecretKey.from_bytes(data)

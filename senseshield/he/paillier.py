@@ -648,6 +648,8 @@ class PaillierScheme(Scheme):
     """
 
     name: ClassVar[str] = "paillier"
+    public_key_class: ClassVar[type[PublicKey]] = PaillierPublicKey
+    secret_key_class: ClassVar[type[SecretKey]] = PaillierSecretKey
     ragged_masks: ClassVar[bool] = True
     description: ClassVar[str] = (
         "Per-value Paillier (python-paillier + gmpy2), 2048-bit modulus, 40-bit fixed point; "
@@ -679,11 +681,3 @@ class PaillierScheme(Scheme):
         p, q = private.p, private.q
         del private
         return PaillierSecretKey(p, q, precision_bits)
-
-    @classmethod
-    def public_key_from_bytes(cls, data: bytes) -> PaillierPublicKey:
-        return PaillierPublicKey.from_bytes(data)
-
-    @classmethod
-    def secret_key_from_bytes(cls, data: bytes) -> PaillierSecretKey:
-        return PaillierSecretKey.from_bytes(data)
