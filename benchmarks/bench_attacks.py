@@ -51,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from arglists import numbers  # noqa: E402
+from senseshield.bench.machine import cpu_model  # noqa: E402
 from senseshield.attacks import ATTACKS, AttackSettings  # noqa: E402
 from senseshield.attacks.base import torch_threads  # noqa: E402
 from senseshield.attacks.capture import FleetSpec, capture, prepare_fleet  # noqa: E402
@@ -67,14 +68,7 @@ METRICS = ("he_ratio", "unknown_ratio", "last_layer_hidden", "mi", "leacc", "lna
 
 
 def machine() -> dict[str, Any]:
-    model = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    model = cpu_model("unknown")
     return {"cpu": model, "cores": os.cpu_count(), "python": platform.python_version(),
             "torch_threads": 1}
 

@@ -58,6 +58,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from senseshield.bench.machine import cpu_model  # noqa: E402
 from senseshield.errors import ConfigError  # noqa: E402
 from senseshield.job import Job  # noqa: E402
 from senseshield.results import PHASES, RunResult  # noqa: E402
@@ -75,14 +76,7 @@ SELECTIVE_DP_CLAIM = (0.04, 0.06)  # Selective-DP's claimed margin over full-cov
 
 
 def machine() -> dict[str, Any]:
-    model = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    model = cpu_model("unknown")
     try:
         load = os.getloadavg()
     except OSError:

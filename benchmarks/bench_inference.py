@@ -38,6 +38,7 @@ except ImportError:  # running from a checkout without `pip install -e .`
 onnxruntime = inference.onnxruntime()  # telemetry off: nothing written in the home directory
 import torch  # noqa: E402
 
+from senseshield.bench.machine import cpu_model  # noqa: E402
 from senseshield.models import build_model  # noqa: E402
 from senseshield.training import get_vector  # noqa: E402
 
@@ -47,13 +48,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "inference.json"
 
 
 def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    return cpu_model(platform.processor() or "unknown")
 
 
 def benchmark(threads: int, repeats: int) -> list[dict]:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import statistics
 import subprocess
@@ -39,16 +38,12 @@ import threading
 import time
 from pathlib import Path
 
+from senseshield.bench.machine import cpu_model
 from senseshield.runtime.broker import MosquittoProcess
 
 PYTHON = sys.executable
 
 
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def rss_mb(pid: int, field: str = "VmRSS") -> float:

@@ -37,12 +37,12 @@ from senseshield.bench.budgets import join_budgets, spread
 from senseshield.job import Job
 from senseshield.runtime.fleet import FleetOptions, agent_ids, fleet_up
 from senseshield.strategies.base import StrategyOptions
-from senseshield.trials.trial import _cpu_cgroup_mount, in_cgroup, set_cpu_quota
+from senseshield.trials.emulation import _cpu_cgroup_mount, in_cgroup, set_cpu_quota
 
 
 def quota_group(share: float, period_us: int = 100_000) -> Path:
     """A cgroup with ``share`` of one CPU per ``period_us`` (the kernel's default 100 ms; the
-    trials use 10 ms, ``senseshield.trials.trial.CPU_PERIOD_US``)."""
+    trials use 10 ms, ``senseshield.trials.emulation.CPU_PERIOD_US``)."""
     found = _cpu_cgroup_mount()
     if os.geteuid() != 0 or found is None:
         sys.exit("bench_straggle needs root and a cpu cgroup controller (cgroup v1 cpu or v2 cpu.max).")

@@ -9,10 +9,8 @@ import typer
 
 from senseshield import defaults
 from senseshield.cli.common import fail, storage_stop, version_option
-from senseshield.cli.run import (
-    Broker, CaFile, Fleet, IdentityFile, InsecureDev, LogLevel, Mqtt, PasswordFile, Threads, TrustFile, Username, check_mqtt, development,
-    identity_and_trust, mqtt_security, setup_logging, starting,
-)
+from senseshield.cli.connection import Connection, connection_options
+from senseshield.cli.run import InsecureDev, LogLevel, Threads, development, setup_logging, starting
 from senseshield.errors import ConfigError, StorageError
 
 app = typer.Typer(help="SenseShield edge agent: trains locally and sends protected updates.",
@@ -25,9 +23,9 @@ def _root(version: Annotated[bool, version_option("edge-agent")] = False) -> Non
 
 
 @app.command()
+@connection_options
 def join(
-    broker: Broker = defaults.BROKER,
-    fleet: Fleet = defaults.FLEET,
+    connection: Connection = Connection(),
     agent_id: Annotated[Optional[str], typer.Option(help="This device's id (default: the host name).")] = None,
     profile: Annotated[str, typer.Option(help="auto (measure now) | auto:NAME or auto:FILE.yaml (measure, bounded by that declared profile) | NAME (profiles/NAME.yaml) | FILE.yaml.")] = "auto",
     probe: Annotated[str, typer.Option(help="Bandwidth probe plan with --profile auto: robust | single (the old best-of-two, for before/after benchmarks).", hidden=True)] = "robust",
@@ -38,12 +36,6 @@ def join(
     partition: Annotated[Optional[str], typer.Option(help="How shards are cut (default: the run's partition).")] = None,
     threads: Threads = None,
     model_dir: Annotated[Optional[Path], typer.Option(help="Where the agent keeps its cluster's latest ONNX model, merged with its personalised zone (default: ~/.senseshield/FLEET/ID).")] = None,
-    mqtt: Mqtt = defaults.MQTT,
-    ca_file: CaFile = None,
-    username: Username = None,
-    password_file: PasswordFile = None,
-    identity: IdentityFile = None,
-    trust: TrustFile = None,
     insecure_dev: InsecureDev = False,
     min_he_ratio: Annotated[Optional[float], typer.Option(help="In a job that encrypts, encrypt at least this fraction of the parameters whatever budget the coordinator assigns, and never send an update that encrypts less (0..1; default: the profile's min_he_ratio, else 0).")] = None,
     require_he: Annotated[bool, typer.Option("--require-he", help="Decline jobs whose strategy encrypts nothing, even without a --min-he-ratio floor.")] = False,
@@ -63,6 +55,7 @@ def join(
     import logging
     import socket
 
+    broker, fleet, identity = connection.broker, connection.fleet, connection.identity
     setup_logging(log_level, f"agent:{agent_id or socket.gethostname()}")
     development(insecure_dev)
     starting("edge agent", agent_id or socket.gethostname(), broker, fleet)  # before the imports below
@@ -72,7 +65,7 @@ def join(
     from senseshield.runtime.service import leave
     from senseshield.device_noise import check_noise_seed
 
-    security = mqtt_security(broker, ca_file=ca_file, username=username, password_file=password_file)
+    security = connection.security()
     try:
         noise = check_noise_seed(dev_noise_seed)
         if index is not None and index < 0:
@@ -89,7 +82,7 @@ def join(
             # the bandwidth probe's anonymous client and topic are not allowed on a secured broker
             logging.getLogger("edge_agent").warning(
                 "--profile auto on a secured broker: bandwidth not measured, declared default used")
-        measure = {"broker": None if security else broker, "fleet": fleet, "quick": True, "mqtt": check_mqtt(mqtt),
+        measure = {"broker": None if security else broker, "fleet": fleet, "quick": True, "mqtt": connection.protocol,
                    "probe": probe}
         device = load_profile(profile, **measure)  # the measuring keywords apply to auto[:SPEC] only
         rate = device.measurements.get("he_encryptions_per_s")
@@ -110,10 +103,10 @@ def join(
         name = agent_id or socket.gethostname()
         home = model_dir if model_dir is not None else Path.home() / ".senseshield" / fleet / name
         identity_file = identity if identity is not None else home / "identity" / "agent.key"
-        me, trusted = identity_and_trust(name, identity, identity_file, trust, fleet)
+        me, trusted = connection.identity_and_trust(name, identity_file)
         agent = EdgeAgent(
             broker, fleet=fleet, agent_id=name, identity=me, trust=trusted, bandwidth=device.bandwidth, cpu_speed=device.cpu_speed, profile=device.model_dump(mode="json"), data=spec, threads=threads,
-            protocol=check_mqtt(mqtt), kill_at_round=kill_at_round, fail_at_round=fail_at_round,
+            protocol=connection.protocol, kill_at_round=kill_at_round, fail_at_round=fail_at_round,
             lose_plan_at_round=lose_plan_at_round, model_dir=model_dir, once=once,
             device_class=device_class, labels=labels, require_he=require_he, allow_plaintext=allow_plaintext,
             min_he_ratio=min_he_ratio if min_he_ratio is not None else (device.min_he_ratio or 0.0), noise=noise,

@@ -34,7 +34,7 @@ def test_identical_agents_started_beside_a_cpu_hog_get_budgets_within_ten_percen
 
 
 def _cpu_cgroup() -> tuple[str, Path] | None:
-    from senseshield.trials.trial import _cpu_cgroup_mount
+    from senseshield.trials.emulation import _cpu_cgroup_mount
 
     found = _cpu_cgroup_mount()
     return found if os.geteuid() == 0 and found is not None and os.access(found[1], os.W_OK) else None
@@ -46,7 +46,7 @@ def test_an_agent_with_half_a_cpu_gets_a_visibly_smaller_budget(mosquitto, tmp_p
     """c002 runs inside a 50 % cgroup CPU quota from its start (the trials' way of making a
     device 2x slower): it measures half the others' encryption rate and gets about half their
     budget, while the two identical others stay equal."""
-    from senseshield.trials.trial import _remove_cgroup, in_cgroup, set_cpu_quota
+    from senseshield.trials.emulation import _remove_cgroup, in_cgroup, set_cpu_quota
 
     version, root = _cpu_cgroup()
     group = root / f"senseshield-test-half-{os.getpid()}"

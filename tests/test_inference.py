@@ -303,15 +303,15 @@ def test_a_second_export_of_the_same_graph_rewrites_the_weights_into_the_same_by
     """After one export of a graph, the next ones only write the new weights into its
     initialisers (25 ms -> ~6 ms for LeNet-5 on an idle core: what a device pays per model it
     applies); the file is byte for byte what a fresh export of those weights writes."""
-    import senseshield.inference as inference
+    import senseshield.onnx_export as onnx_export
 
     size = get_vector(build_model(name, shape, 10)).size
     rng = np.random.default_rng(0)
     first, second = (rng.normal(0, 0.1, size).astype(np.float32) for _ in range(2))
-    inference._TEMPLATES.clear()
+    onnx_export._TEMPLATES.clear()
     export_onnx(name, shape, 10, first, tmp_path / "a.onnx", fleet="f", cluster=0, round=1)
     cached = export_onnx(name, shape, 10, second, tmp_path / "b.onnx", fleet="f", cluster=0, round=2)
-    inference._TEMPLATES.clear()
+    onnx_export._TEMPLATES.clear()
     fresh = export_onnx(name, shape, 10, second, tmp_path / "c.onnx", fleet="f", cluster=0, round=2)
     assert (tmp_path / "b.onnx").read_bytes() == (tmp_path / "c.onnx").read_bytes()
     assert cached == fresh

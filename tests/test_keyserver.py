@@ -23,7 +23,7 @@ from senseshield.he import SCHEMES
 from senseshield.he.base import job_key, model_digest, round_context
 from senseshield.he.fingerprint import bytes_ints, ints_bytes
 from senseshield.he.masked import encode, ring_of_words
-from senseshield.he.packed import _pack
+from senseshield.he.encoding import pack
 from senseshield.strategies import STRATEGIES
 from senseshield.job import Job, initial_model
 from senseshield.runtime.identity import Identity, Trust, unb64
@@ -681,7 +681,7 @@ def bent(harness, msg, shift: float):  # noqa: ANN001, ANN201
         sums = np.zeros((lengths.size, B), dtype=np.int64)
         for j, length in enumerate(lengths):
             sums[j, :length] = W * int(round(shift / lay.step))
-        deltas = [int(d) for d in _pack(sums, lay.slot_bits)]
+        deltas = [int(d) for d in pack(sums, lay.slot_bits)]
         fold = bytes_ints(msg.plain_fold, public._key_bytes, lengths.size, "fold") if msg.plain_fold else [0] * lengths.size
         payload.ciphertexts = [c * (1 + d * n) % (n * n) for c, d in zip(payload.ciphertexts, deltas)]
         declared = ints_bytes([(f + d) % n for f, d in zip(fold, deltas)], public._key_bytes)

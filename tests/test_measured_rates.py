@@ -52,7 +52,7 @@ def test_a_broker_on_this_host_is_loopback():
 
 
 def _cpu_cgroup() -> tuple[str, Path] | None:
-    from senseshield.trials.trial import _cpu_cgroup_mount
+    from senseshield.trials.emulation import _cpu_cgroup_mount
 
     found = _cpu_cgroup_mount()
     return found if os.geteuid() == 0 and found is not None and os.access(found[1], os.W_OK) else None
@@ -63,7 +63,7 @@ def _cpu_cgroup() -> tuple[str, Path] | None:
 def test_a_cpu_quota_lowers_the_measured_encryption_rate_a_busy_neighbour_does_not(tmp_path):
     """The same measurement in three processes: alone, next to two busy-looping processes (a
     neighbour's hog on this 2-core machine), and inside a real 10 % cgroup CPU quota."""
-    from senseshield.trials.trial import set_cpu_quota
+    from senseshield.trials.emulation import set_cpu_quota
 
     version, root = _cpu_cgroup()
     group = root / f"senseshield-test-{os.getpid()}"
@@ -141,7 +141,7 @@ def test_a_device_under_a_cpu_quota_gets_a_smaller_budget_and_fewer_local_steps(
     from senseshield.job import Job
     from senseshield.runtime.fleet import FleetOptions, agent_ids, fleet_up
     from senseshield.strategies.base import StrategyOptions
-    from senseshield.trials.trial import in_cgroup, set_cpu_quota
+    from senseshield.trials.emulation import in_cgroup, set_cpu_quota
 
     version, root = _cpu_cgroup()
     group = root / f"senseshield-test-steps-{os.getpid()}"
@@ -155,7 +155,7 @@ def test_a_device_under_a_cpu_quota_gets_a_smaller_budget_and_fewer_local_steps(
                                agent_profiles={a: Path("auto") for a in agent_ids(3)})
         report = fleet_up(job, options, timeout=1200)
     finally:
-        from senseshield.trials.trial import _remove_cgroup
+        from senseshield.trials.emulation import _remove_cgroup
 
         assert _remove_cgroup(group) == []
     budgets = {c["id"]: c["encryption_budget"] for c in report["clients"]}

@@ -591,11 +591,11 @@ def test_the_subgroup_key_decrypts_with_short_exponents_and_refuses_to_mix():
 def test_the_linear_time_group_and_repeat_checks_agree_with_numpy(values, sort):
     """The O(n) paths for sorted positions give np.unique's answers."""
     from senseshield.he.base import repeats
-    from senseshield.he.packed import _groups
+    from senseshield.he.encoding import groups
 
     keys = np.array(sorted(values) if sort else values, dtype=np.int64)
     expected = np.unique(keys, return_counts=True)
-    got = _groups(keys)
+    got = groups(keys)
     assert np.array_equal(got[0], expected[0]) and np.array_equal(got[1], expected[1])
     assert repeats(keys) == (np.unique(keys).size != keys.size)
 

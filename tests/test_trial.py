@@ -24,17 +24,13 @@ pytestmark = pytest.mark.xdist_group("trials")
 from edge_agent.probes import load_profile
 from senseshield.cli import app
 from senseshield.errors import ConfigError
+from senseshield.trials.emulation import Capabilities, Emulation, cleanup_stale, leftovers, probe
 from senseshield.trials.trial import (
-    Capabilities,
     DeviceClass,
-    Emulation,
-    cleanup_stale,
     device_class_files,
-    leftovers,
     load_device_class,
     load_trial,
     plan_agents,
-    probe,
     run_trial,
     training_defaults,
 )

@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 from rich.table import Table
 
+from senseshield.bench.machine import cpu_model
 from senseshield.errors import ConfigError
 from senseshield.he.base import CipherPart
 from senseshield.he.ckks import CKKSScheme, CKKSSumScheme
@@ -81,15 +82,6 @@ def _rate(count: int, seconds: float) -> float:
     return float(count) / seconds if seconds > 0 else float("inf")
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            for line in fh:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _machine() -> dict[str, Any]:
@@ -102,7 +94,7 @@ def _machine() -> dict[str, Any]:
     except AttributeError:  # not on Linux
         cores = os.cpu_count() or 1
     return {
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
         "logical_cpus": os.cpu_count(),
         "cpus_usable": cores,
         "platform": platform.platform(),

@@ -11,10 +11,8 @@ from rich.table import Table
 
 from senseshield import defaults
 from senseshield.cli.common import console, fail, out
-from senseshield.cli.run import (
-    Broker, CaFile, Fleet, IdentityFile, Mqtt, PasswordFile, TrustFile, Username, check_mqtt, identity_and_trust,
-    mqtt_security,
-)
+from senseshield.cli.connection import Connection, connection_options
+from senseshield.cli.run import Fleet
 from senseshield.errors import ConfigError, StorageError
 
 job_app = typer.Typer(help="Jobs on a running coordinator (`coordinator serve`): submit, list, status, logs, cancel.",
@@ -23,13 +21,14 @@ job_app = typer.Typer(help="Jobs on a running coordinator (`coordinator serve`):
 JobId = Annotated[str, typer.Argument(help="The job's id (see `senseshield job list`).", metavar="ID")]
 
 
-def _client(broker: str, fleet: str, mqtt: str, ca_file, username, password_file, identity, trust):  # noqa: ANN001, ANN202
+def _client(connection: Connection):  # noqa: ANN202
     from senseshield.runtime.jobs import JobClient
 
-    security = mqtt_security(broker, ca_file=ca_file, username=username, password_file=password_file)
-    me, trusted = identity_and_trust("operator", identity, Path.home() / ".senseshield" / "identities" / "operator.key",
-                                     trust, fleet, required=False)
-    return JobClient(broker, fleet=fleet, protocol=check_mqtt(mqtt), identity=me, trust=trusted, **security)
+    security = connection.security()
+    me, trusted = connection.identity_and_trust(
+        "operator", Path.home() / ".senseshield" / "identities" / "operator.key", required=False)
+    return JobClient(connection.broker, fleet=connection.fleet, protocol=connection.protocol, identity=me,
+                     trust=trusted, **security)
 
 
 def _when(stamp: float | None) -> str:
@@ -44,17 +43,11 @@ def _follow(client, job_id: str) -> int:  # noqa: ANN001
 
 
 @job_app.command("submit")
+@connection_options
 def submit(
     job_file: Annotated[Path, typer.Argument(help="The job (YAML or TOML): strategy, options, model, model_args, input_shape, num_classes, rounds, ...", metavar="FILE")],
-    broker: Broker = defaults.BROKER,
-    fleet: Fleet = defaults.FLEET,
+    connection: Connection = Connection(),
     follow: Annotated[bool, typer.Option("--follow", help="Print the job's events until it ends (exit 0 if done, 1 if it failed or was cancelled).")] = False,
-    mqtt: Mqtt = defaults.MQTT,
-    ca_file: CaFile = None,
-    username: Username = None,
-    password_file: PasswordFile = None,
-    identity: IdentityFile = None,
-    trust: TrustFile = None,
 ) -> None:
     """Queue a job on the fleet's coordinator; it starts when the jobs before it are done and
     its minimum number of devices is ready."""
@@ -64,7 +57,7 @@ def submit(
         # a bad key or value is refused here, before anything is sent; a job on a built-in
         # dataset gets its input shape and classes from it (as `fleet up` does)
         job = with_shape(load_job(job_file))
-        with _client(broker, fleet, mqtt, ca_file, username, password_file, identity, trust) as client:
+        with _client(connection) as client:
             job_id = client.submit(job)
             ahead = [j for j in client.board() if j["state"] in ("queued", "waiting", "running") and j["id"] != job_id]
             console.print(f"job {job_id} queued: {job.label}" + (f" ({len(ahead)} ahead of it)" if ahead else ""))
@@ -121,19 +114,13 @@ def _metric(j: dict) -> str:
 
 
 @job_app.command("list")
+@connection_options
 def list_jobs(
-    broker: Broker = defaults.BROKER,
-    fleet: Fleet = defaults.FLEET,
-    mqtt: Mqtt = defaults.MQTT,
-    ca_file: CaFile = None,
-    username: Username = None,
-    password_file: PasswordFile = None,
-    identity: IdentityFile = None,
-    trust: TrustFile = None,
+    connection: Connection = Connection(),
 ) -> None:
     """The coordinator's jobs, oldest first: state, progress, the job's metric (accuracy, mse, ...), devices."""
     try:
-        with _client(broker, fleet, mqtt, ca_file, username, password_file, identity, trust) as client:
+        with _client(connection) as client:
             jobs = client.board()
     except (ConfigError, ConnectionError) as exc:
         fail(str(exc))
@@ -149,20 +136,14 @@ def list_jobs(
 
 
 @job_app.command("status")
+@connection_options
 def status(
     job_id: JobId,
-    broker: Broker = defaults.BROKER,
-    fleet: Fleet = defaults.FLEET,
-    mqtt: Mqtt = defaults.MQTT,
-    ca_file: CaFile = None,
-    username: Username = None,
-    password_file: PasswordFile = None,
-    identity: IdentityFile = None,
-    trust: TrustFile = None,
+    connection: Connection = Connection(),
 ) -> None:
     """One job: state, progress, its metric, where its report is, and its latest events."""
     try:
-        with _client(broker, fleet, mqtt, ca_file, username, password_file, identity, trust) as client:
+        with _client(connection) as client:
             j = client.record(job_id)
     except (ConfigError, ConnectionError) as exc:
         fail(str(exc))
@@ -180,21 +161,15 @@ def status(
 
 
 @job_app.command("logs")
+@connection_options
 def logs(
     job_id: JobId,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new events until the job ends.")] = False,
-    broker: Broker = defaults.BROKER,
-    fleet: Fleet = defaults.FLEET,
-    mqtt: Mqtt = defaults.MQTT,
-    ca_file: CaFile = None,
-    username: Username = None,
-    password_file: PasswordFile = None,
-    identity: IdentityFile = None,
-    trust: TrustFile = None,
+    connection: Connection = Connection(),
 ) -> None:
     """The job's event lines (queued, waiting for devices, one line per round, joins, refusals, end)."""
     try:
-        with _client(broker, fleet, mqtt, ca_file, username, password_file, identity, trust) as client:
+        with _client(connection) as client:
             if follow:
                 raise typer.Exit(_follow(client, job_id))
             for line in client.record(job_id)["events"]:
@@ -204,20 +179,14 @@ def logs(
 
 
 @job_app.command("cancel")
+@connection_options
 def cancel(
     job_id: JobId,
-    broker: Broker = defaults.BROKER,
-    fleet: Fleet = defaults.FLEET,
-    mqtt: Mqtt = defaults.MQTT,
-    ca_file: CaFile = None,
-    username: Username = None,
-    password_file: PasswordFile = None,
-    identity: IdentityFile = None,
-    trust: TrustFile = None,
+    connection: Connection = Connection(),
 ) -> None:
     """Cancel a queued job, or stop a running one (its devices stay for the next job)."""
     try:
-        with _client(broker, fleet, mqtt, ca_file, username, password_file, identity, trust) as client:
+        with _client(connection) as client:
             client.cancel(job_id)
     except (ConfigError, ConnectionError) as exc:
         fail(str(exc))

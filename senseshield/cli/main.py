@@ -579,7 +579,7 @@ def trial_run(
 @trial_app.command("cleanup")
 def trial_cleanup() -> None:
     """Remove network namespaces, links and cgroups left by trials that were killed."""
-    from senseshield.trials.trial import cleanup_stale, leftovers
+    from senseshield.trials.emulation import cleanup_stale, leftovers
 
     removed = cleanup_stale(lambda m: console.print(m, highlight=False))
     still = leftovers()

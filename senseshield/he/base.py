@@ -372,13 +372,18 @@ class Scheme(ABC):
     def generate(cls, **params: Any) -> SecretKey:
         """Generate a key pair; the public half is ``secret.public_key``."""
 
-    @classmethod
-    @abstractmethod
-    def public_key_from_bytes(cls, data: bytes) -> PublicKey: ...
+    public_key_class: ClassVar[type[PublicKey]]
+    """The scheme's public key type: :meth:`public_key_from_bytes` reads one."""
+    secret_key_class: ClassVar[type[SecretKey]]
+    """The scheme's secret key type: :meth:`secret_key_from_bytes` reads one."""
 
     @classmethod
-    @abstractmethod
-    def secret_key_from_bytes(cls, data: bytes) -> SecretKey: ...
+    def public_key_from_bytes(cls, data: bytes) -> PublicKey:
+        return cls.public_key_class.from_bytes(data)
+
+    @classmethod
+    def secret_key_from_bytes(cls, data: bytes) -> SecretKey:
+        return cls.secret_key_class.from_bytes(data)
 
 
 SCHEMES: Registry[type[Scheme]] = Registry("HE scheme", group="senseshield.schemes")

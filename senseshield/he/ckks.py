@@ -101,7 +101,7 @@ class _Tenseal:
 
 ts = _Tenseal()
 
-from senseshield.errors import ConfigError, KeyMismatchError, ProtocolError
+from senseshield.errors import ConfigError, ProtocolError
 from senseshield.he.base import (
     SCHEMES,
     CipherPart,
@@ -114,6 +114,7 @@ from senseshield.he.base import (
     check_weight,
     short_hash,
 )
+from senseshield.he.encoding import check_sorted, read_header, union_positions
 
 __all__ = [
     "DEFAULT_COEFF_MOD_BIT_SIZES",
@@ -355,9 +356,7 @@ class CKKSPublicKey(PublicKey):
         self, parts: Sequence[CipherPart | PlainPart], positions: np.ndarray
     ) -> EncryptedVector:
         """``sum_i w_i * E(v_i)`` chunk by chunk; all ciphertexts must be over ``positions``."""
-        union = np.asarray(positions, dtype=np.int64).ravel()
-        if union.size and (union[0] < 0 or np.any(np.diff(union) <= 0)):
-            raise ProtocolError("Aggregate positions must be sorted, unique and non-negative.")
+        union = union_positions(positions)
         cipher: list[tuple[list[ts.CKKSVector], int]] = []
         for k, part in enumerate(parts):
             if isinstance(part, CipherPart):
@@ -440,16 +439,8 @@ class CKKSPublicKey(PublicKey):
         """Inverse of :meth:`ciphertext_bytes`; raises ProtocolError on malformed input."""
         data = bytes(data)
         hsize = _WIRE_HEADER.size
-        if len(data) < hsize:
-            raise ProtocolError(f"CKKS ciphertext of {len(data)} bytes is shorter than its header.")
-        magic, version, raw_id, count, nchunks = _WIRE_HEADER.unpack_from(data)
-        if magic != _WIRE_MAGIC or version != _WIRE_VERSION:
-            raise ProtocolError("Not a SenseShield CKKS ciphertext (bad magic or version).")
-        if raw_id.hex() != self._key_id:
-            raise KeyMismatchError(
-                f"Ciphertext was made under key {raw_id.hex()!r}, not the current key "
-                f"{self._key_id!r}; it is rejected."
-            )
+        _, _, _, count, nchunks = read_header(data, _WIRE_HEADER, _WIRE_MAGIC, (_WIRE_VERSION,), self._key_id,
+                                              "CKKS ciphertext")
         offset = hsize + 8 * count
         if len(data) < offset:
             raise ProtocolError(f"CKKS ciphertext is truncated ({len(data)} bytes).")
@@ -459,9 +450,8 @@ class CKKSPublicKey(PublicKey):
                 f"{-(-count // self._slots)}."
             )
         sizes = _chunk_sizes(count, self._slots)
-        positions = np.frombuffer(data, dtype=">i8", count=count, offset=hsize).astype(np.int64)
-        if count and (positions[0] < 0 or np.any(np.diff(positions) <= 0)):
-            raise ProtocolError("Ciphertext positions must be sorted, unique and non-negative.")
+        positions = check_sorted(np.frombuffer(data, dtype=">i8", count=count, offset=hsize).astype(np.int64),
+                                 "Ciphertext positions must be sorted, unique and non-negative.")
         chunks: list[ts.CKKSVector] = []
         for i, size in enumerate(sizes):
             if len(data) < offset + _CHUNK_LEN.size:
@@ -552,6 +542,8 @@ class CKKSScheme(Scheme):
     """
 
     name: ClassVar[str] = "ckks"
+    public_key_class: ClassVar[type[PublicKey]] = CKKSPublicKey
+    secret_key_class: ClassVar[type[SecretKey]] = CKKSSecretKey
     ragged_masks: ClassVar[bool] = False
     exact: ClassVar[bool] = False
     description: ClassVar[str] = (
@@ -579,13 +571,6 @@ class CKKSScheme(Scheme):
         )
         return CKKSSecretKey(context)
 
-    @classmethod
-    def public_key_from_bytes(cls, data: bytes) -> CKKSPublicKey:
-        return CKKSPublicKey.from_bytes(data)
-
-    @classmethod
-    def secret_key_from_bytes(cls, data: bytes) -> CKKSSecretKey:
-        return CKKSSecretKey.from_bytes(data)
 
 
 # --------------------------------------------------------------------------- sum-only CKKS
@@ -686,9 +671,7 @@ class CKKSSumPublicKey(CKKSPublicKey):
         additions (:func:`_times`); any other mismatch is a :class:`ProtocolError`. Every
         contributor must encrypt exactly ``positions`` (``ragged_masks = False``).
         """
-        union = np.asarray(positions, dtype=np.int64).ravel()
-        if union.size and (union[0] < 0 or np.any(np.diff(union) <= 0)):
-            raise ProtocolError("Aggregate positions must be sorted, unique and non-negative.")
+        union = union_positions(positions)
         cipher: list[tuple[list[ts.CKKSVector], int]] = []
         for k, part in enumerate(parts):
             if isinstance(part, CipherPart):
@@ -802,6 +785,8 @@ class CKKSSumScheme(Scheme):
     """
 
     name: ClassVar[str] = "ckks-sum"
+    public_key_class: ClassVar[type[PublicKey]] = CKKSSumPublicKey
+    secret_key_class: ClassVar[type[SecretKey]] = CKKSSumSecretKey
     ragged_masks: ClassVar[bool] = False
     exact: ClassVar[bool] = False
     description: ClassVar[str] = (
@@ -829,11 +814,3 @@ class CKKSSumScheme(Scheme):
             why="one data prime and the special prime",
         )
         return CKKSSumSecretKey(context)
-
-    @classmethod
-    def public_key_from_bytes(cls, data: bytes) -> CKKSSumPublicKey:
-        return CKKSSumPublicKey.from_bytes(data)  # type: ignore[return-value]
-
-    @classmethod
-    def secret_key_from_bytes(cls, data: bytes) -> CKKSSumSecretKey:
-        return CKKSSumSecretKey.from_bytes(data)  # type: ignore[return-value]

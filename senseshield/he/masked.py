@@ -110,7 +110,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from senseshield.errors import ConfigError, KeyMismatchError, ProtocolError
+from senseshield.errors import ConfigError, ProtocolError
 from senseshield.he.base import (
     SCHEMES,
     Accumulator,
@@ -126,7 +126,7 @@ from senseshield.he.base import (
     select_units,
     short_hash,
 )
-from senseshield.he.packed import ClippingWarning
+from senseshield.he.encoding import ClippingWarning, read_header
 
 SCHEME = "masked"
 FRACTION_BITS = 24
@@ -464,15 +464,9 @@ class MaskedPublicKey(PublicKey):
 
     def vector_from_bytes(self, data: bytes) -> EncryptedVector:
         data = bytes(data)
-        if len(data) < _HEADER.size:
-            raise ProtocolError(f"Masked vector of {len(data)} bytes is shorter than its header.")
-        magic, version, raw_id, count, nruns = _HEADER.unpack_from(data)
-        if magic != _MAGIC or version not in _BY_VERSION:
-            raise ProtocolError("Not a SenseShield masked vector (bad magic or version).")
+        _, version, _, count, nruns = read_header(data, _HEADER, _MAGIC, _BY_VERSION, self._key_id, "masked vector",
+                                                  subject="Masked vector")
         ring = _BY_VERSION[version]
-        if raw_id.hex() != self._key_id:
-            raise KeyMismatchError(f"Masked vector was made under key {raw_id.hex()!r}, not the current key "
-                                   f"{self._key_id!r}; it is rejected.")
         expected = _HEADER.size + _RUN.size * nruns + ring.word_bytes * count
         if len(data) != expected:
             raise ProtocolError(f"Masked vector has {len(data)} bytes; its header announces {expected} "
@@ -769,6 +763,8 @@ class MaskedSecretKey(SecretKey):
 @SCHEMES.register(SCHEME)
 class MaskedScheme(Scheme):
     name = SCHEME
+    public_key_class = MaskedPublicKey
+    secret_key_class = MaskedSecretKey
     ragged_masks = False
     ragged_capable = True  # per-client masks when the job's strategy gives them (PublicKey.for_masks)
     exact = True
@@ -784,12 +780,3 @@ class MaskedScheme(Scheme):
             raise ConfigError(f"The masked scheme takes no parameters; got {sorted(params)}.")
         return MaskedSecretKey(X25519PrivateKey.generate().private_bytes(
             serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()))
-
-    @classmethod
-    def public_key_from_bytes(cls, data: bytes) -> MaskedPublicKey:
-        return MaskedPublicKey.from_bytes(data)
-
-    @classmethod
-    def secret_key_from_bytes(cls, data: bytes) -> MaskedSecretKey:
-        return MaskedSecretKey._import(data)
-

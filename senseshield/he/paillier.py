@@ -66,7 +66,16 @@ import gmpy2
 import numpy as np
 from phe import paillier as _phe
 
-from senseshield.errors import ConfigError, KeyMismatchError, ProtocolError, SecretKeyExportError
+from senseshield.errors import ConfigError, ProtocolError, SecretKeyExportError
+from senseshield.he.encoding import (
+    check_size,
+    check_sorted,
+    check_width,
+    fixed_point,
+    read_ciphertexts,
+    read_header,
+    union_positions,
+)
 from senseshield.he.fingerprint import bytes_ints, check, fingerprint, int_bytes, ints_bytes
 from senseshield.he.base import (
     CipherPart,
@@ -90,6 +99,7 @@ __all__ = [
     "DEFAULT_PRECISION_BITS",
     "MIN_KEY_BITS",
     "InsecureKeyWarning",
+    "PaillierFamilyKey",
     "PaillierPublicKey",
     "PaillierScheme",
     "PaillierSecretKey",
@@ -119,11 +129,35 @@ def _key_bytes(n: int) -> int:
     return (n.bit_length() + 7) // 8
 
 
-def _union_positions(positions: np.ndarray) -> np.ndarray:
-    union = np.asarray(positions, dtype=np.int64).ravel()
-    if union.size and (union[0] < 0 or np.any(np.diff(union) <= 0)):
-        raise ProtocolError("Aggregate positions must be sorted, unique and non-negative.")
-    return union
+def check_modulus(n: int) -> None:
+    """A Paillier modulus is odd and has at least :data:`MIN_KEY_BITS` bits (:class:`ConfigError`)."""
+    if n.bit_length() < MIN_KEY_BITS or n % 2 == 0:
+        raise ConfigError(
+            f"A Paillier modulus must be odd and have at least {MIN_KEY_BITS} bits; "
+            f"got {n.bit_length()} bits."
+        )
+
+
+def check_key_bits(key_bits: Any) -> int:
+    """``generate``'s ``key_bits``: an even int of at least :data:`MIN_KEY_BITS` (:class:`ConfigError`)."""
+    key_bits = int_param(key_bits, "key_bits")
+    if key_bits < MIN_KEY_BITS or key_bits % 2:
+        raise ConfigError(
+            f"key_bits is {key_bits}; use an even size >= {MIN_KEY_BITS} "
+            f"({DEFAULT_KEY_BITS} or more outside tests)."
+        )
+    return key_bits
+
+
+def warn_insecure(bits: int, *, stacklevel: int) -> None:
+    """:class:`InsecureKeyWarning` for a modulus below :data:`SECURE_KEY_BITS` (``stacklevel``
+    as the caller's own ``warnings.warn`` would take it)."""
+    if bits < SECURE_KEY_BITS:
+        warnings.warn(
+            f"A {bits}-bit Paillier modulus is insecure (use >= {SECURE_KEY_BITS} bits outside tests).",
+            InsecureKeyWarning,
+            stacklevel=stacklevel + 1,
+        )
 
 
 def _locate(union: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -136,68 +170,18 @@ def _locate(union: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.nd
     return idx, inside
 
 
-def _encode(values: np.ndarray, precision_bits: int) -> list[int]:
-    """Fixed-point integers ``round(v * 2**precision_bits)`` (half to even), exactly.
+class PaillierFamilyKey(PublicKey):
+    """What the Paillier-family public keys (per-value and packed) share: the modulus ``n``,
+    its sizes and the key id, the frame of a ciphertext on the wire, and the inputs of the
+    key server's fingerprint check (:mod:`senseshield.he.fingerprint`). A subclass sets
+    ``_n``, ``_key_bytes``, ``_nsquare`` and ``_key_id``."""
 
-    Scaling by a power of two is exact in float64 unless it overflows to inf, which only
-    happens for ``|v| >= 2**(1024 - precision_bits)``; such floats are integers, so
-    ``int(v) << precision_bits`` is exact there.
-    """
-    if values.size == 0:
-        return []
-    with np.errstate(over="ignore"):
-        scaled = np.rint(np.ldexp(values, precision_bits))
-    if np.all(np.isfinite(scaled)):
-        if float(np.max(np.abs(scaled))) < 2.0**63:
-            return scaled.astype(np.int64).tolist()
-        return [int(s) for s in scaled.tolist()]
-    return [
-        int(s) if math.isfinite(s) else int(v) << precision_bits
-        for v, s in zip(values.tolist(), scaled.tolist())
-    ]
+    _n: int
+    _key_bytes: int
+    _nsquare: Any
+    _key_id: str
+    verifiable: ClassVar[bool] = True
 
-
-class PaillierPublicKey(PublicKey):
-    """Paillier public key ``n`` (``g = n + 1``) plus the fixed-point ``precision_bits``.
-
-    Encrypts, aggregates and (de)serialises keys and ciphertexts; never decrypts. The key id
-    is ``short_hash(n as big-endian bytes)``. ``precision_bits`` is part of the serialised key
-    (every party must decode with the same value) but not of the key id.
-    """
-
-    scheme: ClassVar[str] = "paillier"
-    ragged_masks: ClassVar[bool] = True
-
-    def __init__(self, n: int, precision_bits: int = DEFAULT_PRECISION_BITS) -> None:
-        n = int_param(n, "n")
-        precision_bits = int_param(precision_bits, "precision_bits")
-        if n.bit_length() < MIN_KEY_BITS or n % 2 == 0:
-            raise ConfigError(
-                f"A Paillier modulus must be odd and have at least {MIN_KEY_BITS} bits; "
-                f"got {n.bit_length()} bits."
-            )
-        if not 1 <= precision_bits <= MAX_PRECISION_BITS:
-            raise ConfigError(
-                f"precision_bits is {precision_bits}; choose 1..{MAX_PRECISION_BITS} (default "
-                f"{DEFAULT_PRECISION_BITS})."
-            )
-        if n.bit_length() < SECURE_KEY_BITS:
-            warnings.warn(
-                f"A {n.bit_length()}-bit Paillier modulus is insecure (use >= {SECURE_KEY_BITS} "
-                "bits outside tests).",
-                InsecureKeyWarning,
-                stacklevel=3,
-            )
-        self._phe_key = _phe.PaillierPublicKey(n)
-        self._n = n
-        self._half = n // 2
-        self._nsquare = gmpy2.mpz(n) * n
-        self._n_mpz = gmpy2.mpz(n)
-        self._precision_bits = precision_bits
-        self._key_bytes = _key_bytes(n)
-        self._key_id = short_hash(n.to_bytes(self._key_bytes, "big"))
-
-    # -- properties -------------------------------------------------------------------
     @property
     def key_id(self) -> str:
         return self._key_id
@@ -212,13 +196,78 @@ class PaillierPublicKey(PublicKey):
         return self._n.bit_length()
 
     @property
-    def precision_bits(self) -> int:
-        return self._precision_bits
-
-    @property
     def ciphertext_nbytes(self) -> int:
         """Bytes per ciphertext on the wire: an element of Z_{n^2}, ``2 * ceil(bits/8)``."""
         return 2 * self._key_bytes
+
+    def _read_frame(self, data: bytes, header: struct.Struct, magic: bytes, what: str, unit: str) -> tuple[Any, ...]:
+        """A frame's header fields (:func:`~senseshield.he.encoding.read_header`; its last field
+        the ciphertext width, its fourth the count of ``unit``), with the width and the
+        frame's length checked: header, ``count`` i64/u32 pairs of positions or block fields,
+        ``count`` ciphertexts."""
+        fields = read_header(data, header, magic, (_WIRE_VERSION,), self._key_id, what)
+        count, width = fields[3], fields[-1]
+        check_width(width, self.ciphertext_nbytes)
+        check_size(data, header.size + count * (8 + width), what, count, unit)
+        return fields
+
+    def plain_fold(self, aggregate: EncryptedVector) -> bytes:
+        return self._fold_bytes(aggregate.meta.get("plain") or [])
+
+    def _fold_bytes(self, plain: Sequence[int]) -> bytes:
+        return b"" if not any(plain) else ints_bytes(plain, self._key_bytes)
+
+    def _check_inputs(self, contributions: Sequence[tuple[bytes, int]], plain: bytes,
+                      units: int) -> tuple[list[tuple[int, int]], list[int] | None]:
+        """:meth:`verify_aggregate`'s fingerprints (as ints, with their weights) and plaintext
+        fold (one int per unit, or None), checked for size (:class:`ProtocolError`)."""
+        width = 2 * self._key_bytes
+        fps = []
+        for f, w in contributions:
+            if len(f) != width:
+                raise ProtocolError(f"A fingerprint has {len(f)} bytes; this key's have {width}.")
+            fps.append((int.from_bytes(f, "big"), int(w)))
+        try:
+            folded = bytes_ints(plain, self._key_bytes, units, "The plaintext fold") if plain else None
+        except ValueError as exc:
+            raise ProtocolError(str(exc)) from None
+        return fps, folded
+
+
+class PaillierPublicKey(PaillierFamilyKey):
+    """Paillier public key ``n`` (``g = n + 1``) plus the fixed-point ``precision_bits``.
+
+    Encrypts, aggregates and (de)serialises keys and ciphertexts; never decrypts. The key id
+    is ``short_hash(n as big-endian bytes)``. ``precision_bits`` is part of the serialised key
+    (every party must decode with the same value) but not of the key id.
+    """
+
+    scheme: ClassVar[str] = "paillier"
+    ragged_masks: ClassVar[bool] = True
+
+    def __init__(self, n: int, precision_bits: int = DEFAULT_PRECISION_BITS) -> None:
+        n = int_param(n, "n")
+        precision_bits = int_param(precision_bits, "precision_bits")
+        check_modulus(n)
+        if not 1 <= precision_bits <= MAX_PRECISION_BITS:
+            raise ConfigError(
+                f"precision_bits is {precision_bits}; choose 1..{MAX_PRECISION_BITS} (default "
+                f"{DEFAULT_PRECISION_BITS})."
+            )
+        warn_insecure(n.bit_length(), stacklevel=3)
+        self._phe_key = _phe.PaillierPublicKey(n)
+        self._n = n
+        self._half = n // 2
+        self._nsquare = gmpy2.mpz(n) * n
+        self._n_mpz = gmpy2.mpz(n)
+        self._precision_bits = precision_bits
+        self._key_bytes = _key_bytes(n)
+        self._key_id = short_hash(n.to_bytes(self._key_bytes, "big"))
+
+    # -- properties -------------------------------------------------------------------
+    @property
+    def precision_bits(self) -> int:
+        return self._precision_bits
 
     def __repr__(self) -> str:
         return (
@@ -240,7 +289,7 @@ class PaillierPublicKey(PublicKey):
     def encrypt(self, values: np.ndarray, positions: np.ndarray) -> EncryptedVector:
         """One ciphertext per value; ``|round(v * 2**precision_bits)|`` must be ``<= n // 2``."""
         values, positions = check_values(values, positions)
-        encoded = _encode(values, self._precision_bits)
+        encoded = fixed_point(values, self._precision_bits)
         if values.size:
             bound = math.ceil(float(np.max(np.abs(values)))) << self._precision_bits
             if bound > self._half:
@@ -274,7 +323,7 @@ class PaillierPublicKey(PublicKey):
         (see the module docstring). Raises :class:`ProtocolError` (or
         :class:`KeyMismatchError`) naming the part or position.
         """
-        union = _union_positions(positions)
+        union = union_positions(positions)
         size = union.size
         nsquare = self._nsquare
         covered = np.zeros(size, dtype=bool)
@@ -384,7 +433,7 @@ class PaillierPublicKey(PublicKey):
         plain_sum = np.zeros(size, dtype=object)
         for idx, vals, weight in plain_jobs:
             encoded = np.empty(idx.size, dtype=object)
-            encoded[:] = _encode(vals, self._precision_bits)
+            encoded[:] = fixed_point(vals, self._precision_bits)
             plain_sum[idx] += encoded * weight
         n = self._n_mpz
         for j in np.flatnonzero(plain_sum != 0).tolist():
@@ -397,9 +446,6 @@ class PaillierPublicKey(PublicKey):
         jobs = [job for k, part in enumerate(parts) if (job := self._plain_job(part, union, k)) is not None]
         return self._fold_bytes(self._fold(jobs, union.size))
 
-    def _fold_bytes(self, plain: Sequence[int]) -> bytes:
-        return b"" if not any(plain) else ints_bytes(plain, _key_bytes(self._n))
-
     def select(self, vector: EncryptedVector, positions: np.ndarray) -> EncryptedVector | None:
         if len(positions) == 0:
             return None
@@ -411,30 +457,16 @@ class PaillierPublicKey(PublicKey):
         )
 
     # -- verification (senseshield.he.fingerprint; units are positions) ---------------------
-    verifiable: ClassVar[bool] = True
-
     def fingerprint(self, vector: EncryptedVector, seed: bytes) -> bytes:
         self.check(vector)
         value = fingerprint(vector.payload, np.asarray(vector.positions).tolist(), seed, int(self._nsquare))
-        return int_bytes(value, 2 * _key_bytes(self._n))
-
-    def plain_fold(self, aggregate: EncryptedVector) -> bytes:
-        return self._fold_bytes(aggregate.meta.get("plain") or [])
+        return int_bytes(value, 2 * self._key_bytes)
 
     def verify_aggregate(self, aggregate: EncryptedVector, seed: bytes,
                          contributions: Sequence[tuple[bytes, int]], plain: bytes) -> bool:
         self.check(aggregate)
-        width = 2 * _key_bytes(self._n)
-        fps = []
-        for f, w in contributions:
-            if len(f) != width:
-                raise ProtocolError(f"A fingerprint has {len(f)} bytes; this key's have {width}.")
-            fps.append((int.from_bytes(f, "big"), int(w)))
         units = np.asarray(aggregate.positions).tolist()
-        try:
-            folded = bytes_ints(plain, _key_bytes(self._n), len(units), "The plaintext fold") if plain else None
-        except ValueError as exc:
-            raise ProtocolError(str(exc)) from None
+        fps, folded = self._check_inputs(contributions, plain, len(units))
         return check(aggregate.payload, units, seed, self._n, fps, folded)
 
     # -- serialisation ----------------------------------------------------------------
@@ -489,43 +521,12 @@ class PaillierPublicKey(PublicKey):
     def vector_from_bytes(self, data: bytes) -> EncryptedVector:
         """Inverse of :meth:`ciphertext_bytes`; checks sizes, key id and ``0 < c < n^2``."""
         data = bytes(data)
+        _, _, _, count, width = self._read_frame(data, _WIRE_HEADER, _WIRE_MAGIC, "Paillier ciphertext", "values")
         hsize = _WIRE_HEADER.size
-        if len(data) < hsize:
-            raise ProtocolError(
-                f"Paillier ciphertext of {len(data)} bytes is shorter than its header."
-            )
-        magic, version, raw_id, count, width = _WIRE_HEADER.unpack_from(data)
-        if magic != _WIRE_MAGIC or version != _WIRE_VERSION:
-            raise ProtocolError("Not a SenseShield Paillier ciphertext (bad magic or version).")
-        if raw_id.hex() != self._key_id:
-            raise KeyMismatchError(
-                f"Ciphertext was made under key {raw_id.hex()!r}, not the current key "
-                f"{self._key_id!r}; it is rejected."
-            )
-        if width != self.ciphertext_nbytes:
-            raise ProtocolError(
-                f"Ciphertext width is {width} bytes; this key uses {self.ciphertext_nbytes}."
-            )
-        expected = hsize + count * (8 + width)
-        if len(data) != expected:
-            raise ProtocolError(
-                f"Paillier ciphertext has {len(data)} bytes; its header announces {count} values, "
-                f"i.e. {expected} bytes."
-            )
-        positions = np.frombuffer(data, dtype=">i8", count=count, offset=hsize).astype(np.int64)
-        if count and (positions[0] < 0 or np.any(np.diff(positions) <= 0)):
-            raise ProtocolError("Ciphertext positions must be sorted, unique and non-negative.")
-        offset = hsize + 8 * count
-        nsquare = self._nsquare
-        payload: list[int] = []
-        for i in range(count):
-            start = offset + i * width
-            c = int.from_bytes(data[start : start + width], "big")
-            if not 0 < c < nsquare:
-                raise ProtocolError(
-                    f"Ciphertext at position {int(positions[i])} is not an element of Z_{{n^2}}."
-                )
-            payload.append(c)
+        positions = check_sorted(np.frombuffer(data, dtype=">i8", count=count, offset=hsize).astype(np.int64),
+                                 "Ciphertext positions must be sorted, unique and non-negative.")
+        payload = read_ciphertexts(data, hsize + 8 * count, count, width, self._nsquare,
+                                   lambda i: f"Ciphertext at position {int(positions[i])}")
         return EncryptedVector(
             scheme=self.scheme,
             key_id=self._key_id,
@@ -647,6 +648,8 @@ class PaillierScheme(Scheme):
     """
 
     name: ClassVar[str] = "paillier"
+    public_key_class: ClassVar[type[PublicKey]] = PaillierPublicKey
+    secret_key_class: ClassVar[type[SecretKey]] = PaillierSecretKey
     ragged_masks: ClassVar[bool] = True
     description: ClassVar[str] = (
         "Per-value Paillier (python-paillier + gmpy2), 2048-bit modulus, 40-bit fixed point; "
@@ -666,15 +669,10 @@ class PaillierScheme(Scheme):
             raise ConfigError(
                 f"Unknown Paillier parameter(s) {', '.join(unknown)}; use key_bits, precision_bits."
             )
-        key_bits = int_param(params.get("key_bits", DEFAULT_KEY_BITS), "key_bits")
+        key_bits = check_key_bits(params.get("key_bits", DEFAULT_KEY_BITS))
         precision_bits = int_param(
             params.get("precision_bits", DEFAULT_PRECISION_BITS), "precision_bits"
         )
-        if key_bits < MIN_KEY_BITS or key_bits % 2:
-            raise ConfigError(
-                f"key_bits is {key_bits}; use an even size >= {MIN_KEY_BITS} "
-                f"({DEFAULT_KEY_BITS} or more outside tests)."
-            )
         if not 1 <= precision_bits <= MAX_PRECISION_BITS:
             raise ConfigError(
                 f"precision_bits is {precision_bits}; choose 1..{MAX_PRECISION_BITS}."
@@ -683,11 +681,3 @@ class PaillierScheme(Scheme):
         p, q = private.p, private.q
         del private
         return PaillierSecretKey(p, q, precision_bits)
-
-    @classmethod
-    def public_key_from_bytes(cls, data: bytes) -> PaillierPublicKey:
-        return PaillierPublicKey.from_bytes(data)
-
-    @classmethod
-    def secret_key_from_bytes(cls, data: bytes) -> PaillierSecretKey:
-        return PaillierSecretKey.from_bytes(data)
