@@ -56,3 +56,31 @@ def test_a_sites_bridge_never_carries_updates():
 def test_a_site_name_is_letters_digits_and_dashes(name):
     with pytest.raises(ValueError, match="is not allowed"):
         site_name(name)
+
+
+def test_a_site_aggregator_that_lies_loses_its_sites_updates_and_nothing_else(mosquitto, tmp_path):
+    """Site north's aggregator adds 1 to a masked word of each partial sum it sends: the key
+    server refuses the aggregate at the fingerprint check (nothing unmasked), the coordinator
+    tries it again without one part at a time, the aggregate without north's partial sum is
+    accepted, and the key server names north's devices at fault. The hub's device and the
+    honest site's count in every round."""
+    config = Job(strategy="masked", model="mlp", partition="iid", clients=4, rounds=2)
+
+    def wrap(name: str, argv: list[str]) -> list[str]:
+        if name == "site-north":
+            i = argv.index("coordinator.cli")
+            return [*argv[:i], "tests.hostile_site", *argv[i + 1:]]
+        return argv
+
+    report = fleet_up(config, FleetOptions(agents=4, out=tmp_path, broker=mosquitto.url, fleet="lies",
+                                           round_deadline=120, min_contributors=1, wrap=wrap,
+                                           sites={"north": [1, 2], "south": [3]}), timeout=400)
+    for record in report["rounds"]:
+        r = record["round"]
+        assert record["participants"] == 2, record  # c000 and c003
+        notes = " ".join(record["notes"])
+        assert f"round {r} cluster 0: refused the update of c001" in notes, notes
+        assert f"round {r} cluster 0: refused the update of c002" in notes, notes
+        assert "model unchanged" not in notes, notes
+    log = (tmp_path / "logs" / "coordinator.log").read_text()
+    assert "aggregating again over" in log
