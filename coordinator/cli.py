@@ -9,10 +9,8 @@ import typer
 
 from senseshield import defaults
 from senseshield.cli.common import console, fail, storage_stop, version_option
-from senseshield.cli.run import (
-    Broker, CaFile, Fleet, IdentityFile, InsecureDev, LogLevel, Mqtt, PasswordFile, Scheme, Sets, TrustFile, Username,
-    build_run_config, check_mqtt, development, identity_and_trust, mqtt_security, setup_logging, starting,
-)
+from senseshield.cli.connection import Connection, connection_options
+from senseshield.cli.run import InsecureDev, LogLevel, Scheme, Sets, build_run_config, development, setup_logging, starting
 from senseshield.errors import ConfigError, StorageError
 
 app = typer.Typer(help="SenseShield coordinator: clusters agents and aggregates ciphertexts it cannot read.",
@@ -25,9 +23,9 @@ def _root(version: Annotated[bool, version_option("coordinator")] = False) -> No
 
 
 @app.command()
+@connection_options
 def serve(
-    broker: Broker = defaults.BROKER,
-    fleet: Fleet = defaults.FLEET,
+    connection: Connection = Connection(),
     job: Annotated[Optional[list[Path]], typer.Option("--job", help="Queue this job file at start: a signed job (`senseshield job sign`; a key server serves only operator-signed jobs) or, for a key server in development mode or with --allow-unsigned-jobs, YAML/TOML. A restart with the same --state-dir does not queue it again; repeatable. More come from `senseshield job submit`.")] = None,
     once: Annotated[bool, typer.Option("--once", help="Exit when the queued jobs are done (default: stay up and take jobs).")] = False,
     strategy: Annotated[Optional[str], typer.Option(help="Queue a job built from these flags (instead of --job): strategy name.")] = None,
@@ -54,12 +52,6 @@ def serve(
     kill_before_close: Annotated[Optional[int], typer.Option(help="Fault drill: SIGKILL the coordinator once round R has every verdict, before it closes the round (not again after a restart).", hidden=True)] = None,
     kill_at_message: Annotated[Optional[list[int]], typer.Option(help="Fault drill: SIGKILL the coordinator right after it handled the job's N-th inbound message, counted over restarts in --state-dir (each N once; repeatable).", hidden=True)] = None,
     site: Annotated[Optional[str], typer.Option(help="Run as the aggregator of site NAME instead: on the site's own broker (--broker), bridged to the hub's (`senseshield fleet bridge`), fold the site's devices' updates and send one partial sum per cluster to the coordinator (masked and plaintext jobs). Identity: site-NAME.")] = None,
-    mqtt: Mqtt = defaults.MQTT,
-    ca_file: CaFile = None,
-    username: Username = None,
-    password_file: PasswordFile = None,
-    identity: IdentityFile = None,
-    trust: TrustFile = None,
     insecure_dev: InsecureDev = False,
     log_level: LogLevel = defaults.LOG_LEVEL,
 ) -> None:
@@ -67,10 +59,9 @@ def serve(
     are submitted (--job files, `senseshield job submit`), on the devices that are online."""
     setup_logging(log_level, "coordinator" if site is None else f"site-{site}")
     development(insecure_dev)
+    broker, fleet = connection.broker, connection.fleet
     if site is not None:
-        return serve_site(site, broker=broker, fleet=fleet, mqtt=mqtt, ca_file=ca_file, username=username,
-                          password_file=password_file, identity=identity, trust=trust, state_dir=state_dir,
-                          max_message_mb=max_message_mb,
+        return serve_site(site, connection, state_dir=state_dir, max_message_mb=max_message_mb,
                           job_flags=[name for name, value in (("--job", job), ("--strategy", strategy), ("--once", once),
                                                               ("--out", out), ("--metrics-port", metrics_port))
                                      if value])
@@ -111,7 +102,7 @@ def serve(
             raise ConfigError(f"--{given[0].replace('_', '-')} describes a job; give --strategy too, or use --job FILE.")
     except ConfigError as exc:
         fail(str(exc))
-    security = mqtt_security(broker, ca_file=ca_file, username=username, password_file=password_file)
+    security = connection.security()
     server = None
     try:
         from senseshield.runtime.keyfiles import writable_dir
@@ -120,10 +111,10 @@ def serve(
             if folder is not None:  # named as such, before the identity inside it
                 writable_dir(folder, flag)
         home = state_dir if state_dir is not None else Path.home() / ".senseshield" / fleet
-        me, trusted = identity_and_trust("coordinator", identity, home / "identity" / "coordinator.key", trust, fleet)
+        me, trusted = connection.identity_and_trust("coordinator", home / "identity" / "coordinator.key")
         server = Coordinator(
             broker, fleet=fleet, once=once, identity=me, trust=trusted, join_timeout=join_timeout, round_deadline=round_deadline,
-            state_dir=state_dir, out_dir=out, protocol=check_mqtt(mqtt),
+            state_dir=state_dir, out_dir=out, protocol=connection.protocol,
             max_frame_bytes=int(max_message_mb * 1e6), metrics_port=metrics_port,
             metrics_host=metrics_host, kill_before_close=kill_before_close, kill_at_message=kill_at_message or (),
         )
@@ -154,8 +145,8 @@ def serve(
         raise typer.Exit(130)
 
 
-def serve_site(site: str, *, broker: str, fleet: str, mqtt: str, ca_file, username, password_file, identity,  # noqa: ANN001
-               trust, state_dir, max_message_mb: float, job_flags: list[str]) -> None:
+def serve_site(site: str, connection: Connection, *, state_dir: Path | None, max_message_mb: float,
+               job_flags: list[str]) -> None:
     """``coordinator serve --site NAME``: the site aggregator (coordinator.site_service)."""
     from senseshield.runtime.sites import site_name
 
@@ -166,15 +157,16 @@ def serve_site(site: str, *, broker: str, fleet: str, mqtt: str, ca_file, userna
     if job_flags:
         fail(f"{job_flags[0]} is not allowed with --site; a site aggregator runs no job of its own, it folds the "
              "updates of the jobs the coordinator runs.")
+    broker, fleet = connection.broker, connection.fleet
     starting(f"site-{site}", "site aggregator", broker, fleet)
     from coordinator.site_service import SiteAggregator
     from senseshield.runtime.service import leave
 
-    security = mqtt_security(broker, ca_file=ca_file, username=username, password_file=password_file)
+    security = connection.security()
     try:
         home = state_dir if state_dir is not None else Path.home() / ".senseshield" / fleet
-        me, trusted = identity_and_trust(f"site-{site}", identity, home / "identity" / f"site-{site}.key", trust, fleet)
-        server = SiteAggregator(broker, site=site, fleet=fleet, identity=me, trust=trusted, protocol=check_mqtt(mqtt),
+        me, trusted = connection.identity_and_trust(f"site-{site}", home / "identity" / f"site-{site}.key")
+        server = SiteAggregator(broker, site=site, fleet=fleet, identity=me, trust=trusted, protocol=connection.protocol,
                                 max_frame_bytes=int(max_message_mb * 1e6))
         server.link.secure(**security)
         server.install_signal_handlers()

@@ -9,10 +9,8 @@ import typer
 
 from senseshield import defaults
 from senseshield.cli.common import fail, storage_stop, version_option
-from senseshield.cli.run import (
-    Broker, CaFile, Fleet, IdentityFile, InsecureDev, LogLevel, MinContributors, Mqtt, PasswordFile, Threads, TrustFile, Username, check_mqtt, development, identity_and_trust, mqtt_security,
-    setup_logging, starting,
-)
+from senseshield.cli.connection import Connection, connection_options
+from senseshield.cli.run import InsecureDev, LogLevel, MinContributors, Threads, development, setup_logging, starting
 from senseshield.errors import ConfigError, StorageError
 
 app = typer.Typer(help="SenseShield key server: holds the secret key, decrypts aggregates only.",
@@ -25,9 +23,9 @@ def _root(version: Annotated[bool, version_option("keyserver")] = False) -> None
 
 
 @app.command()
+@connection_options
 def serve(
-    broker: Broker = defaults.BROKER,
-    fleet: Fleet = defaults.FLEET,
+    connection: Connection = Connection(),
     key_dir: Annotated[Path, typer.Option(help="Directory of the key pair (created 0700; secret file 0600).")] = Path("keys"),
     min_contributors: MinContributors = defaults.MIN_CONTRIBUTORS,
     min_encryptors: Annotated[int, typer.Option(help="Never decrypt a position fewer than this many agents of the cluster encrypted (per-client-mask schemes; its mean then comes from the plaintext senders). A job may ask for more, never less; 1 = the papers' rule.")] = defaults.MIN_ENCRYPTORS,
@@ -39,12 +37,6 @@ def serve(
     key_structure: Annotated[str, typer.Option(help="Packed-Paillier key made on first use: subgroup (256-bit decryption exponent, ~4x faster; docs/security.md) or standard. Each has its own key file.")] = "subgroup",
     metrics_port: Annotated[Optional[int], typer.Option(help="Serve Prometheus metrics on this port (default: off, or $SENSESHIELD_KEYSERVER_METRICS_PORT).")] = None,
     metrics_host: Annotated[str, typer.Option(help="Address the Prometheus endpoint binds to (0.0.0.0: every interface).")] = "127.0.0.1",
-    mqtt: Mqtt = defaults.MQTT,
-    ca_file: CaFile = None,
-    username: Username = None,
-    password_file: PasswordFile = None,
-    identity: IdentityFile = None,
-    trust: TrustFile = None,
     insecure_dev: InsecureDev = False,
     log_level: LogLevel = defaults.LOG_LEVEL,
     kill_after_apply: Annotated[Optional[int], typer.Option(help="Fault drill: SIGKILL the key server right after it applied round R, before it answers.", hidden=True)] = None,
@@ -54,20 +46,21 @@ def serve(
     development(insecure_dev)
     if metrics_port is not None and not 0 < metrics_port < 65536:
         fail(f"--metrics-port {metrics_port} is not allowed; use a port in 1..65535.")
+    broker, fleet = connection.broker, connection.fleet
     starting("key server", "keyserver", broker, fleet)  # before the imports below
     from keyserver.service import KeyServer
     from senseshield.runtime.service import leave
 
-    security = mqtt_security(broker, ca_file=ca_file, username=username, password_file=password_file)
+    security = connection.security()
     try:
         from senseshield.runtime.keyfiles import secure_dir
 
         secure_dir(key_dir, "--key-dir")  # the key directory's problems are named as such
-        me, trusted = identity_and_trust("keyserver", identity, key_dir / "identity.key", trust, fleet)
+        me, trusted = connection.identity_and_trust("keyserver", key_dir / "identity.key")
         server = KeyServer(broker, fleet=fleet, key_dir=key_dir, min_contributors=min_contributors, min_fraction=min_fraction,
                            min_encryptors=min_encryptors, allow_unverifiable=allow_unverifiable,
                            allow_unsigned_jobs=allow_unsigned_jobs,
-                           protocol=check_mqtt(mqtt),
+                           protocol=connection.protocol,
                            threads=threads, workers=workers, key_structure=key_structure, kill_after_apply=kill_after_apply, identity=me, trust=trusted,
                            metrics_port=metrics_port, metrics_host=metrics_host)
         server.link.secure(**security)
