@@ -12,19 +12,9 @@ from coordinator.accept import FOLD, accept_update
 from coordinator.rounds import note_of
 from coordinator.sites import SiteRound, accept_partial, fold_partial, partial_message
 from senseshield.errors import ProtocolError
-from senseshield.runtime.identity import Identity, Trust
+from senseshield.runtime.identity import Trust
 from senseshield.runtime.protocol.messages import SitePartial, update_from_message
-from tests.test_coordinator_accept import FLEET, RUN, SIZE, state, update
-
-
-@pytest.fixture(scope="module")
-def ids() -> dict[str, Identity]:
-    return {a: Identity.generate(a) for a in ("a0", "a1", "a2", "a9")}
-
-
-@pytest.fixture(scope="module")
-def trust(ids) -> Trust:
-    return Trust.for_identities({a: (i, "agent") for a, i in ids.items()}, fleet=FLEET)
+from tests.test_coordinator_accept import RUN, SIZE, ids, state, trust, update  # noqa: F401 - fixtures
 
 
 def site_fold(s, ids, agents=("a0", "a1"), *, r: int = 2, site: str = "north") -> SitePartial:  # noqa: ANN001
