@@ -292,3 +292,34 @@ def test_ragged_masks_with_the_k_rule_match_brute_force(data, n, agents, k, ring
         den = sum(weights[i] for i in senders)
         want = sum(weights[i] * value(i) for i in senders) / den if den else 0.0
         assert got[j] == pytest.approx(want, abs=1e-6 if ring_bits == 64 else 1e-4), (j, maskers, k)
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_unmasking_on_several_processes_gives_the_same_sum(ragged):
+    """The key server spreads the contributors' pads over processes (``threads``): the same
+    words, bit for bit, as on one, with shared and with per-client masks."""
+    from senseshield.he.masked import PADS_PER_PROCESS
+
+    n, size = 2 * PADS_PER_PROCESS + 3, 50
+    agents = [Identity.generate(f"p{i:03d}") for i in range(n)]
+    rng = np.random.default_rng(5)
+    key = PUBLIC.for_masks(ragged)
+    positions = np.arange(size)
+    masks = [np.packbits(rng.random(size) < 0.7) if ragged else None for _ in range(n)]
+    total = None
+    for i, agent in enumerate(agents):
+        where = np.flatnonzero(np.unpackbits(masks[i])[:size]) if ragged else positions
+        words = np.zeros(size, dtype=np.uint64)
+        part = key.for_contributor(agent.exchange, CONTEXT).encrypt(rng.uniform(-1, 1, where.size), where)
+        words[where] = np.asarray(part.payload) * np.uint64(i % 3 + 1)
+        total = words if total is None else total + words
+    from senseshield.he.base import EncryptedVector
+
+    results = []
+    for threads in (1, 2):
+        vector = EncryptedVector("masked", PUBLIC.key_id, positions, total.copy(), total.nbytes)
+        SECRET.bind_contributions(vector, [(a.box_key, i % 3 + 1) for i, a in enumerate(agents)], CONTEXT,
+                                  masks=masks if ragged else None)
+        results.append(SECRET.decrypt(vector, threads=threads))
+    assert results[0].tobytes() == results[1].tobytes()
+    assert np.all(np.abs(results[0]) <= sum(i % 3 + 1 for i in range(n)))

@@ -679,6 +679,60 @@ class MaskedAccumulator(Accumulator):
         return acc
 
 
+PADS_PER_PROCESS = 64
+"""A decryption spreads its contributors' pads over processes only from this many per process
+(below, starting the work costs more than it saves)."""
+
+
+def pad_total(private: bytes, items: Sequence[tuple[bytes, int, bytes, np.ndarray | None]], positions: np.ndarray,
+              ring_bits: int) -> np.ndarray:
+    """``Σ w · pad`` of contributions ``items`` ((box key, weight, context, packed mask or
+    None)) at ``positions`` in the ring of ``ring_bits``, under the key server's X25519
+    ``private`` key: what unmasking an aggregate subtracts. A ragged contributor's pads count
+    only where its mask is set."""
+    ring = ring_of(ring_bits)
+    key = X25519PrivateKey.from_private_bytes(private)
+    total = np.zeros(positions.size, dtype=ring.dtype)
+    for box, weight, context, mask in items:
+        rows = slice(None) if mask is None else np.flatnonzero(np.unpackbits(mask)[positions])
+        pad = pads(pad_key(key.exchange(X25519PublicKey.from_public_bytes(box)), context, ring), positions[rows], ring)
+        total[rows] += pad if weight == 1 else pad * ring.dtype(weight)
+    return total
+
+
+_WORKER_KEY: list[bytes] = []
+
+
+def _init_worker(private: bytes) -> None:
+    _WORKER_KEY[:] = [private]
+
+
+def _pad_total_in_worker(args: tuple) -> np.ndarray:
+    items, positions, ring_bits = args
+    return pad_total(_WORKER_KEY[0], items, positions, ring_bits)
+
+
+_POOLS: dict[tuple[bytes, int], Any] = {}
+
+
+def _pad_pool(private: bytes, workers: int):  # noqa: ANN202 - a ProcessPoolExecutor
+    """The processes that regenerate pads for this key (started once, kept: forkserver, so a
+    service's threads are not forked)."""
+    import hashlib
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    ident = (hashlib.sha256(private).digest(), workers)
+    if not _POOLS:
+        import atexit
+
+        atexit.register(lambda: [pool.shutdown(wait=False, cancel_futures=True) for pool in _POOLS.values()])
+    if ident not in _POOLS:
+        _POOLS[ident] = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("forkserver"),
+                                            initializer=_init_worker, initargs=(private,))
+    return _POOLS[ident]
+
+
 class MaskedSecretKey(SecretKey):
     """The key server's X25519 private key: removes the named contributors' pads."""
 
@@ -729,18 +783,13 @@ class MaskedSecretKey(SecretKey):
                                 f"head-room allows fewer than {ring.max_total_weight}.")
         words = np.asarray(vector.payload, dtype=ring.dtype).copy()
         masks = vector.meta.get("masks")
-        for i, (box, weight) in enumerate(contributions):
-            rows = slice(None)
-            if masks is not None:  # ragged: this contributor's pads only where it masked
-                bits = np.unpackbits(masks[i])
-                if vector.positions.size and int(vector.positions[-1]) >= bits.size:
+        if masks is not None:
+            for m in masks:
+                if vector.positions.size and int(vector.positions[-1]) >= 8 * m.size:
                     raise ProtocolError("A contributor's mask is shorter than the aggregate.")
-                rows = np.flatnonzero(bits[vector.positions])
-            pad = pads(self.contributor_pad_key(box, vector.meta["context"][i], ring), vector.positions[rows], ring)
-            if weight == 1:
-                words[rows] -= pad
-            else:
-                words[rows] -= pad * ring.dtype(weight)
+        items = [(box, weight, vector.meta["context"][i], None if masks is None else masks[i])
+                 for i, (box, weight) in enumerate(contributions)]
+        words -= self._pads_of(items, vector.positions, ring, threads)
         signed = words.view(np.int64 if ring.bits == 64 else np.int32).astype(np.float64)
         # a genuine sum is at most Σw · word_limit (2^36 or 2^15) in magnitude; a leftover
         # pad is uniform on the ring
@@ -750,6 +799,21 @@ class MaskedSecretKey(SecretKey):
             raise ProtocolError(f"The unmasked sum is out of range at {outside.size} of {signed.size} positions: the "
                                 "aggregate is not the sum of exactly the named contributions (refused).")
         return signed / ring.scale
+
+    def _pads_of(self, items: list, positions: np.ndarray, ring: Ring, threads: int) -> np.ndarray:
+        """``Σ w · pad`` of the contributions ``items`` ((box key, weight, context, packed mask
+        or None) each) at ``positions``, modulo the ring: with ``threads`` > 1 and enough
+        contributions, split among that many processes (regenerating pads is the key server's
+        work per contributor: ChaCha20 holds the GIL). The sum does not depend on the split."""
+        workers = max(1, min(int(threads), len(items) // PADS_PER_PROCESS))
+        if workers == 1:
+            return pad_total(self._export(), items, positions, ring.bits)
+        pool = _pad_pool(self._export(), workers)
+        chunks = [items[i::workers] for i in range(workers)]
+        total = np.zeros(positions.size, dtype=ring.dtype)
+        for part in pool.map(_pad_total_in_worker, [(chunk, positions, ring.bits) for chunk in chunks]):
+            total += part
+        return total
 
     def _export(self) -> bytes:
         return self._private.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
