@@ -37,7 +37,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench_fleet import summarise  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
-from senseshield.bench.he import _cpu_model  # noqa: E402
+from senseshield.bench.machine import cpu_model as _cpu_model  # noqa: E402
 from senseshield.data.local import load_local_data  # noqa: E402
 from senseshield.job import Job, job_from_dict, job_shape, with_shape  # noqa: E402
 from senseshield.runtime.fleet import FleetOptions, fleet_up  # noqa: E402

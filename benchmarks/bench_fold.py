@@ -25,7 +25,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from senseshield.bench.he import _cpu_model  # noqa: E402
+from senseshield.bench.machine import cpu_model as _cpu_model  # noqa: E402
 from senseshield.engine.aggregation import ProtectedUpdate, StreamingAggregate  # noqa: E402
 from senseshield.he import generate_keys  # noqa: E402
 

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from keyserver.state import KeyServerState  # noqa: E402
 from keyserver.verify import Rules, check_plain_side, verify  # noqa: E402
-from senseshield.bench.he import _cpu_model  # noqa: E402
+from senseshield.bench.machine import cpu_model as _cpu_model  # noqa: E402
 from senseshield.engine.aggregation import aggregate_updates, decrypt_aggregate, protect_update  # noqa: E402
 from senseshield.he import generate_keys  # noqa: E402
 from senseshield.he.base import job_key, model_digest, round_context  # noqa: E402

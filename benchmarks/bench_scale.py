@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 
 from senseshield.data import load_dataset  # noqa: E402
 from senseshield.data.shards import shards  # noqa: E402
-from senseshield.bench.he import _cpu_model  # noqa: E402
+from senseshield.bench.machine import cpu_model as _cpu_model  # noqa: E402
 from senseshield.he import SCHEMES  # noqa: E402
 from senseshield.he.base import model_digest, round_context  # noqa: E402
 from senseshield.job import Job, announced_run, build_job_model, train_config  # noqa: E402
