@@ -83,6 +83,8 @@ def preload(service: Service) -> None:
     status come before), so that a job's start and rounds do not wait for imports: torch
     (the job's initial model), scikit-learn (clustering) and Opacus' accountant (DP
     figures). A stop meanwhile ends the loading at once."""
+    if service.stopping.is_set():  # stopped while connecting or saying it is online
+        return
     service.abandon_work = True
     try:
         import opacus.accountants  # noqa: F401

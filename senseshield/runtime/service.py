@@ -276,6 +276,7 @@ class Service:
     def start(self, subscriptions: list[str], *, timeout: float = 30.0) -> None:
         for suffix in [*subscriptions, *self.peers]:
             self.link.subscribe(suffix)
+        self.log.info("%s: connecting to %s", self.name, self.link.broker)
         self.link.start(timeout=timeout)
         if self.stopping.is_set():
             return  # stopped while connecting: the caller's loop ends at once

@@ -301,13 +301,16 @@ class Link:
     def stop(self, timeout: float = 1.0) -> None:
         """Disconnect cleanly (no last will) and stop the network and decoder threads (what
         is still queued inbound is not handled), waiting at most ``timeout`` s for each."""
+        connected = self._connected.is_set()
         self._client.disconnect()
         # loop_stop joins the network thread, which first writes what is queued (up to the
-        # DISCONNECT): bounded, as a broker that stopped reading would hold it up for good
+        # DISCONNECT): bounded, as a broker that stopped reading would hold it up for good;
+        # without a connection there is nothing to write (the thread may sleep between
+        # reconnection attempts, up to 1 s: not waited for)
         stopper = threading.Thread(target=self._client.loop_stop, name=f"link-stop-{self.client_id}", daemon=True)
         stopper.start()
-        stopper.join(timeout)
-        if stopper.is_alive():
+        stopper.join(timeout if connected else min(timeout, 0.1))
+        if stopper.is_alive() and connected:
             log.warning("%s: the network thread did not end within %g s; not waiting for it", self.client_id, timeout)
         decoder, self._decoder = self._decoder, None
         if decoder is not None:
