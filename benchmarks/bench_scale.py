@@ -47,6 +47,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -118,7 +120,10 @@ class LoadGenerator:
         self.ids = {a: fleet.identities[a][0] for a in self.agents}
         self.trust = fleet.trust
         self.inbox: queue.Queue = queue.Queue()
-        self.link = Link(fleet.url, client_id="loadgen", fleet=self.name, on_frame=self._on_frame, protocol=fleet.mqtt)
+        # N devices' inboxes over one link that drains at network speed: the broker may have
+        # as many in flight toward it as MQTT 5 allows (a device has a queue of its own)
+        self.link = Link(fleet.url, client_id="loadgen", fleet=self.name, on_frame=self._on_frame, protocol=fleet.mqtt,
+                         receive_maximum=65535)
         for suffix in ("fleet/config", "fleet/control", "keys/public", "keyserver/challenges", "agents/+/inbox",
                        "clusters/+/model"):
             self.link.subscribe(suffix)
@@ -148,6 +153,8 @@ class LoadGenerator:
         self.newest_plan: dict[str, int] = {}
         self.repeats = {"hello": 0, "plan": 0, "update": 0}
         self._ticked = 0.0
+        # a context manager around the fleet's burst of hellos (tests squeeze the broker there)
+        self.around_join: Callable[[], AbstractContextManager] | None = None
 
     # -- wire -----------------------------------------------------------------------------
     def _on_frame(self, topic: str, frame) -> None:  # noqa: ANN001 - paho thread
@@ -318,10 +325,11 @@ class LoadGenerator:
 
     def _join(self) -> None:
         self.joined = True
-        for agent in self.agents:
-            self._hello(agent)
-            self.hello_wait[agent] = Backoff(*HELLO_REPEAT_S, rng=self.rng)
-            self.hello_wait[agent].arm()
+        with self.around_join() if self.around_join is not None else nullcontext():
+            for agent in self.agents:
+                self._hello(agent)
+                self.hello_wait[agent] = Backoff(*HELLO_REPEAT_S, rng=self.rng)
+                self.hello_wait[agent].arm()
 
     def _update(self, agent: str, r: int, plan: RoundPlan, shared: np.ndarray | None) -> None:
         verifiable = self.public is not None and self.public.verifiable
@@ -441,9 +449,11 @@ class Sampler:
 
 def run_scale(agents: int, strategy: str, *, rounds: int = 3, key_bits: int = 2048, out: Path,
               broker_url: str, timeout: float = 3600.0, model: str = "linear", repeat: int = 0,
-              broker: MosquittoProcess | None = None) -> dict:
+              broker: MosquittoProcess | None = None,
+              around_join: Callable[[ScaleFleet], AbstractContextManager] | None = None) -> dict:
     """One (N, strategy) point; returns its summary (see the module docstring). ``broker``:
-    the Mosquitto behind ``broker_url``, whose log says whom it dropped messages for."""
+    the Mosquitto behind ``broker_url``, whose log says whom it dropped messages for;
+    ``around_join(fleet)``: a context manager the agents' burst of hellos runs in."""
     drops_before = len(broker.dropped()) if broker is not None else 0
     config = Job(strategy=strategy, rounds=rounds, dataset="digits", model=model, partition=f"categories:{TEMPLATES}",
                  key_bits=key_bits, scheme=None if strategy in ("plaintext", "masked") else "packed-paillier",
@@ -455,6 +465,8 @@ def run_scale(agents: int, strategy: str, *, rounds: int = 3, key_bits: int = 20
         fleet.start()
         sampler = Sampler(fleet)
         load = LoadGenerator(fleet)
+        if around_join is not None:
+            load.around_join = lambda: around_join(fleet)
         loadgen_cpu = time.process_time()
         load.run(timeout)
         loadgen_cpu = time.process_time() - loadgen_cpu

@@ -348,28 +348,33 @@ class MosquittoProcess:
     """
 
     def __init__(self, workdir, host: str = "127.0.0.1", *, message_size_limit: int = 0,  # noqa: ANN001
-                 fleet_size: int = 3000, max_queued_messages: int | None = None) -> None:
+                 fleet_size: int = 3000, max_queued_messages: int | None = None,
+                 max_inflight_messages: int | None = None) -> None:
         import socket
         from pathlib import Path
 
         with socket.socket() as s:
             s.bind((host, 0))
             self.port = s.getsockname()[1]
-        self.host = host
         workdir = Path(workdir)
         workdir.mkdir(parents=True, exist_ok=True)
         self.config = workdir / "mosquitto.conf"
+        self.host, self.message_size_limit = host, message_size_limit
         limits = queue_limits(fleet_size)
-        if max_queued_messages is not None:
-            limits["max_queued_messages"] = max_queued_messages
-        self.limits = limits
-        self.config.write_text(
-            f"listener {self.port} {host}\nallow_anonymous true\npersistence false\n"
-            f"message_size_limit {message_size_limit}\nlog_dest stderr\n"
-            + "".join(f"{key} {value}\n" for key, value in limits.items())
-        )
+        for key, value in (("max_queued_messages", max_queued_messages), ("max_inflight_messages", max_inflight_messages)):
+            if value is not None:
+                limits[key] = value
+        self._write_config(limits)
         self.log = workdir / "mosquitto.log"
         self.process = None
+
+    def _write_config(self, limits: dict[str, int]) -> None:
+        self.limits = dict(limits)
+        self.config.write_text(
+            f"listener {self.port} {self.host}\nallow_anonymous true\npersistence false\n"
+            f"message_size_limit {self.message_size_limit}\nlog_dest stderr\n"
+            + "".join(f"{key} {value}\n" for key, value in self.limits.items())
+        )
 
     @property
     def url(self) -> str:

@@ -154,13 +154,17 @@ class Link:
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
         max_inflight: int = DEFAULT_MAX_INFLIGHT,
         stopping: threading.Event | None = None,
+        receive_maximum: int | None = None,
     ) -> None:
         """``protocol``: the MQTT version, "5" (default) or "3.1.1" (e.g. the embedded broker).
 
         ``max_pending_bytes``: most bytes of received messages waiting for the decoder thread
         (beyond: dropped and counted); ``max_inflight``: most outgoing QoS 1 messages sent and
         not yet acknowledged by the broker (paho queues the rest); ``stopping``: an event that,
-        once set, ends every wait of this link at once (a service's stop).
+        once set, ends every wait of this link at once (a service's stop); ``receive_maximum``
+        (MQTT 5): how many QoS 1 messages the broker may have in flight toward this link at once
+        (None: the broker's own limit, Mosquitto's ``max_inflight_messages``); a link that
+        subscribes to a whole fleet's messages and drains at network speed may take many.
 
         ``ca_file`` (required by ``mqtts://`` URLs), ``certfile``/``keyfile``, ``username`` and
         ``password``: see :meth:`secure`, which may also be called after construction.
@@ -173,6 +177,7 @@ class Link:
         self._tls_ready = False
         self._refused: str | None = None  # the broker's last refusal (CONNACK reason)
         self.protocol = protocol
+        self.receive_maximum = receive_maximum
         self.fleet = fleet
         self.client_id = client_id
         self.on_frame = on_frame
@@ -272,8 +277,15 @@ class Link:
         if self.tls and not self._tls_ready:
             check_security(self.broker)  # mqtts:// without a CA: one sentence, no connection
         self._start_decoder()
+        properties = None
+        if self.receive_maximum is not None and self.protocol == "5":
+            from paho.mqtt.packettypes import PacketTypes
+            from paho.mqtt.properties import Properties
+
+            properties = Properties(PacketTypes.CONNECT)
+            properties.ReceiveMaximum = self.receive_maximum
         try:
-            self._client.connect_async(self.host, self.port, keepalive=15)
+            self._client.connect_async(self.host, self.port, keepalive=15, properties=properties)
         except (OSError, ValueError) as exc:
             raise ConnectionError(f"Cannot reach broker {self.host}:{self.port}: {exc}.") from None
         self._client.loop_start()
