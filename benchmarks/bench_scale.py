@@ -90,7 +90,7 @@ from senseshield.runtime.protocol.messages import (  # noqa: E402
 )
 from senseshield.runtime.service import Backoff  # noqa: E402
 from senseshield.runtime.transport import PREFIX, Link  # noqa: E402
-from edge_agent.service import HELLO_REPEAT_S, PLAN_REPEAT_S, UPDATE_REPEAT_S  # noqa: E402
+from edge_agent.service import repeat_delays  # noqa: E402
 from senseshield.strategies import ClientContext  # noqa: E402
 from senseshield.training import set_vector  # noqa: E402
 
@@ -182,7 +182,7 @@ class LoadGenerator:
 
     def _await_plan(self, agent: str, after: float = 0.0) -> None:
         if self.newest_plan.get(agent, 0) < self.config.rounds:
-            b = self.plan_wait.setdefault(agent, Backoff(*PLAN_REPEAT_S, rng=self.rng))
+            b = self.plan_wait.setdefault(agent, Backoff(*repeat_delays("plan", self.deadline_s), rng=self.rng))
             b.arm(first=max(after, 0.0) + b.first)
 
     def _tick(self) -> None:
@@ -312,6 +312,7 @@ class LoadGenerator:
         """The run's templates: data, one real round-1 training each, bootstrap vectors."""
         config, strategy, _ = announced_run(msg.config)
         self.run_id, self.config, self.strategy, self.initial = msg.run_id, config, strategy, msg.initial.astype(np.float64)
+        self.deadline_s = msg.round_deadline
         self.joined = False
         local_config = config.model_copy(update={"clients": TEMPLATES, "partition": f"categories:{TEMPLATES}"})
         self.data = [s.data for s in shards(local_config, load_dataset(config.dataset, seed=config.seed))]
@@ -328,7 +329,7 @@ class LoadGenerator:
         with self.around_join() if self.around_join is not None else nullcontext():
             for agent in self.agents:
                 self._hello(agent)
-                self.hello_wait[agent] = Backoff(*HELLO_REPEAT_S, rng=self.rng)
+                self.hello_wait[agent] = Backoff(*repeat_delays("hello", self.deadline_s), rng=self.rng)
                 self.hello_wait[agent].arm()
 
     def _update(self, agent: str, r: int, plan: RoundPlan, shared: np.ndarray | None) -> None:
@@ -374,7 +375,7 @@ class LoadGenerator:
         signed = to_frame(receipt, fleet=self.name, sender=agent, round=r, signer=self.ids[agent])
         sent = self.send(agent, f"agents/{agent}/update", message.model_copy(update={"receipt": signed}), r)
         self.sent_updates.setdefault(r, set()).add(agent)
-        b = Backoff(*UPDATE_REPEAT_S, rng=self.rng)
+        b = Backoff(*repeat_delays("update", self.deadline_s), rng=self.rng)
         b.arm()
         self.update_wait[agent] = (b, sent, r, plan.deadline)
 

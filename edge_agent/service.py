@@ -17,7 +17,8 @@ while the link stayed up (a full queue) is re-sent too (docs/protocol.md, "Re-se
 the hello (and bootstrap vector) until the coordinator acknowledges it, the hello again
 when the next round's plan is overdue (the coordinator answers with the plan), and the
 update until it is acknowledged or its round's deadline passes; each on a backoff with
-jitter (:class:`~senseshield.runtime.service.Backoff`), so a fleet does not repeat in step. A coordinator that comes back
+jitter (:class:`~senseshield.runtime.service.Backoff`), so a fleet does not repeat in step,
+that starts at a share of the job's round deadline (:func:`repeat_delays`). A coordinator that comes back
 online (restarted, perhaps before it saved the job's bootstrap) hears its hello again, and
 its bootstrap vector until the agent has a cluster. SIGTERM ends it cleanly.
 """
@@ -90,14 +91,21 @@ if TYPE_CHECKING:  # torch loads with the first job (_torch): an idle agent does
 
 log = logging.getLogger("senseshield.agent")
 
-HELLO_REPEAT_S = (15.0, 120.0)
-"""A hello not acknowledged is said again after about 15 s, then twice as long each time, at most 120 s apart."""
-PLAN_REPEAT_S = (30.0, 300.0)
-"""A round plan overdue by about 30 s (past the last round's deadline, or since the hello
-was acknowledged) is asked for again (a hello), then twice as long each time, at most 300 s apart."""
-UPDATE_REPEAT_S = (20.0, 120.0)
-"""An update not acknowledged is sent again after about 20 s, then twice as long each time,
-at most 120 s apart, until its round's deadline."""
+REPEATS = {"hello": (15.0, 120.0, 1 / 20), "plan": (30.0, 300.0, 1 / 10), "update": (20.0, 120.0, 1 / 10)}
+"""What an agent re-sends and when (:func:`repeat_delays`): kind -> (first delay, most delay
+apart, share of the job's round deadline). A hello not acknowledged is said again; a round
+plan overdue (past the last round's deadline, or since the hello was acknowledged) is asked
+for again with a hello; an update not acknowledged is sent again until its round's deadline."""
+
+
+def repeat_delays(kind: str, round_deadline: float) -> tuple[float, float]:
+    """(first delay, most delay apart) of the repeats of ``kind`` in a job whose round deadline
+    is ``round_deadline`` s: at least the fixed floors of :data:`REPEATS`, and a share of the
+    deadline, which the operator sizes to the fleet (a coordinator that takes a fleet of
+    thousands needs longer to answer each device; repeating sooner only adds to its work)."""
+    first, cap, share = REPEATS[kind]
+    first = max(first, share * round_deadline)
+    return first, max(cap, 4 * first)
 
 
 def failure_sentence(exc: BaseException) -> str:
@@ -262,9 +270,9 @@ class EdgeAgent(Service):
             self.on(cls, handler)
         # re-sending what the broker may have lost (tick): the hello until acknowledged, the
         # hello again while a round plan is overdue, the update until acknowledged
-        self.hello_repeat = Backoff(*HELLO_REPEAT_S)
-        self.plan_repeat = Backoff(*PLAN_REPEAT_S)
-        self.update_repeat = Backoff(*UPDATE_REPEAT_S)
+        self.hello_repeat = Backoff(*REPEATS["hello"][:2])  # re-timed for each job (_join)
+        self.plan_repeat = Backoff(*REPEATS["plan"][:2])
+        self.update_repeat = Backoff(*REPEATS["update"][:2])
         self.update_until = 0.0  # the deadline (time.time()) of the round of the update re-sent
         self.on(Ack, self._on_ack)
         self.seeds: dict[tuple[str, int], bytes] = {}  # (run, round) -> the key server's challenge seed
@@ -593,8 +601,9 @@ class EdgeAgent(Service):
                 vector = self._bootstrap(run, strategy, model, data, index)
             run.vector = vector
             self.send(f"agents/{self.agent_id}/bootstrap", BootstrapVector(sensitivity=vector))
-        for repeat in (self.plan_repeat, self.update_repeat):
+        for kind, repeat in (("hello", self.hello_repeat), ("plan", self.plan_repeat), ("update", self.update_repeat)):
             repeat.disarm()
+            repeat.first, repeat.cap = repeat_delays(kind, msg.round_deadline)
         self.hello_repeat.arm()  # until the coordinator acknowledges hello and vector
         if strategy.needs_synthetic:
             fit_synthetic(run.client, data, num_classes=msg.num_classes, epsilon=config.options.synthetic_epsilon,

@@ -49,8 +49,7 @@ def test_devices_re_send_what_a_full_broker_queue_dropped(tmp_path, monkeypatch)
 
     from tests.broker import Mosquitto
 
-    for name in ("HELLO_REPEAT_S", "PLAN_REPEAT_S", "UPDATE_REPEAT_S"):
-        monkeypatch.setattr(bench_scale, name, (1.0, 4.0))
+    monkeypatch.setattr(bench_scale, "repeat_delays", lambda kind, round_deadline: (1.0, 4.0))
     broker = Mosquitto(tmp_path / "broker", max_queued_messages=5, max_inflight_messages=1).start()
 
     @contextmanager
