@@ -9,13 +9,17 @@ template clients (one per planted category) train the job's model on their own s
 (round 1; each agent's bootstrap vector is its template's with 10 % seeded jitter, so
 the coordinator clusters N distinct devices), and each protected update is encrypted under the announced public key once per
 (template, cluster, budget, shared mask) and replayed by every agent of that template with
-its own id, round and receipt; the key server verifies and decrypts them for real.
+its own id, round and receipt; the key server verifies and decrypts them for real. Like a
+real agent, each generated agent re-sends its hello until the coordinator acknowledges it,
+asks again (a hello) for a round plan that is overdue, and re-sends its update until it is
+acknowledged (docs/protocol.md, "Re-sending"), on the agents' jittered backoff.
 
 For each N and strategy it reports the median round seconds (rounds 2..), the coordinator's
 aggregation seconds per cluster (streamed over the arrivals, and the close), the key
 server's verify and decrypt seconds per cluster, the clusters, the coordinator's and the key
-server's peak RSS, the MB published through the broker, and whether every update sent was
-counted in an accepted aggregate.
+server's peak RSS, the MB published through the broker, whether every update sent was
+counted in an accepted aggregate, the clients the broker dropped messages for (its log) and
+how often the generated agents repeated a hello, a plan request or an update.
 
 For each N the strategies run alternated ``--repeats`` times; a strategy's ratio to plaintext
 is taken within each repeat and the median reported, beside the CPU seconds of the
@@ -27,6 +31,7 @@ per round.
 
     python benchmarks/bench_scale.py [--agents 10,100,1000] [--strategies plaintext,masked,sensecrypt]
         [--rounds 4] [--repeats 2] [--model mlp] [--key-bits 2048] [--out benchmarks/results/scale.json] [--quick]
+        [--max-queued N]  (the broker's max_queued_messages; default: sized for the largest N)
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +68,7 @@ from senseshield.runtime.broker import MosquittoProcess  # noqa: E402
 from senseshield.runtime.fleet import Fleet, FleetOptions, agent_ids  # noqa: E402
 from senseshield.runtime.identity import SEALED_SEED_BYTES, b64, check_frame, unb64  # noqa: E402
 from senseshield.runtime.protocol.messages import (  # noqa: E402
+    Ack,
     BootstrapVector,
     Challenge,
     ClusterModel,
@@ -80,7 +88,9 @@ from senseshield.runtime.protocol.messages import (  # noqa: E402
     unpack_mask,
     update_to_message,
 )
+from senseshield.runtime.service import Backoff  # noqa: E402
 from senseshield.runtime.transport import PREFIX, Link  # noqa: E402
+from edge_agent.service import repeat_delays  # noqa: E402
 from senseshield.strategies import ClientContext  # noqa: E402
 from senseshield.training import set_vector  # noqa: E402
 
@@ -110,7 +120,10 @@ class LoadGenerator:
         self.ids = {a: fleet.identities[a][0] for a in self.agents}
         self.trust = fleet.trust
         self.inbox: queue.Queue = queue.Queue()
-        self.link = Link(fleet.url, client_id="loadgen", fleet=self.name, on_frame=self._on_frame, protocol=fleet.mqtt)
+        # N devices' inboxes over one link that drains at network speed: the broker may have
+        # as many in flight toward it as MQTT 5 allows (a device has a queue of its own)
+        self.link = Link(fleet.url, client_id="loadgen", fleet=self.name, on_frame=self._on_frame, protocol=fleet.mqtt,
+                         receive_maximum=65535)
         for suffix in ("fleet/config", "fleet/control", "keys/public", "keyserver/challenges", "agents/+/inbox",
                        "clusters/+/model"):
             self.link.subscribe(suffix)
@@ -132,22 +145,76 @@ class LoadGenerator:
         self.accuracy: dict[tuple[int, int], float] = {}
         self.joined = False
         self.errors: list[str] = []
+        # re-sending, as the agents do (edge_agent.service): agent -> its backoff (and what it re-sends)
+        self.rng = __import__("random").Random(0)
+        self.hello_wait: dict[str, Backoff] = {}
+        self.plan_wait: dict[str, Backoff] = {}
+        self.update_wait: dict[str, tuple[Backoff, bytes, int, float]] = {}  # (backoff, frame, round, deadline)
+        self.newest_plan: dict[str, int] = {}
+        self.repeats = {"hello": 0, "plan": 0, "update": 0}
+        self._ticked = 0.0
+        # a context manager around the fleet's burst of hellos (tests squeeze the broker there)
+        self.around_join: Callable[[], AbstractContextManager] | None = None
 
     # -- wire -----------------------------------------------------------------------------
     def _on_frame(self, topic: str, frame) -> None:  # noqa: ANN001 - paho thread
         check_frame(self.trust, frame)
         self.inbox.put((topic.removeprefix(f"{PREFIX}/{self.name}/"), frame, from_frame(frame)))
 
-    def send(self, agent: str, suffix: str, message, round: int = 0) -> bytes:  # noqa: ANN001
+    def send(self, agent: str, suffix: str, message, round: int = 0, wait: bool = True) -> bytes:  # noqa: ANN001
         frame = to_frame(message, fleet=self.name, sender=agent, round=round, signer=self.ids[agent])
-        self.link.publish(suffix, frame)
+        self.link.publish(suffix, frame, wait=wait)
         self.bytes_sent += len(frame)
         return frame
+
+    def _hello(self, agent: str, wait: bool = True) -> None:
+        i = self.agents.index(agent)
+        t = self.template(agent)
+        bandwidth, cpu = PROFILES[(i // TEMPLATES) % len(PROFILES)]
+        self.send(agent, f"agents/{agent}/hello", Hello(
+            run_id=self.run_id, agent_id=agent, n_samples=self.samples(t), bandwidth=bandwidth,
+            cpu_speed=cpu, profile={"board": "load generator"}, key_id=self.key_id, index=i,
+            box_key=b64(self.ids[agent].box_key)), wait=wait)
+        if self.vectors[t] is not None:  # its template's, with the device's own 10 % jitter (seeded)
+            jitter = np.random.default_rng([self.config.seed, i]).normal(1.0, JITTER, self.vectors[t].size)
+            self.send(agent, f"agents/{agent}/bootstrap",
+                      BootstrapVector(sensitivity=self.vectors[t] * np.abs(jitter)), wait=wait)
+
+    def _await_plan(self, agent: str, after: float = 0.0) -> None:
+        if self.newest_plan.get(agent, 0) < self.config.rounds:
+            b = self.plan_wait.setdefault(agent, Backoff(*repeat_delays("plan", self.deadline_s), rng=self.rng))
+            b.arm(first=max(after, 0.0) + b.first)
+
+    def _tick(self) -> None:
+        """Re-send what was not acknowledged (each agent's backoff), at most every 0.5 s."""
+        now = time.monotonic()
+        if now - self._ticked < 0.5 or self.run_id is None:
+            return
+        self._ticked = now
+        for agent, b in list(self.hello_wait.items()):
+            if b.due(now):
+                self.repeats["hello"] += 1
+                self._hello(agent, wait=False)
+        for agent, (b, frame, r, deadline) in list(self.update_wait.items()):
+            if time.time() > deadline:
+                del self.update_wait[agent]
+                self._await_plan(agent)
+            elif b.due(now):
+                self.repeats["update"] += 1
+                self.link.publish(f"agents/{agent}/update", frame, wait=False)
+        for agent, b in list(self.plan_wait.items()):
+            if b.due(now):
+                if self.newest_plan.get(agent, 0) >= self.config.rounds:
+                    del self.plan_wait[agent]
+                    continue
+                self.repeats["plan"] += 1
+                self._hello(agent, wait=False)
 
     def run(self, timeout: float) -> None:
         self.link.start()
         end = time.monotonic() + timeout
         while not self.done.is_set() and time.monotonic() < end:
+            self._tick()
             try:
                 suffix, frame, msg = self.inbox.get(timeout=0.5)
             except queue.Empty:
@@ -170,8 +237,28 @@ class LoadGenerator:
                 self.public = SCHEMES.get(msg.scheme).public_key_from_bytes(msg.key) if msg.scheme else None
                 self.key_id = msg.key_id  # "none" when the run encrypts nothing
                 self.key_seen = True
+        elif isinstance(msg, Ack):
+            agent = suffix.split("/")[1]
+            if msg.run_id != self.run_id:
+                return
+            if msg.of == "hello":
+                if self.hello_wait.pop(agent, None) is not None and not self.newest_plan.get(agent):
+                    self._await_plan(agent)
+            elif agent in self.update_wait and self.update_wait[agent][2] == frame.round:
+                _, _, r, deadline = self.update_wait.pop(agent)
+                if msg.reason:
+                    self.errors.append(f"update of {agent} round {r} not counted: {msg.reason}")
+                self._await_plan(agent, deadline - time.time())
         elif isinstance(msg, RoundPlan):
             agent = suffix.split("/")[1]
+            self.hello_wait.pop(agent, None)
+            self.plan_wait.pop(agent, None)
+            self.newest_plan[agent] = max(self.newest_plan.get(agent, 0), frame.round)
+            if agent in self.sent_updates.get(frame.round, ()):  # a plan again: the update again
+                waiting = self.update_wait.get(agent)
+                if waiting is not None:
+                    self.link.publish(f"agents/{agent}/update", waiting[1], wait=False)
+                return
             self.plans[(agent, frame.round)] = msg
             self.cluster_of[(agent, frame.round)] = msg.cluster
             if msg.negotiate:  # the template's proposal, computed once (it depends on its sensitivity only)
@@ -225,6 +312,7 @@ class LoadGenerator:
         """The run's templates: data, one real round-1 training each, bootstrap vectors."""
         config, strategy, _ = announced_run(msg.config)
         self.run_id, self.config, self.strategy, self.initial = msg.run_id, config, strategy, msg.initial.astype(np.float64)
+        self.deadline_s = msg.round_deadline
         self.joined = False
         local_config = config.model_copy(update={"clients": TEMPLATES, "partition": f"categories:{TEMPLATES}"})
         self.data = [s.data for s in shards(local_config, load_dataset(config.dataset, seed=config.seed))]
@@ -238,18 +326,11 @@ class LoadGenerator:
 
     def _join(self) -> None:
         self.joined = True
-        key_id = self.key_id
-        for i, agent in enumerate(self.agents):
-            t = self.template(agent)
-            bandwidth, cpu = PROFILES[(i // TEMPLATES) % len(PROFILES)]
-            self.send(agent, f"agents/{agent}/hello", Hello(
-                run_id=self.run_id, agent_id=agent, n_samples=self.samples(t), bandwidth=bandwidth,
-                cpu_speed=cpu, profile={"board": "load generator"}, key_id=key_id, index=i,
-                box_key=b64(self.ids[agent].box_key)))
-            if self.vectors[t] is not None:  # its template's, with the device's own 10 % jitter (seeded)
-                jitter = np.random.default_rng([self.config.seed, i]).normal(1.0, JITTER, self.vectors[t].size)
-                self.send(agent, f"agents/{agent}/bootstrap",
-                          BootstrapVector(sensitivity=self.vectors[t] * np.abs(jitter)))
+        with self.around_join() if self.around_join is not None else nullcontext():
+            for agent in self.agents:
+                self._hello(agent)
+                self.hello_wait[agent] = Backoff(*repeat_delays("hello", self.deadline_s), rng=self.rng)
+                self.hello_wait[agent].arm()
 
     def _update(self, agent: str, r: int, plan: RoundPlan, shared: np.ndarray | None) -> None:
         verifiable = self.public is not None and self.public.verifiable
@@ -292,8 +373,11 @@ class LoadGenerator:
             # replayed template updates: the digest names the cluster model of the round they stand for
             start_digest=start, plan_digest=plan.digest())
         signed = to_frame(receipt, fleet=self.name, sender=agent, round=r, signer=self.ids[agent])
-        self.send(agent, f"agents/{agent}/update", message.model_copy(update={"receipt": signed}), r)
+        sent = self.send(agent, f"agents/{agent}/update", message.model_copy(update={"receipt": signed}), r)
         self.sent_updates.setdefault(r, set()).add(agent)
+        b = Backoff(*repeat_delays("update", self.deadline_s), rng=self.rng)
+        b.arm()
+        self.update_wait[agent] = (b, sent, r, plan.deadline)
 
     def _metrics(self, cluster: int, r: int, weights: np.ndarray) -> None:
         if (cluster, r) in self.accuracy:
@@ -365,8 +449,13 @@ class Sampler:
 
 
 def run_scale(agents: int, strategy: str, *, rounds: int = 3, key_bits: int = 2048, out: Path,
-              broker_url: str, timeout: float = 3600.0, model: str = "linear", repeat: int = 0) -> dict:
-    """One (N, strategy) point; returns its summary (see the module docstring)."""
+              broker_url: str, timeout: float = 3600.0, model: str = "linear", repeat: int = 0,
+              broker: MosquittoProcess | None = None,
+              around_join: Callable[[ScaleFleet], AbstractContextManager] | None = None) -> dict:
+    """One (N, strategy) point; returns its summary (see the module docstring). ``broker``:
+    the Mosquitto behind ``broker_url``, whose log says whom it dropped messages for;
+    ``around_join(fleet)``: a context manager the agents' burst of hellos runs in."""
+    drops_before = len(broker.dropped()) if broker is not None else 0
     config = Job(strategy=strategy, rounds=rounds, dataset="digits", model=model, partition=f"categories:{TEMPLATES}",
                  key_bits=key_bits, scheme=None if strategy in ("plaintext", "masked") else "packed-paillier",
                  round_deadline=max(120.0, agents * 0.6), clients=agents)
@@ -377,6 +466,8 @@ def run_scale(agents: int, strategy: str, *, rounds: int = 3, key_bits: int = 20
         fleet.start()
         sampler = Sampler(fleet)
         load = LoadGenerator(fleet)
+        if around_join is not None:
+            load.around_join = lambda: around_join(fleet)
         loadgen_cpu = time.process_time()
         load.run(timeout)
         loadgen_cpu = time.process_time() - loadgen_cpu
@@ -416,6 +507,8 @@ def run_scale(agents: int, strategy: str, *, rounds: int = 3, key_bits: int = 20
         "he_ratio": float(np.mean([r["he_ratio_mean"] for r in rounds_])),
         "final_accuracy": report["final_accuracy"],
         "loadgen_errors": load.errors[:5],
+        "broker_dropped_for": sorted(set(broker.dropped()[drops_before:])) if broker is not None else None,
+        "repeats": dict(load.repeats),
         "seconds": time.time() - started,
     }
 
@@ -431,19 +524,23 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/scale.json")
     parser.add_argument("--model", default="mlp", help="the job's model (mlp: 50,826 parameters; linear: 650)")
     parser.add_argument("--quick", action="store_true", help="N = 6 and 20, 2 rounds, 1 repeat, 1024-bit (a smoke run)")
+    parser.add_argument("--max-queued", type=int, default=None,
+                        help="the broker's max_queued_messages per client (default: sized for the largest N, "
+                             "senseshield.runtime.broker.queue_limits); a small one shows the devices re-sending")
     args = parser.parse_args()
     counts = [6, 20] if args.quick else [int(x) for x in args.agents.split(",")]
     rounds, key_bits, repeats = (2, 1024, 1) if args.quick else (args.rounds, args.key_bits, args.repeats)
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
-        broker = MosquittoProcess(Path(tmp) / "broker").start()
+        broker = MosquittoProcess(Path(tmp) / "broker", fleet_size=max(counts),
+                                  max_queued_messages=args.max_queued).start()
         try:
             for n in counts:
                 for rep in range(repeats):
                     for strategy in args.strategies.split(","):
                         row = run_scale(n, strategy, rounds=rounds, key_bits=key_bits,
                                         out=Path(tmp) / f"{strategy}-{n}-{rep}", broker_url=broker.url, model=args.model,
-                                        repeat=rep)
+                                        repeat=rep, broker=broker)
                         row["repeat"] = rep
                         runs.append(row)
                         print(json.dumps(row), flush=True)

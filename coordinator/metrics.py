@@ -46,7 +46,9 @@ class CoordinatorMetrics:
       (messages rejected, by message kind);
     * straggling: ``senseshield_straggling_ratio``, ``senseshield_straggling_idle_seconds``,
       ``senseshield_straggling_median_ratio``, ``senseshield_slowest_agent_seconds{agent}``,
-      ``senseshield_straggling_events`` (agents a round closed without, so far).
+      ``senseshield_straggling_events`` (agents a round closed without, so far);
+    * a job that does not progress: ``senseshield_job_stalled_seconds``,
+      ``senseshield_job_waiting_info{waiting_for}`` (the coordinator's sentence of what it waits for).
     """
 
     def __init__(self, port: int, host: str = "127.0.0.1") -> None:
@@ -103,6 +105,11 @@ class CoordinatorMetrics:
         self.slowest = g("senseshield_slowest_agent_seconds", "Busy seconds of the slowest agent, latest round.",
                          ("agent",))
         self.events = g("senseshield_straggling_events", "Agents a round closed without (so far).")
+        # a job that does not progress
+        self.stalled_seconds = g("senseshield_job_stalled_seconds", "Seconds the running job has not progressed "
+                                 "(0 while it does; set once it has stalled for a minute).")
+        self.waiting = g("senseshield_job_waiting_info", "1 while the running job has stalled, with what it waits for.",
+                         ("waiting_for",))
         self._online: dict[str, bool] = {}
         self._members: set[str] = set()  # the job's planned agents
         self._job: str | None = None
@@ -120,6 +127,14 @@ class CoordinatorMetrics:
         self.devices_online.set(sum(self._online.values()))
         self.devices_seen.set(len(self._online))
         self._members_online()
+
+    def stalled(self, seconds: float, waiting_for: str) -> None:
+        """The running job has not progressed for ``seconds`` (0: it progresses again) and
+        waits for ``waiting_for`` (one sentence, the coordinator's)."""
+        self.stalled_seconds.set(seconds)
+        self.waiting.clear()
+        if seconds > 0 and waiting_for:
+            self.waiting.labels(waiting_for[:500]).set(1)
 
     def joined_job(self, n: int) -> None:
         """``n`` agents said hello to the job so far."""

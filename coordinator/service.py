@@ -53,7 +53,7 @@ from senseshield.runtime.jobsig import check_signed_job
 from senseshield.runtime.metrics import metrics_port as live_port
 from senseshield.runtime.protocol.envelope import DEFAULT_MAX_FRAME_BYTES
 from senseshield.runtime.protocol.messages import (
-    AggregateResult, Assignment, BootstrapVector, ClusterModel, Decline, FleetConfig, Hello, JobBoard, JobCancel,
+    Ack, AggregateResult, Assignment, BootstrapVector, ClusterModel, Decline, FleetConfig, Hello, JobBoard, JobCancel,
     JobReply, JobSubmit, MaskDecision, Metrics, Notice, Proposal, PublicKeyAnnouncement, RoundFailure, Status,
     SitePartial, UpdateMessage, pack_mask, unpack_mask,
 )
@@ -84,6 +84,8 @@ def preload(service: Service) -> None:
     status come before), so that a job's start and rounds do not wait for imports: torch
     (the job's initial model), scikit-learn (clustering) and Opacus' accountant (DP
     figures). A stop meanwhile ends the loading at once."""
+    if service.stopping.is_set():  # stopped while connecting or saying it is online
+        return
     service.abandon_work = True
     try:
         import opacus.accountants  # noqa: F401
@@ -98,6 +100,9 @@ def preload(service: Service) -> None:
 
 class Coordinator(Service):
     """``coordinator serve``: see the module docstring."""
+
+    STALL_S = 60.0
+    """A running job that has not progressed for this long says what it waits for (tick)."""
 
     SUBSCRIPTIONS = [
         "keys/public", "keyserver/results", "clusters/+/model", "fleet/config", "jobs/submit", "jobs/cancel",
@@ -191,6 +196,8 @@ class Coordinator(Service):
         }.items():
             self.on(cls, handler)
         self.watch("keyserver", lambda online: online and self._resend_requests("the key server is back online"))
+        self._stall: tuple | None = None  # (progress mark, since, last said): see tick
+        self._stall_checked = 0.0
         # no job yet: announcements and verdicts are not for us
         self.keys = KeyLink("", None, sign=lambda message, r: self.frame(message, round=r),
                             publish=lambda frame: self.link.publish("keyserver/requests", frame), log=self.log)
@@ -359,6 +366,7 @@ class Coordinator(Service):
                           msg.cpu_speed, late)
             if s.plan is not None:
                 self._admit(agent_id)
+        self._ack_ready(agent_id)
         if s.plan is not None and agent_id in s.plan.cluster_of:  # a re-sent hello: repeat the assignment
             self._assign(agent_id)
             # and the round in flight: after a broker restart the coordinator may have re-sent
@@ -396,6 +404,20 @@ class Coordinator(Service):
         agent_id = check_sender(item)
         if accept_vector(self.state, agent_id, item.message.sensitivity):  # type: ignore[attr-defined]
             self._admit(agent_id)
+        self._ack_ready(agent_id)
+
+    def _ack_ready(self, agent_id: str) -> None:
+        """Tell a device that its hello (and bootstrap vector, if the job needs one) is in:
+        it stops re-sending them (every repeat is acknowledged again)."""
+        s = self.state
+        if roster.ready(s.agents, agent_id, needs_vector=s.strategy.needs_bootstrap_sensitivity):
+            self._ack(agent_id, "hello")
+
+    def _ack(self, agent_id: str, of: str, r: int = 0, reason: str = "") -> None:
+        """An :class:`Ack` to ``agent_id`` (not waited for: one per device, a fleet's worth)."""
+        if self.state is not None:
+            self.send(f"agents/{agent_id}/inbox", Ack(run_id=self.state.run_id, of=of, reason=reason[:2000]),
+                      round=r, wait=False)
 
     def _on_decline(self, item: Inbound) -> None:
         agent_id = check_sender(item)
@@ -495,7 +517,7 @@ class Coordinator(Service):
     def _assign(self, agent_id: str) -> None:
         plan = self.state.plan
         self.send(f"agents/{agent_id}/inbox", Assignment(
-            cluster=plan.cluster_of[agent_id], encryption_budget=plan.budget_of[agent_id]))
+            cluster=plan.cluster_of[agent_id], encryption_budget=plan.budget_of[agent_id]), wait=False)
 
     # ---- rounds -------------------------------------------------------------------------
     def _start_round(self, r: int) -> None:
@@ -539,8 +561,15 @@ class Coordinator(Service):
                                 trust=self.trust, public=self.keys.public)
         except Late as late:
             self._late(late)
+            self._ack(agent_id, "update", item.round, str(late))
+            raise
+        except ProtocolError as exc:  # the device is told why; it does not send it again
+            if s is not None and agent_id in s.agents:
+                self._ack(agent_id, "update", item.round, str(exc))
             raise
         k, cr, r = out.k, out.cr, item.round
+        self._ack(agent_id, "update", r, out.reason if out.kind == REFUSED else
+                  f"round {r} closed before it arrived (late)" if out.kind == LATE else "")
         make = lambda: s.new_aggregate(k, r, self.keys.public)  # noqa: E731
         if out.kind == REFUSED:  # named in the report's refused, not waited for; the round goes on
             s.refused[agent_id] = out.reason
@@ -610,7 +639,7 @@ class Coordinator(Service):
             decision = MaskDecision(cluster=closed.k, size=s.size, shared_mask=pack_mask(shared))
             s.clusters[closed.k].decision = decision  # kept to re-send (a reconnect, a repeated hello)
             for a in proposers:
-                self.send(f"agents/{a}/inbox", decision, round=s.round)
+                self.send(f"agents/{a}/inbox", decision, round=s.round, wait=False)
         if closed.aggregate is not None:
             self.keys.request(s.clusters[closed.k], closed.aggregate, closed.started, r=s.round)
 
@@ -652,6 +681,78 @@ class Coordinator(Service):
             if figures is not None:
                 self.metrics_server.straggling(*figures)
 
+    # ---- a job that does not progress says why ----------------------------------------
+    def tick(self) -> None:
+        """Once the running job has not progressed (no device ready, no proposal or update,
+        no verdict, no round closed) for :attr:`STALL_S` s, say what it waits for, in the
+        log and as a job event (``job status``/``logs``, the board), again every
+        :attr:`STALL_S` s while it stays so."""
+        s = self.state
+        if self.job is None or s is None:
+            self._stall = None
+            return
+        now = time.monotonic()
+        if now - self._stall_checked < 1.0:  # the mark costs O(devices): once a second
+            return
+        self._stall_checked = now
+        mark = self._progress_mark()
+        if self._stall is None or self._stall[0] != mark:
+            self._stall = (mark, now, now)
+            if self.metrics_server is not None:
+                self.metrics_server.stalled(0.0, "")
+            return
+        _, since, said = self._stall
+        if now - said < self.STALL_S:
+            return
+        self._stall = (mark, since, now)
+        line = f"no progress for {now - since:.0f} s: {self.waiting_for()}"
+        self.log.warning("%s", line)
+        self.book.event(self.job, line)
+        self._publish_board()
+        if self.metrics_server is not None:
+            self.metrics_server.stalled(now - since, self.waiting_for())
+
+    def _progress_mark(self) -> tuple:
+        """What changes whenever the job progresses (see :meth:`tick`)."""
+        s = self.state
+        clusters = tuple((k, cr.phase, len(cr.proposals), len(cr.updates), cr.accepted)
+                         for k, cr in sorted(s.clusters.items()))
+        return (s.plan is None, len(s.agents), len(s.ready_agents()) if s.plan is None else 0, s.round, s.completed,
+                clusters, self.keys.ready)
+
+    def waiting_for(self) -> str:
+        """One sentence: what the running job waits for now (devices, updates, the key
+        server's verdict), and the links it depends on when they are down."""
+        s = self.state
+        if s is None or self.job is None:
+            return "no job is running"
+        parts = []
+        if not self.link.connected:
+            parts.append("the broker link is down (reconnecting)")
+        keyserver = self.peer_online("keyserver")
+        if keyserver is False:
+            parts.append("the key server is offline")
+        if not self.keys.ready and s.plan is None:
+            parts.append("the key server's public key for this job")
+        elif s.plan is None:
+            ready = len(s.ready_agents())
+            parts.append(f"devices: {ready}/{s.config.min_devices} ready ({len(s.agents)} said hello"
+                         + (f", {len(s.declined)} declined" if s.declined else "") + ")")
+        else:
+            now = time.time()
+            for k, cr in sorted(s.clusters.items()):
+                if cr.phase == "proposals":
+                    parts.append(f"round {s.round} cluster {k}: {len(cr.proposals)}/{len(cr.members)} proposals")
+                elif cr.phase == "updates":
+                    parts.append(f"round {s.round} cluster {k}: {len(cr.updates)}/{len(cr.expected)} updates "
+                                 f"(deadline in {max(cr.deadline - now, 0):.0f} s)")
+                elif cr.phase == "decrypting":
+                    asked = f"{now - cr.requested_at:.0f} s ago" if cr.requested_at else "not yet asked"
+                    parts.append(f"round {s.round} cluster {k}: the key server's verdict (asked {asked})")
+            if not parts:
+                parts.append(f"round {s.round + 1} to open")
+        return "; ".join(parts)
+
     def on_reconnect(self) -> None:
         """The broker may have lost in-flight messages: re-send the round's pending parts."""
         if self.config_frame is not None:
@@ -683,9 +784,10 @@ class Coordinator(Service):
         s = self.state
         cr = s.clusters[k]
         for a in agents:
-            self.send(f"agents/{a}/inbox", s.round_plan(k, a, block_size=self.keys.block_size), round=s.round)
+            self.send(f"agents/{a}/inbox", s.round_plan(k, a, block_size=self.keys.block_size), round=s.round,
+                      wait=False)
             if cr.decision is not None and a in cr.proposals:
-                self.send(f"agents/{a}/inbox", cr.decision, round=s.round)
+                self.send(f"agents/{a}/inbox", cr.decision, round=s.round, wait=False)
 
     def _finish_round(self, r: int) -> None:
         """Round ``r`` has every verdict: its record (JobState.close_round), saved; the

@@ -12,7 +12,13 @@ privacy draw comes from secret OS entropy (:mod:`senseshield.device_noise`), unl
 development-mode test hands the agent a replayable noise seed (``--dev-noise-seed``).
 
 paho reconnects after a broker or network loss; the agent then says hello again and
-re-sends its last update (the coordinator drops duplicates). A coordinator that comes back
+re-sends its last update (the coordinator drops duplicates). A message the broker lost
+while the link stayed up (a full queue) is re-sent too (docs/protocol.md, "Re-sending"):
+the hello (and bootstrap vector) until the coordinator acknowledges it, the hello again
+when the next round's plan is overdue (the coordinator answers with the plan), and the
+update until it is acknowledged or its round's deadline passes; each on a backoff with
+jitter (:class:`~senseshield.runtime.service.Backoff`), so a fleet does not repeat in step,
+that starts at a share of the job's round deadline (:func:`repeat_delays`). A coordinator that comes back
 online (restarted, perhaps before it saved the job's bootstrap) hears its hello again, and
 its bootstrap vector until the agent has a cluster. SIGTERM ends it cleanly.
 """
@@ -33,6 +39,7 @@ from senseshield.errors import ConfigError, ProtocolError
 from senseshield.device_noise import SECRET, DeviceNoise
 from senseshield.he import SCHEMES, PublicKey
 from senseshield.runtime.protocol.messages import (
+    Ack,
     Decline,
     RoundFailure,
     Assignment,
@@ -59,7 +66,7 @@ from senseshield.rounds import (
     merge_personal,
 )
 from senseshield.runtime.identity import SEALED_SEED_BYTES, Identity, Trust, b64, unb64
-from senseshield.runtime.service import Inbound, Service, Stopped, WaitNote
+from senseshield.runtime.service import Backoff, Inbound, Service, Stopped, WaitNote
 from edge_agent.dataspec import DataSpec  # noqa: F401 (re-exported: edge_agent.cli, callers)
 from edge_agent.costs import inference_latency, measure_costs, warm_inference
 from edge_agent.evaluate import Applied, apply_and_evaluate, round_metrics
@@ -83,6 +90,22 @@ if TYPE_CHECKING:  # torch loads with the first job (_torch): an idle agent does
     import torch
 
 log = logging.getLogger("senseshield.agent")
+
+REPEATS = {"hello": (15.0, 120.0, 1 / 20), "plan": (30.0, 300.0, 1 / 10), "update": (20.0, 120.0, 1 / 10)}
+"""What an agent re-sends and when (:func:`repeat_delays`): kind -> (first delay, most delay
+apart, share of the job's round deadline). A hello not acknowledged is said again; a round
+plan overdue (past the last round's deadline, or since the hello was acknowledged) is asked
+for again with a hello; an update not acknowledged is sent again until its round's deadline."""
+
+
+def repeat_delays(kind: str, round_deadline: float) -> tuple[float, float]:
+    """(first delay, most delay apart) of the repeats of ``kind`` in a job whose round deadline
+    is ``round_deadline`` s: at least the fixed floors of :data:`REPEATS`, and a share of the
+    deadline, which the operator sizes to the fleet (a coordinator that takes a fleet of
+    thousands needs longer to answer each device; repeating sooner only adds to its work)."""
+    first, cap, share = REPEATS[kind]
+    first = max(first, share * round_deadline)
+    return first, max(cap, 4 * first)
 
 
 def failure_sentence(exc: BaseException) -> str:
@@ -245,6 +268,13 @@ class EdgeAgent(Service):
             Challenge: self._on_challenge,
         }.items():
             self.on(cls, handler)
+        # re-sending what the broker may have lost (tick): the hello until acknowledged, the
+        # hello again while a round plan is overdue, the update until acknowledged
+        self.hello_repeat = Backoff(*REPEATS["hello"][:2])  # re-timed for each job (_join)
+        self.plan_repeat = Backoff(*REPEATS["plan"][:2])
+        self.update_repeat = Backoff(*REPEATS["update"][:2])
+        self.update_until = 0.0  # the deadline (time.time()) of the round of the update re-sent
+        self.on(Ack, self._on_ack)
         self.seeds: dict[tuple[str, int], bytes] = {}  # (run, round) -> the key server's challenge seed
         self.plan_cluster: dict[tuple[str, int], int] = {}  # (run, round) -> the cluster of its first plan
         # says so in the log when it is gone, and keeps waiting; says hello again when it is back
@@ -317,6 +347,7 @@ class EdgeAgent(Service):
 
     def _on_assignment(self, item: Inbound) -> None:
         self._inbox(item)
+        self.hello_repeat.disarm()  # the coordinator has it
         if self.run is not None:
             msg: Assignment = item.message
             if self.run.cluster != msg.cluster:
@@ -350,6 +381,8 @@ class EdgeAgent(Service):
             self.on_reconnect()
             return
         self.newest_plan = item.round
+        self.hello_repeat.disarm()
+        self.plan_repeat.disarm()
         self.plans.append((item.round, msg))
         self.plan_sent_at.setdefault(item.round, item.frame.sent_at)
         self.plan_arrived_at.setdefault(item.round, item.received)
@@ -423,6 +456,67 @@ class EdgeAgent(Service):
             for r, metrics in sorted(self.run.sent_metrics.items()):
                 self.send(f"agents/{self.agent_id}/metrics", metrics, round=r)
 
+    def _on_ack(self, item: Inbound) -> None:
+        """The coordinator has this agent's hello or update: no more repeats of it."""
+        self._inbox(item)
+        msg: Ack = item.message  # type: ignore[assignment]
+        run = self.run
+        if run is None or msg.run_id != run.run_id:
+            return
+        if msg.of == "hello":
+            if self.hello_repeat.armed:
+                self.hello_repeat.disarm()
+                if self.newest_plan == 0 and not self.plans and not self.plan_repeat.armed:
+                    self._await_plan()  # round 1's plan comes once the job has its devices
+            return
+        if run.last_update is None or run.last_update[0] != item.round or not self.update_repeat.armed:
+            return
+        self.update_repeat.disarm()
+        if msg.reason:
+            self.log.warning("round %d: the coordinator does not count this device's update: %s", item.round, msg.reason)
+        self._await_plan()
+
+    def _await_plan(self, after: float = 0.0) -> None:
+        """Ask for the next round's plan again if it is not here ``after`` s (the current
+        round's time left) plus the first repeat's delay from now."""
+        run = self.run
+        if run is not None and self.newest_plan < run.config.rounds:
+            self.plan_repeat.arm(first=max(after, 0.0) + self.plan_repeat.first)
+
+    def tick(self) -> None:
+        """Re-send what the coordinator has not acknowledged (see the module docstring)."""
+        run = self.run
+        if run is None or run.hello is None:
+            return
+        if self.hello_repeat.due():
+            self.log.info("no acknowledgement of this device's hello to job %s yet; saying it again (repeat %d)",
+                          run.run_id, self.hello_repeat.repeats)
+            self._say_hello(run)
+        if self.update_repeat.armed:
+            r, frame = run.last_update if run.last_update is not None else (0, b"")
+            if time.time() > self.update_until or not frame:
+                self.update_repeat.disarm()  # its round is over: the next plan is awaited
+                self._await_plan()
+            elif self.update_repeat.due():
+                self.log.info("round %d: no acknowledgement of this device's update yet; sending it again (repeat %d)",
+                              r, self.update_repeat.repeats)
+                self.link.publish(f"agents/{self.agent_id}/update", frame, wait=False)
+        if self.plan_repeat.due():
+            if self.newest_plan >= run.config.rounds:
+                self.plan_repeat.disarm()
+                return
+            self.log.info("job %s: no plan for round %d yet; asking the coordinator again (repeat %d)",
+                          run.run_id, self.newest_plan + 1, self.plan_repeat.repeats)
+            self._say_hello(run)
+
+    def _say_hello(self, run: RunState) -> None:
+        """The hello again (and the bootstrap vector until the agent has a cluster), not
+        waiting for the broker: the coordinator acknowledges it, and repeats the assignment
+        and a plan in flight."""
+        self.send(f"agents/{self.agent_id}/hello", run.hello, wait=False)
+        if run.vector is not None and run.cluster is None:
+            self.send(f"agents/{self.agent_id}/bootstrap", BootstrapVector(sensitivity=run.vector), wait=False)
+
     def on_reconnect(self) -> None:
         if self.run is not None and self.run.hello is not None:
             self.send(f"agents/{self.agent_id}/hello", self.run.hello)
@@ -447,6 +541,8 @@ class EdgeAgent(Service):
             self.link.unsubscribe(f"clusters/{self.run.cluster}/model")
         self.run, self.plans, self.decisions, self.newest_plan = None, [], {}, 0
         self.applying = None
+        for repeat in (self.hello_repeat, self.plan_repeat, self.update_repeat):
+            repeat.disarm()
 
     # ---- joining ------------------------------------------------------------------------
     def _torch(self):  # noqa: ANN202
@@ -505,6 +601,10 @@ class EdgeAgent(Service):
                 vector = self._bootstrap(run, strategy, model, data, index)
             run.vector = vector
             self.send(f"agents/{self.agent_id}/bootstrap", BootstrapVector(sensitivity=vector))
+        for kind, repeat in (("hello", self.hello_repeat), ("plan", self.plan_repeat), ("update", self.update_repeat)):
+            repeat.disarm()
+            repeat.first, repeat.cap = repeat_delays(kind, msg.round_deadline)
+        self.hello_repeat.arm()  # until the coordinator acknowledges hello and vector
         if strategy.needs_synthetic:
             fit_synthetic(run.client, data, num_classes=msg.num_classes, epsilon=config.options.synthetic_epsilon,
                           delta=config.options.delta,
@@ -558,6 +658,8 @@ class EdgeAgent(Service):
         finally:
             if self.pool is not None:
                 self.pool.resume()  # paused while the round ran (see _do_round)
+            if not self.update_repeat.armed and not self.plans and not self.plan_repeat.armed:
+                self._await_plan(plan.deadline - time.time())  # no update in flight: the next plan
 
     def _failed(self, r: int, phase: str, exc: Exception) -> None:
         """Round ``r``'s ``phase`` (``round`` or ``evaluation``) raised ``exc``: said in this
@@ -582,6 +684,10 @@ class EdgeAgent(Service):
         if r in run.done_rounds:  # a re-sent plan: re-send the update
             if run.last_update is not None and run.last_update[0] == r:
                 self.link.publish(f"agents/{self.agent_id}/update", run.last_update[1])
+                self.update_until = plan.deadline
+                self.update_repeat.arm()
+            else:
+                self._await_plan(plan.deadline - time.time())
             return
         slot = slot_of(self.fleet, run.run_id, r, self.agent_id)
         if self.public is not None and slot in self.pad_log.used:  # sent before (another run of the job, a restart)
@@ -678,6 +784,8 @@ class EdgeAgent(Service):
         self.link.publish(f"agents/{self.agent_id}/update", frame)
         t_upload = time.perf_counter() - t
         run.last_update = (r, frame)
+        self.update_until = plan.deadline
+        self.update_repeat.arm()  # until the coordinator acknowledges it, or the deadline
         run.done_rounds.add(r)
         tm.update({k: v for k, v in update.timings.items()})
         tm.update({"serialize": t_serialize, "receipt": t_receipt, "upload": t_upload, "uploaded_at": time.time(),

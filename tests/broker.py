@@ -32,8 +32,10 @@ def free_port() -> int:
 class Mosquitto(MosquittoProcess):
     """Start/stop/restart a Mosquitto process with a config written to ``workdir``."""
 
-    def __init__(self, workdir: Path, *, message_size_limit: int = 0) -> None:
-        super().__init__(workdir, "127.0.0.1", message_size_limit=message_size_limit)
+    def __init__(self, workdir: Path, *, message_size_limit: int = 0, max_queued_messages: int | None = None,
+                 max_inflight_messages: int | None = None) -> None:
+        super().__init__(workdir, "127.0.0.1", message_size_limit=message_size_limit,
+                         max_queued_messages=max_queued_messages, max_inflight_messages=max_inflight_messages)
 
     def start(self, timeout: float = 10.0) -> "Mosquitto":
         mosquitto_binary()  # a clear message when it is missing

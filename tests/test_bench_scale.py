@@ -32,3 +32,43 @@ def test_six_generated_agents_are_all_counted_in_verified_aggregates(mosquitto, 
     assert row["coordinator_peak_rss_mb"] > 0 and row["keyserver_peak_rss_mb"] > 0 and row["broker_mb"] > 0
     line = markdown_table([row | {"round_ratio_to_plaintext": 1.0}]).splitlines()[-1]
     assert line.startswith(f"| 6 | {strategy} | ") and line.endswith("| yes |")
+
+
+def test_devices_re_send_what_a_full_broker_queue_dropped(tmp_path, monkeypatch):
+    """A broker whose queue toward the coordinator holds 5 messages beyond 1 in flight, and a
+    coordinator paused (SIGSTOP) while the fleet of 20 says hello: Mosquitto drops hellos for
+    the coordinator, which never sees them (and drops more of what it is sent at once later,
+    e.g. a round's updates). The job needs every device, so it starts only because the
+    devices re-send their hellos until acknowledged; then every update sent is counted. (The
+    load generator's own link takes 65,535 in flight, so the broker drops nothing for it.) The
+    agents' backoff is shortened to keep the test short."""
+    import bench_scale
+    from contextlib import contextmanager
+    import os
+    import signal
+
+    from tests.broker import Mosquitto
+
+    monkeypatch.setattr(bench_scale, "repeat_delays", lambda kind, round_deadline: (1.0, 4.0))
+    broker = Mosquitto(tmp_path / "broker", max_queued_messages=5, max_inflight_messages=1).start()
+
+    @contextmanager
+    def paused(fleet):  # noqa: ANN001
+        coordinator = fleet.processes["coordinator"]
+        os.kill(coordinator.pid, signal.SIGSTOP)
+        try:
+            yield  # every hello published (the broker acknowledged each): its queue overflowed
+        finally:
+            os.kill(coordinator.pid, signal.SIGCONT)
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            row = run_scale(20, "plaintext", rounds=2, key_bits=1024, out=tmp_path / "run", broker_url=broker.url,
+                            timeout=240, broker=broker, around_join=paused)
+    finally:
+        broker.stop()
+    print(row["broker_dropped_for"], row["repeats"], f"{row['seconds']:.1f} s")
+    assert "coordinator" in row["broker_dropped_for"] and "loadgen" not in row["broker_dropped_for"]
+    assert row["repeats"]["hello"] > 0
+    assert row["every_update_counted"] and row["updates_sent"] == 40 and not row["loadgen_errors"]

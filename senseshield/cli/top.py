@@ -117,6 +117,8 @@ class FleetView:
     slowest: str = ""
     refusals: dict[str, float] = field(default_factory=dict)
     devices: list[Device] = field(default_factory=list)
+    stalled_s: float = 0.0  # the running job has not progressed for this long (0: it progresses)
+    waiting_for: str = ""  # the coordinator's sentence of what it waits for, while stalled
 
 
 def fleet_view(samples: Samples) -> FleetView:
@@ -137,6 +139,9 @@ def fleet_view(samples: Samples) -> FleetView:
     slowest = samples.get("senseshield_slowest_agent_seconds", [])
     view.slowest = slowest[0][0].get("agent", "") if slowest else ""
     view.refusals = {k: v for k, v in _by(samples, "senseshield_refusals_total", "kind").items() if v}
+    view.stalled_s = _value(samples, "senseshield_job_stalled_seconds", 0.0) or 0.0
+    waiting = [labels.get("waiting_for", "") for labels, value in samples.get("senseshield_job_waiting_info", []) if value]
+    view.waiting_for = waiting[0] if waiting else ""
     devices: dict[str, Device] = {}
     dev = lambda a: devices.setdefault(a, Device(a))  # noqa: E731
     for labels, value in samples.get("senseshield_agent_online", []):
@@ -219,6 +224,9 @@ def render(view: FleetView, url: str, *, keyserver: KeyServerView | None = None,
     if view.ratio is not None:
         head.append(f" · slowest/fastest {view.ratio:.2f}" + (f" ({view.slowest})" if view.slowest else ""))
     head.append(f" · messages rejected {view.rejected:.0f}")
+    if view.stalled_s > 0:
+        head.append(f"\nno progress for {view.stalled_s:.0f} s: {view.waiting_for or 'see the coordinator log'}",
+                    style="bold yellow")
     if view.refusals:
         head.append("\nrounds refused: " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(view.refusals.items())),
                     style="red")

@@ -292,6 +292,32 @@ class EmbeddedBroker:
             loop.close()
 
 
+# ---- broker limits for a fleet's size ---------------------------------------------------------
+
+MESSAGES_PER_DEVICE = 8
+"""Messages a broker must be able to queue toward the coordinator per device of the fleet: a
+device's hello, bootstrap vector, update and metrics may all be on their way at once (a
+fleet's worth of them arrives together at a job's start and a round's end), and each may
+be re-sent once before the coordinator has taken the first (devices re-send what is not
+acknowledged). An update larger than one chunk (1 MB) counts once per chunk."""
+
+MOSQUITTO_DEFAULT_QUEUE = 1000  # Mosquitto's own max_queued_messages, kept as the floor
+INFLIGHT_MESSAGES = 100  # per client, sent and not yet acknowledged (Mosquitto's default: 20)
+
+
+def queue_limits(fleet_size: int, *, chunks_per_update: int = 1) -> dict[str, int]:
+    """Mosquitto's per-client queue settings for a fleet of ``fleet_size`` devices whose
+    updates travel in ``chunks_per_update`` MQTT messages: ``max_queued_messages`` (the
+    coordinator subscribes to every device's topics, and a full queue makes the broker
+    drop QoS 1 messages for that client, silently for the sender) and
+    ``max_inflight_messages``. docs/operating-a-fleet.md, "The broker", explains the rule."""
+    if fleet_size < 0 or chunks_per_update < 1:
+        raise ValueError(f"fleet_size {fleet_size} and chunks_per_update {chunks_per_update}: give >= 0 and >= 1.")
+    per_device = MESSAGES_PER_DEVICE + 2 * (chunks_per_update - 1)
+    return {"max_queued_messages": max(MOSQUITTO_DEFAULT_QUEUE, per_device * fleet_size),
+            "max_inflight_messages": INFLIGHT_MESSAGES}
+
+
 # ---- Mosquitto as a child process ------------------------------------------------------------
 
 MOSQUITTO_PATHS = ("mosquitto", "/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto")
@@ -315,27 +341,41 @@ class MosquittoProcess:
 
     ``start`` returns once it accepts TCP connections; ``stop`` terminates it (SIGKILL after
     5 s); a stopped broker can be started again on the same port (its log is appended).
+
+    Its per-client queue is sized for ``fleet_size`` devices (:func:`queue_limits`);
+    ``max_queued_messages`` overrides it (a test gives a deliberately small one).
+    :meth:`dropped` counts the broker's "messages are being dropped" lines in its log.
     ``extra``: more configuration (e.g. a site's bridge, :func:`senseshield.runtime.sites.mosquitto_bridge`).
     """
 
     def __init__(self, workdir, host: str = "127.0.0.1", *, message_size_limit: int = 0,  # noqa: ANN001
-                 extra: str = "") -> None:
+                 fleet_size: int = 3000, max_queued_messages: int | None = None,
+                 max_inflight_messages: int | None = None, extra: str = "") -> None:
         import socket
         from pathlib import Path
 
         with socket.socket() as s:
             s.bind((host, 0))
             self.port = s.getsockname()[1]
-        self.host = host
         workdir = Path(workdir)
         workdir.mkdir(parents=True, exist_ok=True)
         self.config = workdir / "mosquitto.conf"
-        self.config.write_text(
-            f"listener {self.port} {host}\nallow_anonymous true\npersistence false\n"
-            f"message_size_limit {message_size_limit}\nlog_dest stderr\n{extra}"
-        )
+        self.host, self.message_size_limit, self.extra = host, message_size_limit, extra
+        limits = queue_limits(fleet_size)
+        for key, value in (("max_queued_messages", max_queued_messages), ("max_inflight_messages", max_inflight_messages)):
+            if value is not None:
+                limits[key] = value
+        self._write_config(limits)
         self.log = workdir / "mosquitto.log"
         self.process = None
+
+    def _write_config(self, limits: dict[str, int]) -> None:
+        self.limits = dict(limits)
+        self.config.write_text(
+            f"listener {self.port} {self.host}\nallow_anonymous true\npersistence false\n"
+            f"message_size_limit {self.message_size_limit}\nlog_dest stderr\n"
+            + "".join(f"{key} {value}\n" for key, value in self.limits.items()) + self.extra
+        )
 
     @property
     def url(self) -> str:
@@ -364,6 +404,15 @@ class MosquittoProcess:
             except OSError:
                 time.sleep(0.05)
         raise ConfigError(f"mosquitto did not listen on {self.host}:{self.port} within {timeout:g} s.")
+
+    def dropped(self) -> list[str]:
+        """The clients the broker said it dropped outgoing messages for (its log's
+        "Outgoing messages are being dropped for client X" lines, in order)."""
+        if not self.log.exists():
+            return []
+        marker = "Outgoing messages are being dropped for client "
+        return [line.split(marker, 1)[1].strip().rstrip(".")
+                for line in self.log.read_text(errors="replace").splitlines() if marker in line]
 
     def stop(self) -> None:
         import subprocess

@@ -1,10 +1,12 @@
 """The event loop the three fleet services share: one MQTT link, handlers on one thread.
 
-paho delivers messages on its network thread; :class:`Service` decodes them there (every
-envelope and schema check of :mod:`senseshield.runtime.protocol`, so a bad frame is rejected before
-it is queued) and queues typed messages. The service's own thread takes them in order and
-calls the handler registered for the message class, so handlers never race and long work
-(training, decryption) never blocks the network thread's keepalives.
+paho's network thread only queues what arrives (:class:`~senseshield.runtime.transport.Link`),
+so the broker's queue toward the service drains at network speed; the link's decoder thread
+decodes each message (every envelope, signature and schema check of
+:mod:`senseshield.runtime.protocol`, so a bad frame is rejected before it is queued) and
+queues typed messages. The service's own thread takes them in order and calls the handler
+registered for the message class, so handlers never race and long work (training,
+decryption) never blocks the network thread's keepalives.
 
 A handler that raises :class:`ProtocolError`, :class:`ConfigError` or
 :class:`KeyMismatchError` rejects that one message: the reason is logged and kept in
@@ -27,7 +29,11 @@ whose work may be abandoned (the agent: local training, evaluation) sets
 :attr:`Service.abandon_work`, and a signal then ends that work at once by raising
 :class:`Stopped` in its thread, so a stop never waits for a round. Once the service has
 said goodbye and disconnected, :func:`leave` ends the process at once, without waiting for
-worker threads still busy with work the stop abandoned (a key server's decryption).
+worker threads still busy with work the stop abandoned (a key server's decryption). The
+link shares the :attr:`Service.stopping` event: connecting and waiting for the broker's
+acknowledgement end at once on a stop (a broker that is down or a full queue toward it
+never holds a stop up), and the goodbye waits at most :data:`GOODBYE_S` s. Every service
+exits within 2 s of SIGTERM in any state (tests/test_liveness.py measures it).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import random
 import signal
 import sys
 import threading
@@ -58,6 +65,9 @@ M = TypeVar("M", bound=Message)
 WAIT_REMINDER_S = 60.0
 """While a watched peer is offline, a service repeats what it waits for this often."""
 
+GOODBYE_S = 0.5
+"""How long a stopping service waits for the broker to take its "offline" status."""
+
 WAIT_NOTE_S = 2.0
 """A wait that lasts longer than this is said in the log, once (:class:`WaitNote`)."""
 
@@ -75,6 +85,51 @@ class WaitNote:
         if not self.said and time.monotonic() - self.since >= self.after:
             self.said = True
             self.log.info("waiting for %s", self.what)
+
+
+class Backoff:
+    """When to send again something that was not answered: ``first`` s after it was sent,
+    then twice as long after each repeat, at most ``cap`` s apart; every delay is drawn
+    uniformly from half to one and a half times its nominal value, so devices that sent
+    together (a fleet's hellos, a round's updates) do not repeat together. Inactive until
+    :meth:`arm`; :meth:`disarm` once answered."""
+
+    def __init__(self, first: float, cap: float, rng: random.Random | None = None) -> None:
+        self.first, self.cap = first, cap
+        self.rng = rng if rng is not None else random.Random()
+        self.at: float | None = None  # when to repeat (time.monotonic()); None: inactive
+        self.repeats = 0
+        self._delay = first
+
+    @property
+    def armed(self) -> bool:
+        return self.at is not None
+
+    def arm(self, now: float | None = None, *, first: float | None = None) -> None:
+        """Sent (again from the start): the first repeat is due ``first`` (default: the
+        backoff's) s from now, jittered."""
+        now = time.monotonic() if now is None else now
+        self.repeats = 0
+        self._delay = self.first if first is None else first
+        self.at = now + self._jittered(self._delay)
+
+    def disarm(self) -> None:
+        self.at = None
+
+    def due(self, now: float | None = None) -> bool:
+        """True (and the next repeat scheduled, twice as far) when a repeat is due now."""
+        if self.at is None:
+            return False
+        now = time.monotonic() if now is None else now
+        if now < self.at:
+            return False
+        self.repeats += 1
+        self._delay = min(max(self._delay, self.first) * 2, self.cap)
+        self.at = now + self._jittered(self._delay)
+        return True
+
+    def _jittered(self, delay: float) -> float:
+        return delay * self.rng.uniform(0.5, 1.5)
 
 
 class Stopped(BaseException):
@@ -186,7 +241,7 @@ class Service:
             will = (status_topic, self.frame(Status(online=False)))
         self.link = Link(
             broker, client_id=client_id, fleet=fleet, on_frame=self._on_frame, will=will,
-            protocol=protocol, max_frame_bytes=max_frame_bytes,
+            protocol=protocol, max_frame_bytes=max_frame_bytes, stopping=self.stopping,
         )
         self.link.on_reconnect = lambda: self._queue.put(_RECONNECTED)
         # one list of rejections: the link's (envelope, chunking, schema) and the handlers'
@@ -221,7 +276,11 @@ class Service:
     def start(self, subscriptions: list[str], *, timeout: float = 30.0) -> None:
         for suffix in [*subscriptions, *self.peers]:
             self.link.subscribe(suffix)
+        self.log.info("%s: connecting to %s", self.name, self.link.broker)
         self.link.start(timeout=timeout)
+        if self.stopping.is_set():
+            return  # stopped while connecting: the caller's loop ends at once
+        self.log.info("%s: connected to %s", self.name, self.link.broker)
         if self.status_topic is not None:
             self.send(self.status_topic, Status(online=True), retain=True)
 
@@ -229,9 +288,15 @@ class Service:
         """Say goodbye (status offline) and disconnect."""
         if self.status_topic is not None and self.link.connected:
             try:
-                self.send(self.status_topic, Status(online=False), retain=True)
+                frame = self.frame(Status(online=False))
+                # the wait must end even when stopping (the link's waits do): the broker's
+                # acknowledgement, up to GOODBYE_S
+                self.link.stopping = threading.Event()
+                self.link.publish(self.status_topic, frame, retain=True, timeout=GOODBYE_S)
             except Exception:  # noqa: BLE001 - best effort on the way out
                 pass
+            finally:
+                self.link.stopping = self.stopping
         self.link.stop()
 
     def install_signal_handlers(self) -> None:
@@ -257,6 +322,7 @@ class Service:
         """Handle at most one queued message, waiting up to ``timeout`` s; False if none."""
         self.link.expire_partials()
         self._remind()
+        self.guard("tick", self.tick)
         try:
             item = self._queue.get(timeout=max(timeout, 0.0))
         except queue.Empty:
@@ -313,6 +379,11 @@ class Service:
     def on_reconnect(self) -> None:
         """Re-send what the broker may have lost (subclasses)."""
 
+    def tick(self) -> None:
+        """Called on the service's thread before each message it waits for (at least every
+        0.5 s while it waits): timed work such as re-sending what was not answered
+        (subclasses; must be quick)."""
+
     def reject(self, where: str, reason: str) -> None:
         self.log.warning("%s: rejected message on %s: %s", self.name, where, reason)
         self.link.note_rejection(where, reason)
@@ -364,12 +435,12 @@ class Service:
     # -- internals ------------------------------------------------------------------------
 
     def _on_frame(self, full_topic: str, frame: Frame) -> None:
-        # network thread: check the signature, decode into the typed message (raises
-        # ProtocolError -> Link rejects)
+        # the link's decoder thread: check the signature, decode into the typed message
+        # (raises ProtocolError -> Link rejects)
         check_frame(self.trust, frame)
         message = from_frame(frame)
         suffix = full_topic.removeprefix(f"{PREFIX}/{self.fleet}/")
-        self._queue.put(Inbound(suffix, frame, message, time.time()))
+        self._queue.put(Inbound(suffix, frame, message, self.link.received_at or time.time()))
 
 
 def leave(service: Service, code: int = 0) -> None:

@@ -9,6 +9,18 @@ most ``max_frame_bytes`` in all (oldest evicted first) and are dropped after
 :data:`~senseshield.runtime.protocol.chunks.DEFAULT_MAX_IDLE` seconds without a chunk. paho reconnects by itself after a broker
 or network loss; subscriptions are renewed on every (re)connect.
 
+Draining: paho's network thread only appends each arriving message to the link's inbound
+queue (and acknowledges it to the broker), so the broker's queue toward this client drains
+at network speed however slow the process is at handling what arrives; the link's own
+decoder thread reassembles, decodes and calls ``on_frame``. The inbound queue holds at most
+``max_pending_bytes`` (:data:`DEFAULT_MAX_PENDING_BYTES`); a message beyond that is dropped,
+counted as a rejection and logged (at most once every :data:`DROP_NOTE_S` s), never waited
+for: a sender that heard no answer sends again (see docs/protocol.md, "Re-sending").
+
+Waiting: :meth:`Link.publish` waits for the broker's acknowledgement in short slices and
+gives up at once when the link's ``stopping`` event is set (a service being stopped), as
+:meth:`Link.start` gives up connecting.
+
 A secured broker (issue 7, ``deploy/ansible``): ``mqtts://HOST[:PORT]`` (default port 8883)
 speaks TLS and needs ``ca_file``, the CA that signed the broker's certificate (the
 certificate must name HOST; optional ``certfile``/``keyfile`` for client certificates);
@@ -20,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import ssl
 import threading
 import time
@@ -39,8 +52,13 @@ PREFIX = "ss/v1"
 PROTOCOLS = {"5": mqtt.MQTTv5, "3.1.1": mqtt.MQTTv311}  # MQTT version -> paho constant
 DEFAULT_CHUNK_BYTES = 1 << 20  # well under every broker's default message limit
 DEFAULT_PORTS = {"mqtt": 1883, "mqtts": 8883}  # URL scheme -> default port (mqtts: TLS)
+DEFAULT_MAX_PENDING_BYTES = 1 << 30  # inbound messages received but not yet decoded (1 GiB)
+DEFAULT_MAX_INFLIGHT = 1000  # outgoing QoS 1 messages awaiting the broker's PUBACK at once
+DROP_NOTE_S = 10.0  # an overflowing inbound queue is said in the log at most this often
+WAIT_SLICE_S = 0.05  # waits (connect, PUBACK) look at the stopping event this often
 
 log = logging.getLogger("senseshield.runtime.transport")
+_RECONNECTED = object()  # in the inbound queue: the link is connected again
 FrameHandler = Callable[[str, Frame], None]
 
 
@@ -133,8 +151,20 @@ class Link:
         keyfile: str | os.PathLike | None = None,
         username: str | None = None,
         password: str | None = None,
+        max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
+        max_inflight: int = DEFAULT_MAX_INFLIGHT,
+        stopping: threading.Event | None = None,
+        receive_maximum: int | None = None,
     ) -> None:
         """``protocol``: the MQTT version, "5" (default) or "3.1.1" (e.g. the embedded broker).
+
+        ``max_pending_bytes``: most bytes of received messages waiting for the decoder thread
+        (beyond: dropped and counted); ``max_inflight``: most outgoing QoS 1 messages sent and
+        not yet acknowledged by the broker (paho queues the rest); ``stopping``: an event that,
+        once set, ends every wait of this link at once (a service's stop); ``receive_maximum``
+        (MQTT 5): how many QoS 1 messages the broker may have in flight toward this link at once
+        (None: the broker's own limit, Mosquitto's ``max_inflight_messages``); a link that
+        subscribes to a whole fleet's messages and drains at network speed may take many.
 
         ``ca_file`` (required by ``mqtts://`` URLs), ``certfile``/``keyfile``, ``username`` and
         ``password``: see :meth:`secure`, which may also be called after construction.
@@ -147,6 +177,7 @@ class Link:
         self._tls_ready = False
         self._refused: str | None = None  # the broker's last refusal (CONNACK reason)
         self.protocol = protocol
+        self.receive_maximum = receive_maximum
         self.fleet = fleet
         self.client_id = client_id
         self.on_frame = on_frame
@@ -161,22 +192,35 @@ class Link:
         self.max_retained_bytes = 16 << 20  # brokers must accept messages this large
         self._retained: dict[str, bytes] = {}  # re-published after a reconnect (brokers forget)
         self._ever_connected = False
-        # called (on the network thread) after every reconnect, so services re-send what the
-        # broker may have lost; must be quick and must not raise
+        # called (on the decoder thread, after every message of the previous connection) after
+        # every reconnect, so services re-send what the broker may have lost; must be quick
+        # and must not raise
         self.on_reconnect: Callable[[], None] | None = None
+        # time.time() at which the message now handed to on_frame arrived (network thread)
+        self.received_at = 0.0
         self.connected_at = 0.0  # time.time() of the latest (re)connection
         self._connected = threading.Event()  # connected *and* every subscription acknowledged
         self.connects = 0  # how many times the link became ready (1 + reconnects)
         self._pending_suback: int | None = None
         self._lock = threading.Lock()
         self._reassembler = Reassembler(max_bytes=max_frame_bytes)
+        self._reassembly_lock = threading.Lock()  # the decoder adds, the service's thread expires
+        self.stopping = stopping if stopping is not None else threading.Event()
+        self.max_pending_bytes = max_pending_bytes
+        # network thread -> decoder thread: (topic, payload); None ends the decoder
+        self._inbound: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending_bytes = 0  # payload bytes in _inbound (under _lock)
+        self.pending_peak = 0  # the most bytes ever waiting there
+        self.dropped_inbound = 0  # messages dropped because the inbound queue was full
+        self._drop_noted = 0.0  # monotonic time of the latest log line about drops
+        self._decoder: threading.Thread | None = None
         self._client = mqtt.Client(
             callback_api_version=CallbackAPIVersion.VERSION2,
             client_id=client_id,
             protocol=PROTOCOLS[protocol],
         )
         self._client.reconnect_delay_set(min_delay=1, max_delay=10)
-        self._client.max_inflight_messages_set(100)
+        self._client.max_inflight_messages_set(max_inflight)
         if will is not None:
             self._client.will_set(topic(fleet, will[0]), will[1], qos=1, retain=True)
         self._client.on_connect = self._on_connect
@@ -232,15 +276,26 @@ class Link:
         """Connect (paho keeps reconnecting afterwards); raise ConnectionError after ``timeout``."""
         if self.tls and not self._tls_ready:
             check_security(self.broker)  # mqtts:// without a CA: one sentence, no connection
+        self._start_decoder()
+        properties = None
+        if self.receive_maximum is not None and self.protocol == "5":
+            from paho.mqtt.packettypes import PacketTypes
+            from paho.mqtt.properties import Properties
+
+            properties = Properties(PacketTypes.CONNECT)
+            properties.ReceiveMaximum = self.receive_maximum
         try:
-            self._client.connect_async(self.host, self.port, keepalive=15)
+            self._client.connect_async(self.host, self.port, keepalive=15, properties=properties)
         except (OSError, ValueError) as exc:
             raise ConnectionError(f"Cannot reach broker {self.host}:{self.port}: {exc}.") from None
         self._client.loop_start()
         deadline = time.monotonic() + timeout
         # a refusal (bad credentials, not authorised) ends the wait at once: retrying won't help
-        while not self._connected.wait(0.05) and self._refused is None and time.monotonic() < deadline:
+        while (not self._connected.wait(WAIT_SLICE_S) and self._refused is None and not self.stopping.is_set()
+               and time.monotonic() < deadline):
             pass
+        if self.stopping.is_set() and not self._connected.is_set():
+            return  # stopped while connecting: the caller sees its stop (stop() ends the threads)
         if not self._connected.is_set():
             self._client.disconnect()
             self._client.loop_stop()
@@ -255,10 +310,36 @@ class Link:
                 f"No connection to broker {self.host}:{self.port} within {timeout:g} s; is it running?{hint}"
             )
 
-    def stop(self) -> None:
-        """Disconnect cleanly (no last will) and stop the network thread."""
+    def stop(self, timeout: float = 1.0) -> None:
+        """Disconnect cleanly (no last will) and stop the network and decoder threads (what
+        is still queued inbound is not handled), waiting at most ``timeout`` s for each."""
+        connected = self._connected.is_set()
         self._client.disconnect()
-        self._client.loop_stop()
+        # loop_stop joins the network thread, which first writes what is queued (up to the
+        # DISCONNECT): bounded, as a broker that stopped reading would hold it up for good;
+        # without a connection there is nothing to write (the thread may sleep between
+        # reconnection attempts, up to 1 s: not waited for)
+        stopper = threading.Thread(target=self._client.loop_stop, name=f"link-stop-{self.client_id}", daemon=True)
+        stopper.start()
+        stopper.join(timeout if connected else min(timeout, 0.1))
+        if stopper.is_alive() and connected:
+            log.warning("%s: the network thread did not end within %g s; not waiting for it", self.client_id, timeout)
+        decoder, self._decoder = self._decoder, None
+        if decoder is not None:
+            self._inbound.put(None)
+            if decoder is not threading.current_thread():
+                decoder.join(timeout)  # a daemon thread: a handler busy beyond that is not waited for
+
+    def _start_decoder(self) -> None:
+        if self._decoder is not None and self._decoder.is_alive():
+            return
+        self._decoder = threading.Thread(target=self._decode_loop, name=f"link-decoder-{self.client_id}", daemon=True)
+        self._decoder.start()
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes of received messages not yet decoded (the inbound queue)."""
+        return self._pending_bytes
 
     @property
     def connected(self) -> bool:
@@ -313,20 +394,30 @@ class Link:
         if not wait:
             return True
         try:
-            for info in infos:
-                info.wait_for_publish(timeout)
+            return self._wait_published(infos, timeout)
         except RuntimeError as exc:
             # not connected: paho keeps QoS 1 messages queued and sends them after the
             # reconnect; the services also re-send their state then (on_reconnect)
             log.warning("%s: publish to %s deferred (%s)", self.client_id, suffix, exc)
             return False
+
+    def _wait_published(self, infos: list, timeout: float) -> bool:
+        """Wait for the broker's PUBACK of every message, in slices: False once ``timeout``
+        passed or the link is stopping (the messages stay queued in paho)."""
+        end = time.monotonic() + timeout
+        for info in infos:
+            while not info.is_published():
+                left = end - time.monotonic()
+                if left <= 0 or self.stopping.is_set():
+                    return False
+                info.wait_for_publish(min(WAIT_SLICE_S, left))
         return True
 
     def clear_retained(self, suffix: str) -> None:
         with self._lock:
             self._retained.pop(suffix, None)
         try:
-            self._client.publish(topic(self.fleet, suffix), b"", qos=1, retain=True).wait_for_publish(10)
+            self._wait_published([self._client.publish(topic(self.fleet, suffix), b"", qos=1, retain=True)], 10.0)
         except RuntimeError as exc:  # not connected: paho sends the queued QoS 1 message after the reconnect
             log.warning("%s: clearing %s deferred (%s)", self.client_id, suffix, exc)
 
@@ -373,11 +464,7 @@ class Link:
                 retained = list(self._retained.items())
             for suffix, frame in retained:
                 client.publish(topic(self.fleet, suffix), frame, qos=1, retain=True)
-            if self.on_reconnect is not None:
-                try:
-                    self.on_reconnect()
-                except Exception:
-                    log.exception("%s: reconnect hook failed", self.client_id)
+            self._inbound.put(_RECONNECTED)  # after what arrived over the previous connection
         self._ever_connected = True
 
     def _on_connect_fail(self, client, userdata) -> None:  # noqa: ANN001
@@ -392,31 +479,83 @@ class Link:
             log.warning("%s: connection lost (%s); reconnecting", self.client_id, reason_code)
 
     def _on_message(self, client, userdata, message) -> None:  # noqa: ANN001
-        if not message.payload:  # a cleared retained message
+        # network thread: queue and return (paho acknowledges the message when this returns);
+        # never decode or wait here, so the broker's queue toward this client drains
+        payload = message.payload
+        if not payload:  # a cleared retained message
             return
+        size = len(payload)
+        with self._lock:
+            full = self._pending_bytes + size > self.max_pending_bytes and self._pending_bytes > 0
+            if not full:
+                self._pending_bytes += size
+                self.pending_peak = max(self.pending_peak, self._pending_bytes)
+        if full:
+            self._drop_inbound(message.topic, size)
+            return
+        self._inbound.put((message.topic, payload, time.time()))
+
+    def _drop_inbound(self, where: str, size: int) -> None:
+        with self._lock:
+            self.dropped_inbound += 1
+            now = time.monotonic()
+            say = now - self._drop_noted >= DROP_NOTE_S
+            if say:
+                self._drop_noted = now
+        if say:
+            log.warning("%s: inbound queue full (%d bytes waiting, limit %d): dropped a message of %d bytes on %s "
+                        "(%d dropped so far; its sender re-sends what is not answered)", self.client_id,
+                        self._pending_bytes, self.max_pending_bytes, size, where, self.dropped_inbound)
+        self.note_rejection(where, "inbound queue full")
+
+    def _decode_loop(self) -> None:
+        """The decoder thread: reassemble and decode what the network thread queued, in
+        order, and hand each frame to ``on_frame``; never raises."""
+        while True:
+            item = self._inbound.get()
+            if item is None:
+                return
+            if item is _RECONNECTED:
+                if self.on_reconnect is not None:
+                    try:
+                        self.on_reconnect()
+                    except Exception:  # noqa: BLE001
+                        log.exception("%s: reconnect hook failed", self.client_id)
+                continue
+            full_topic, payload, self.received_at = item
+            with self._lock:
+                self._pending_bytes -= len(payload)
+            try:
+                self._handle(full_topic, payload)
+            except Exception:  # noqa: BLE001 - the decoder must survive anything
+                log.exception("%s: decoding a message on %s failed", self.client_id, full_topic)
+                self.note_rejection(full_topic, "decoder error")
+
+    def _handle(self, full_topic: str, payload: bytes) -> None:
         try:
-            frame = decode_frame(message.payload, max_bytes=self.max_frame_bytes)
+            frame = decode_frame(payload, max_bytes=self.max_frame_bytes)
             if frame.fleet != self.fleet:
                 raise ProtocolError(f"Frame is for fleet {frame.fleet!r}, not {self.fleet!r}.")
             if frame.schema == CHUNK_SCHEMA:
-                dropped = self._reassembler.dropped
-                try:
-                    whole = self._reassembler.add(frame)
-                finally:
-                    self._note_dropped(message.topic, dropped)
+                with self._reassembly_lock:
+                    dropped = self._reassembler.dropped
+                    try:
+                        whole = self._reassembler.add(frame)
+                    finally:
+                        self._note_dropped(full_topic, dropped)
                 if whole is None:
                     return
                 frame = decode_frame(whole, max_bytes=self.max_frame_bytes)
         except ProtocolError as exc:
-            self._reject(message.topic, str(exc))
+            self._reject(full_topic, str(exc))
             return
         try:
-            self.on_frame(message.topic, frame)
+            self.on_frame(full_topic, frame)
         except ProtocolError as exc:
-            self._reject(message.topic, str(exc))
-        except Exception:  # a handler bug must not kill the network thread
-            log.exception("%s: handler failed on %s", self.client_id, message.topic)
-            self.note_rejection(message.topic, "handler error")
+            self._reject(full_topic, str(exc))
+        except Exception:  # a handler bug must not kill the decoder thread
+            log.exception("%s: handler failed on %s", self.client_id, full_topic)
+            self.note_rejection(full_topic, "handler error")
 
     def _reject(self, where: str, reason: str) -> None:
         log.warning("%s: rejected message on %s: %s", self.client_id, where, reason)
@@ -432,9 +571,10 @@ class Link:
 
     def expire_partials(self) -> None:
         """Drop incomplete chunk streams that have been idle too long (call now and then)."""
-        dropped = self._reassembler.dropped
-        self._reassembler.expire()
-        self._note_dropped("chunks", dropped)
+        with self._reassembly_lock:
+            dropped = self._reassembler.dropped
+            self._reassembler.expire()
+            self._note_dropped("chunks", dropped)
 
     def _note_dropped(self, where: str, before: int) -> None:
         n = self._reassembler.dropped - before

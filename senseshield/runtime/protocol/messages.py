@@ -334,6 +334,21 @@ class Notice(Message):
 
 
 @message
+class Ack(Message):
+    """``agents/<id>/inbox``: the coordinator has what the device sent of job ``run_id``.
+    ``of`` ``hello``: its hello, and its bootstrap vector when the job needs one (the device
+    is ready to be planned); ``update``: its update of the header's round, counted, a
+    duplicate, late or refused (``reason``, one sentence, says why it does not count). A
+    device re-sends a hello or an update until it is acknowledged (docs/protocol.md,
+    "Re-sending"); an acknowledged one is never sent again."""
+
+    schema_name: ClassVar[str] = "ack"
+    run_id: str
+    of: str = Field(pattern="^(hello|update)$")
+    reason: str = Field("", max_length=2000)
+
+
+@message
 class Decline(Message):
     """``agents/<id>/decline``: the agent does not take part in job ``run_id`` (its data does
     not fit the job, it is not selected, ...) and says why in one sentence. It stays
