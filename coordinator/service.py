@@ -598,12 +598,15 @@ class Coordinator(Service):
         out = accept_partial(s, msg, sender=item.sender, r=item.round, trust=self.trust,  # type: ignore[arg-type]
                              public=self.keys.public)
         if out.kind == "duplicate":
+            for a in out.contributors:
+                self._ack(a, "update", item.round)
             return
         k, r = out.k, item.round
         fold_partial(out.cr, msg.site, out, make=lambda: s.new_aggregate(k, r, self.keys.public),  # type: ignore[union-attr]
                      keep=self.keys.verifiable)
         for a in out.contributors:
             s.agent_rounds[a][r]["update_received"] = item.received
+            self._ack(a, "update", r)
         self.log.info("round %d cluster %d: site %s folded %d update(s)", r, k, msg.site, len(out.contributors))
         self._advance()
 

@@ -27,7 +27,7 @@ from senseshield.job import announced_run
 from senseshield.runtime.identity import Identity, Trust
 from senseshield.runtime.protocol.envelope import DEFAULT_MAX_FRAME_BYTES
 from senseshield.runtime.protocol.messages import (
-    Assignment, FleetConfig, Hello, MaskDecision, Notice, PublicKeyAnnouncement, RoundFailure, RoundPlan, Status,
+    Ack, Assignment, FleetConfig, Hello, MaskDecision, Notice, PublicKeyAnnouncement, RoundFailure, RoundPlan, Status,
     UpdateMessage, plain_part, update_from_message,
 )
 from senseshield.runtime.service import Inbound, Service, agent_of, check_sender
@@ -70,6 +70,7 @@ class SiteAggregator(Service):
             RoundPlan: self._on_plan, UpdateMessage: self._on_update, RoundFailure: self._on_failure,
             Status: self._on_status, Notice: self._on_notice,
             Assignment: lambda item: None, MaskDecision: lambda item: None,  # the devices' business
+            Ack: lambda item: None,
         }.items():
             self.on(cls, handler)
 
@@ -166,6 +167,9 @@ class SiteAggregator(Service):
         if hello is None:
             raise ProtocolError(f"Update of {agent!r}, which has not said hello to this site in job {self.run_id}.")
         sr = self._round_of(agent, r, msg.cluster)
+        if agent in sr.delivered:  # a repeat (the device did not hear the acknowledgement)
+            self._ack(agent, r)
+            return
         if msg.size != self.size:
             raise ProtocolError(f"Update of {agent!r} has {msg.size} parameters; the model has {self.size}.")
         weight = self.strategy.sample_weight(hello.n_samples)
@@ -189,7 +193,12 @@ class SiteAggregator(Service):
         note = note_of(update, item.nbytes, msg.report, msg.receipt, msg.training)
         sr.fold(agent, update, note, lambda: StreamingAggregate(
             key, size=self.size, round=r, cluster=sr.cluster, min_encryptors=self.job.options.min_encryptors))
+        self._ack(agent, r)
         self._flush()
+
+    def _ack(self, agent: str, r: int) -> None:
+        """The device's update is folded here: it stops re-sending it (not waited for)."""
+        self.send(f"agents/{agent}/inbox", Ack(run_id=self.run_id, of="update"), round=r, wait=False)
 
     def _on_failure(self, item: Inbound) -> None:
         agent = check_sender(item)

@@ -66,6 +66,7 @@ from senseshield.rounds import (
     merge_personal,
 )
 from senseshield.runtime.identity import SEALED_SEED_BYTES, Identity, Trust, b64, unb64
+from senseshield.runtime.sites import SITE_PREFIX
 from senseshield.runtime.service import Backoff, Inbound, Service, Stopped, WaitNote
 from edge_agent.dataspec import DataSpec  # noqa: F401 (re-exported: edge_agent.cli, callers)
 from edge_agent.costs import inference_latency, measure_costs, warm_inference
@@ -457,9 +458,13 @@ class EdgeAgent(Service):
                 self.send(f"agents/{self.agent_id}/metrics", metrics, round=r)
 
     def _on_ack(self, item: Inbound) -> None:
-        """The coordinator has this agent's hello or update: no more repeats of it."""
-        self._inbox(item)
+        """The coordinator has this agent's hello or update: no more repeats of it. On a site's
+        broker the site aggregator acknowledges the updates it folded (docs/sites.md)."""
         msg: Ack = item.message  # type: ignore[assignment]
+        if msg.of == "update" and item.sender.startswith(SITE_PREFIX) and item.suffix == f"agents/{self.agent_id}/inbox":
+            pass  # a site's aggregator speaks only on its own broker: the bridge never carries it out
+        else:
+            self._inbox(item)
         run = self.run
         if run is None or msg.run_id != run.run_id:
             return
