@@ -89,6 +89,7 @@ from senseshield.runtime.protocol.messages import (  # noqa: E402
     update_to_message,
 )
 from senseshield.runtime.service import Backoff  # noqa: E402
+from senseshield.runtime.sites import SITE_PREFIX  # noqa: E402
 from senseshield.runtime.transport import PREFIX, Link  # noqa: E402
 from edge_agent.service import repeat_delays  # noqa: E402
 from senseshield.strategies import ClientContext  # noqa: E402
@@ -120,13 +121,23 @@ class LoadGenerator:
         self.ids = {a: fleet.identities[a][0] for a in self.agents}
         self.trust = fleet.trust
         self.inbox: queue.Queue = queue.Queue()
-        # N devices' inboxes over one link that drains at network speed: the broker may have
-        # as many in flight toward it as MQTT 5 allows (a device has a queue of its own)
-        self.link = Link(fleet.url, client_id="loadgen", fleet=self.name, on_frame=self._on_frame, protocol=fleet.mqtt,
-                         receive_maximum=65535)
-        for suffix in ("fleet/config", "fleet/control", "keys/public", "keyserver/challenges", "agents/+/inbox",
-                       "clusters/+/model"):
-            self.link.subscribe(suffix)
+        # N devices' inboxes over one link per broker (the hub's, or each site's) that drains at
+        # network speed: the broker may have as many in flight toward it as MQTT 5 allows (a
+        # device has a queue of its own). With sites, every site's broker gets every plan (the
+        # bridge brings agents/+/inbox in): each link keeps its own agents' inboxes, and the
+        # fleet-wide messages are taken from the first link only.
+        self.broker_of = {a: fleet.agent_broker.get(i, fleet.url) for i, a in enumerate(self.agents)}
+        urls = sorted(set(self.broker_of.values()))
+        self.links = {}
+        for j, url in enumerate(urls):
+            mine = {a for a, u in self.broker_of.items() if u == url}
+            link = Link(url, client_id=f"loadgen-{j}", fleet=self.name, protocol=fleet.mqtt, receive_maximum=65535,
+                        on_frame=lambda topic, frame, mine=mine, first=(j == 0): self._on_frame(topic, frame, mine, first))
+            for suffix in ("fleet/config", "fleet/control", "keys/public", "keyserver/challenges", "agents/+/inbox",
+                           "clusters/+/model"):
+                link.subscribe(suffix)
+            self.links[url] = link
+        self.link = self.links[urls[0]]
         self.sent_updates: dict[int, set[str]] = {}
         self.bytes_sent = 0
         self.done = threading.Event()
@@ -157,13 +168,22 @@ class LoadGenerator:
         self.around_join: Callable[[], AbstractContextManager] | None = None
 
     # -- wire -----------------------------------------------------------------------------
-    def _on_frame(self, topic: str, frame) -> None:  # noqa: ANN001 - paho thread
+    def _on_frame(self, topic: str, frame, mine: set[str], first: bool) -> None:  # noqa: ANN001 - network thread
+        suffix = topic.removeprefix(f"{PREFIX}/{self.name}/")
+        if suffix.startswith("agents/"):
+            if suffix.split("/")[1] not in mine:
+                return  # another broker's agent (its plans reach every site)
+        elif not first:
+            return  # a fleet-wide message: taken from the first link
         check_frame(self.trust, frame)
-        self.inbox.put((topic.removeprefix(f"{PREFIX}/{self.name}/"), frame, from_frame(frame)))
+        self.inbox.put((suffix, frame, from_frame(frame)))
+
+    def publish(self, agent: str, suffix: str, frame: bytes, wait: bool = True) -> None:
+        self.links[self.broker_of[agent]].publish(suffix, frame, wait=wait)
 
     def send(self, agent: str, suffix: str, message, round: int = 0, wait: bool = True) -> bytes:  # noqa: ANN001
         frame = to_frame(message, fleet=self.name, sender=agent, round=round, signer=self.ids[agent])
-        self.link.publish(suffix, frame, wait=wait)
+        self.publish(agent, suffix, frame, wait=wait)
         self.bytes_sent += len(frame)
         return frame
 
@@ -201,7 +221,7 @@ class LoadGenerator:
                 self._await_plan(agent)
             elif b.due(now):
                 self.repeats["update"] += 1
-                self.link.publish(f"agents/{agent}/update", frame, wait=False)
+                self.publish(agent, f"agents/{agent}/update", frame, wait=False)
         for agent, b in list(self.plan_wait.items()):
             if b.due(now):
                 if self.newest_plan.get(agent, 0) >= self.config.rounds:
@@ -211,7 +231,8 @@ class LoadGenerator:
                 self._hello(agent, wait=False)
 
     def run(self, timeout: float) -> None:
-        self.link.start()
+        for link in self.links.values():
+            link.start()
         end = time.monotonic() + timeout
         while not self.done.is_set() and time.monotonic() < end:
             self._tick()
@@ -225,7 +246,8 @@ class LoadGenerator:
                 self._handle(suffix, frame, msg)
             except Exception as exc:  # noqa: BLE001 - keep going, report at the end
                 self.errors.append(f"{type(msg).__name__}: {exc}")
-        self.link.stop()
+        for link in self.links.values():
+            link.stop()
 
     # -- the agents' side of the protocol ------------------------------------------------
     def _handle(self, suffix: str, frame, msg) -> None:  # noqa: ANN001
@@ -257,7 +279,7 @@ class LoadGenerator:
             if agent in self.sent_updates.get(frame.round, ()):  # a plan again: the update again
                 waiting = self.update_wait.get(agent)
                 if waiting is not None:
-                    self.link.publish(f"agents/{agent}/update", waiting[1], wait=False)
+                    self.publish(agent, f"agents/{agent}/update", waiting[1], wait=False)
                 return
             self.plans[(agent, frame.round)] = msg
             self.cluster_of[(agent, frame.round)] = msg.cluster
@@ -396,6 +418,11 @@ class LoadGenerator:
                           Metrics(cluster=cluster, metric=accuracy, n_test=len(data.y_test)), r)
 
 
+UPSTREAM = {"hello", "bootstrap", "proposal", "update", "metrics", "status", "failure", "decline", "partial"}
+"""The last part of the topics devices and site aggregators publish toward the servers (the
+services' own status is counted too: a few bytes)."""
+
+
 class Sampler:
     """Peak RSS of the key server and coordinator (VmRSS every 0.2 s, and VmHWM), and the bytes
     of every message published in the fleet's topics (a subscriber sees each once)."""
@@ -404,9 +431,11 @@ class Sampler:
         import paho.mqtt.client as mqtt
         from paho.mqtt.enums import CallbackAPIVersion
 
-        self.fleet, self.peak = fleet, {"coordinator": 0, "keyserver": 0}
-        self.cpu = {"coordinator": 0.0, "keyserver": 0.0}  # user + system seconds, last reading
+        services = ["coordinator", "keyserver", *(n for n in fleet.processes if n.startswith(SITE_PREFIX))]
+        self.fleet, self.peak = fleet, {name: 0 for name in services}
+        self.cpu = {name: 0.0 for name in services}  # user + system seconds, last reading
         self.bytes = 0
+        self.hub_in = 0  # what devices and sites say to the servers, as the hub's broker carries it
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._poll, daemon=True)
         host, port = fleet.url.removeprefix("mqtt://").split(":")
@@ -419,6 +448,8 @@ class Sampler:
 
     def _count(self, message) -> None:  # noqa: ANN001
         self.bytes += len(message.payload)
+        if message.topic.rsplit("/", 1)[-1] in UPSTREAM:
+            self.hub_in += len(message.payload)
 
     def _read(self, name: str) -> None:
         proc = self.fleet.processes.get(name)
@@ -450,7 +481,7 @@ class Sampler:
 
 def run_scale(agents: int, strategy: str, *, rounds: int = 3, key_bits: int = 2048, out: Path,
               broker_url: str, timeout: float = 3600.0, model: str = "linear", repeat: int = 0,
-              broker: MosquittoProcess | None = None,
+              broker: MosquittoProcess | None = None, sites: int = 0,
               around_join: Callable[[ScaleFleet], AbstractContextManager] | None = None) -> dict:
     """One (N, strategy) point; returns its summary (see the module docstring). ``broker``:
     the Mosquitto behind ``broker_url``, whose log says whom it dropped messages for;
@@ -459,8 +490,9 @@ def run_scale(agents: int, strategy: str, *, rounds: int = 3, key_bits: int = 20
     config = Job(strategy=strategy, rounds=rounds, dataset="digits", model=model, partition=f"categories:{TEMPLATES}",
                  key_bits=key_bits, scheme=None if strategy in ("plaintext", "masked") else "packed-paillier",
                  round_deadline=max(120.0, agents * 0.6), clients=agents)
-    options = FleetOptions(agents=agents, out=out, broker=broker_url, fleet=f"scale-{strategy}-{agents}-{repeat}",  # a repeat never reads the last one's retained frames
-                           join_timeout=timeout, log_level=os.environ.get("SCALE_LOG_LEVEL", "warning"))
+    options = FleetOptions(agents=agents, out=out, broker=broker_url, fleet=f"scale-{strategy}-{agents}-{sites}-{repeat}",  # a run never reads the last one's retained frames
+                           join_timeout=timeout, log_level=os.environ.get("SCALE_LOG_LEVEL", "warning"),
+                           sites={f"site{k + 1}": list(range(k, agents, sites)) for k in range(sites)})
     started = time.time()
     with ScaleFleet(config, options) as fleet:
         fleet.start()
@@ -500,7 +532,11 @@ def run_scale(agents: int, strategy: str, *, rounds: int = 3, key_bits: int = 20
         "loadgen_cpu_s": loadgen_cpu,
         "coordinator_peak_rss_mb": sampler.peak["coordinator"] / 1e6,
         "keyserver_peak_rss_mb": sampler.peak["keyserver"] / 1e6,
+        "sites": sites,
+        "site_peak_rss_mb": max((v for k, v in sampler.peak.items() if k.startswith(SITE_PREFIX)), default=0) / 1e6,
+        "sites_cpu_s": sum(v for k, v in sampler.cpu.items() if k.startswith(SITE_PREFIX)),
         "broker_mb": sampler.bytes / 1e6,
+        "hub_in_mb_per_round": sampler.hub_in / 1e6 / max(len(report["rounds"]), 1),
         "loadgen_mb_sent": load.bytes_sent / 1e6,
         "updates_sent": sum(len(v) for v in load.sent_updates.values()),
         "every_update_counted": bool(counted),
@@ -524,6 +560,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/scale.json")
     parser.add_argument("--model", default="mlp", help="the job's model (mlp: 50,826 parameters; linear: 650)")
     parser.add_argument("--quick", action="store_true", help="N = 6 and 20, 2 rounds, 1 repeat, 1024-bit (a smoke run)")
+    parser.add_argument("--sites", default="0", help="site counts to run, e.g. 0,1,4: the agents spread over that many "
+                        "sites (a Mosquitto bridged to the hub's and a site aggregator each; 0: every agent on the hub)")
     parser.add_argument("--max-queued", type=int, default=None,
                         help="the broker's max_queued_messages per client (default: sized for the largest N, "
                              "senseshield.runtime.broker.queue_limits); a small one shows the devices re-sending")
@@ -537,13 +575,14 @@ def main() -> None:
         try:
             for n in counts:
                 for rep in range(repeats):
-                    for strategy in args.strategies.split(","):
-                        row = run_scale(n, strategy, rounds=rounds, key_bits=key_bits,
-                                        out=Path(tmp) / f"{strategy}-{n}-{rep}", broker_url=broker.url, model=args.model,
-                                        repeat=rep, broker=broker)
-                        row["repeat"] = rep
-                        runs.append(row)
-                        print(json.dumps(row), flush=True)
+                    for sites in [int(x) for x in args.sites.split(",")]:
+                        for strategy in args.strategies.split(","):
+                            row = run_scale(n, strategy, rounds=rounds, key_bits=key_bits,
+                                            out=Path(tmp) / f"{strategy}-{n}-{sites}-{rep}", broker_url=broker.url,
+                                            model=args.model, repeat=rep, broker=broker, sites=sites)
+                            row["repeat"] = rep
+                            runs.append(row)
+                            print(json.dumps(row), flush=True)
         finally:
             broker.stop()
     rows = summarise(runs)
@@ -565,17 +604,19 @@ def summarise(runs: list[dict]) -> list[dict]:
     within each repeat (the runs beside each other), then its median; CPU seconds summed
     over the coordinator and the key server (the load generator's, the agents' side, apart)."""
     out = []
-    keys = sorted({(r["agents"], r["strategy"]) for r in runs}, key=lambda k: (k[0], [r["strategy"] for r in runs].index(k[1])))
-    for n, strategy in keys:
-        mine = [r for r in runs if (r["agents"], r["strategy"]) == (n, strategy)]
+    keys = sorted({(r["agents"], r.get("sites", 0), r["strategy"]) for r in runs},
+                  key=lambda k: (k[0], k[1], [r["strategy"] for r in runs].index(k[2])))
+    for n, sites, strategy in keys:
+        mine = [r for r in runs if (r["agents"], r.get("sites", 0), r["strategy"]) == (n, sites, strategy)]
         ratios = []
         for r in mine:
             base = next((b["round_s"] for b in runs if b["agents"] == n and b["strategy"] == "plaintext"
-                         and b["repeat"] == r["repeat"]), None)
+                         and b.get("sites", 0) == sites and b["repeat"] == r["repeat"]), None)
             if base:
                 ratios.append(r["round_s"] / base)
         row = {k: (statistics.median(x[k] for x in mine) if isinstance(v, float) else v) for k, v in mine[0].items()
                if k not in ("repeat", "loadgen_errors")}
+        row.setdefault("sites", 0)
         row["round_s_runs"] = [x["round_s"] for x in mine]
         row["round_ratio_to_plaintext"] = statistics.median(ratios) if ratios else None
         row["round_ratios"] = ratios
@@ -586,19 +627,21 @@ def summarise(runs: list[dict]) -> list[dict]:
     return out
 
 
-HEADER = ["N", "strategy", "round s (runs)", "x plaintext (median)", "services CPU s", "clusters",
+HEADER = ["N", "sites", "strategy", "round s (runs)", "x plaintext (median)", "services CPU s", "clusters",
           "aggregate streamed / close s", "verify s", "decrypt s", "coordinator RSS MB", "key server RSS MB",
-          "broker MB", "every update counted"]
+          "site RSS MB", "into the hub MB/round", "broker MB", "every update counted"]
 
 
 def cells(r: dict) -> list[str]:
     """One row of the table, formatted (the rich and the markdown table share it)."""
     ratio = f"{r['round_ratio_to_plaintext']:.2f}" if r.get("round_ratio_to_plaintext") else "–"
     runs = " / ".join(f"{x:.2f}" for x in r.get("round_s_runs", [r["round_s"]]))
-    return [str(r["agents"]), r["strategy"], runs, ratio, f"{r.get('services_cpu_s', 0.0):.1f}", str(r["clusters"]),
-            f"{r['aggregate_streamed_s']:.3f} / {r['aggregate_s']:.3f}", f"{r['verify_s']:.3f}", f"{r['decrypt_s']:.3f}",
-            f"{r['coordinator_peak_rss_mb']:.0f}", f"{r['keyserver_peak_rss_mb']:.0f}", f"{r['broker_mb']:.1f}",
-            "yes" if r["every_update_counted"] else "NO"]
+    sited = r.get("sites", 0)
+    return [str(r["agents"]), str(sited), r["strategy"], runs, ratio, f"{r.get('services_cpu_s', 0.0):.1f}",
+            str(r["clusters"]), f"{r['aggregate_streamed_s']:.3f} / {r['aggregate_s']:.3f}", f"{r['verify_s']:.3f}",
+            f"{r['decrypt_s']:.3f}", f"{r['coordinator_peak_rss_mb']:.0f}", f"{r['keyserver_peak_rss_mb']:.0f}",
+            f"{r.get('site_peak_rss_mb', 0):.0f}" if sited else "–", f"{r.get('hub_in_mb_per_round', 0):.1f}",
+            f"{r['broker_mb']:.1f}", "yes" if r["every_update_counted"] else "NO"]
 
 
 def rich_table(result: dict):  # noqa: ANN201 - rich.table.Table, imported lazily
@@ -610,14 +653,14 @@ def rich_table(result: dict):  # noqa: ANN201 - rich.table.Table, imported lazil
                         "verify, decrypt: s per cluster and round)",
                   caption=f"{machine['cpu']}, {machine['cores']} cores, {result['date']}")
     for i, header in enumerate(HEADER):
-        table.add_column(header, justify="left" if i == 1 else "right")
+        table.add_column(header, justify="left" if i == 2 else "right")
     for r in result["rows"]:
         table.add_row(*cells(r), style=None if r["every_update_counted"] else "red")
     return table
 
 
 def markdown_table(rows: list[dict]) -> str:
-    lines = ["| " + " | ".join(HEADER) + " |", "|" + "|".join("---" if i == 1 else "---:" for i in range(len(HEADER))) + "|"]
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "|".join("---" if i == 2 else "---:" for i in range(len(HEADER))) + "|"]
     return "\n".join(lines + ["| " + " | ".join(cells(r)) + " |" for r in rows])
 
 

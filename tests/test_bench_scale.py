@@ -72,3 +72,15 @@ def test_devices_re_send_what_a_full_broker_queue_dropped(tmp_path, monkeypatch)
     assert "coordinator" in row["broker_dropped_for"] and "loadgen" not in row["broker_dropped_for"]
     assert row["repeats"]["hello"] > 0
     assert row["every_update_counted"] and row["updates_sent"] == 40 and not row["loadgen_errors"]
+
+
+def test_generated_agents_over_two_sites_are_counted_and_their_updates_stay_there(mosquitto, tmp_path):
+    """Eight generated agents over two bridged sites (a site aggregator each): every update is
+    counted in the verified aggregate, and what crosses into the hub's broker per round is
+    the sites' partial sums, a fraction of the eight updates it carries without sites."""
+    rows = {sites: run_scale(8, "masked", rounds=2, out=tmp_path / f"run-{sites}", broker_url=mosquitto.url,
+                             timeout=180, model="mlp", sites=sites) for sites in (0, 2)}
+    for sites, row in rows.items():
+        assert row["every_update_counted"] and row["updates_sent"] == 16 and not row["loadgen_errors"], (sites, row)
+    assert rows[2]["site_peak_rss_mb"] > 0 and rows[0]["site_peak_rss_mb"] == 0
+    assert rows[2]["hub_in_mb_per_round"] < rows[0]["hub_in_mb_per_round"] / 2, rows

@@ -145,7 +145,8 @@ def test_partial_sums_in_two_rings_or_of_another_round_do_not_join():
     (lambda f, a: a.update(acc_total=a["acc_total"].astype(np.uint32)), "needs uint64 words"),
     (lambda f, a: f["accumulator"].update(ring_bits=16), "rings of 32 and 64"),
     (lambda f, a: a.update(slice_3=np.full(8, np.nan)), "NaN"),
-    (lambda f, a: a.update(acc_positions=a["acc_positions"][::-1].copy()), "increasing"),
+    (lambda f, a: a.update(acc_positions=a["acc_positions"][:-1].copy()), "bitset of the model's 8 positions"),
+    (lambda f, a: a.update(acc_positions=np.zeros(1, np.uint8)), "8 masked words for 0 positions"),
 ])
 def test_a_partial_sum_that_does_not_describe_an_aggregate_is_refused(tamper, match):
     public = SECRET.public_key

@@ -497,7 +497,7 @@ class MaskedAccumulator(Accumulator):
     positions (one running word per model position) and the union is the aggregate."""
 
     def __init__(self, public_key: MaskedPublicKey, size: int) -> None:
-        self.public_key = public_key
+        self.public_key, self.size = public_key, int(size)
         self.total = np.zeros(0, dtype=np.uint64)
         self.positions: np.ndarray | None = None
         self.ring: Ring | None = None
@@ -622,7 +622,8 @@ class MaskedAccumulator(Accumulator):
         plain = self.plain
         arrays = {
             "total": self.total, "covered": self.covered.astype(np.uint8),
-            "positions": self.positions if self.positions is not None else np.zeros(0, dtype=np.int64),
+            "positions": np.packbits(np.isin(np.arange(self.size), self.positions)) if self.positions is not None
+            else np.zeros(0, dtype=np.uint8),  # as a bitset over the model (positions are sorted)
             "plain_lengths": np.array([where.size for where, _, _ in plain], dtype=np.int64),
             "plain_weights": np.array([w for _, _, w in plain], dtype=np.int64),
             "plain_positions": np.concatenate([w for w, _, _ in plain]) if plain else np.zeros(0, dtype=np.int64),
@@ -671,10 +672,12 @@ class MaskedAccumulator(Accumulator):
                 raise ProtocolError(f"A partial sum's per-position words and coverage must be as long, at most {size}.")
             acc.covered = covered
         else:
-            positions = arrays["positions"].astype(np.int64)
-            if positions.size != total.size or (positions.size and (positions[0] < 0 or positions[-1] >= size
-                                                                    or np.any(np.diff(positions) <= 0))):
-                raise ProtocolError(f"A partial sum's positions must be increasing within 0..{size - 1}, one per word.")
+            bits = arrays["positions"]
+            if bits.dtype != np.uint8 or bits.size != -(-size // 8) or np.unpackbits(bits)[size:].any():
+                raise ProtocolError(f"A partial sum's positions must be a bitset of the model's {size} positions.")
+            positions = np.flatnonzero(np.unpackbits(bits)[:size])
+            if positions.size != total.size:
+                raise ProtocolError(f"A partial sum has {total.size} masked words for {positions.size} positions.")
             acc.positions = positions
         return acc
 
