@@ -31,7 +31,7 @@ def test_six_generated_agents_are_all_counted_in_verified_aggregates(mosquitto, 
     assert row["coordinator_cpu_s"] > 0 and row["keyserver_cpu_s"] > 0
     assert row["coordinator_peak_rss_mb"] > 0 and row["keyserver_peak_rss_mb"] > 0 and row["broker_mb"] > 0
     line = markdown_table([row | {"round_ratio_to_plaintext": 1.0}]).splitlines()[-1]
-    assert line.startswith(f"| 6 | {strategy} | ") and line.endswith("| yes |")
+    assert line.startswith(f"| 6 | 0 | {strategy} | ") and line.endswith("| yes |")
 
 
 def test_devices_re_send_what_a_full_broker_queue_dropped(tmp_path, monkeypatch):
