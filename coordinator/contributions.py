@@ -25,12 +25,46 @@ ones still fail every leave-one-out attempt, and the cluster's round is lost (do
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from senseshield.engine.aggregation import StreamingAggregate
 
 Entry = tuple[Any, Any]  # (the ProtectedUpdate, what the coordinator notes of it)
+
+
+@dataclass(frozen=True)
+class Spilled:
+    """Where a kept update's bytes are in its round's spill file."""
+
+    offset: int
+    length: int
+
+
+@dataclass
+class UpdateCodec:
+    """How a kept update is written to the spill file and read back: as its ``update``
+    message's frame, decoded with every check again (the job's key ``public``, the model's
+    ``size``). The coordinator's memory then holds no device's update while a round waits
+    for its verdict: a fleet's worth of them would grow with the fleet."""
+
+    public: Any
+    size: int
+
+    def encode(self, update: Any) -> bytes:
+        from senseshield.runtime.protocol.messages import to_frame, update_to_message
+
+        return to_frame(update_to_message(update, self.public), fleet="spill", sender=update.client_id,
+                        round=update.round)
+
+    def decode(self, data: bytes) -> Any:
+        from senseshield.runtime.protocol import decode_frame
+        from senseshield.runtime.protocol.messages import from_frame, update_from_message
+
+        frame = decode_frame(data)
+        return update_from_message(from_frame(frame), self.public, client_id=frame.sender, round=frame.round,
+                                   size=self.size)
 
 
 @dataclass
@@ -42,9 +76,30 @@ class Contributions:
     queue: list[dict[str, Entry]] | None = None  # attempts still to try (None: to be listed)
     chosen: dict[str, Entry] | None = None  # the attempt in flight
     tried: set[frozenset] = field(default_factory=set)  # the attempts sent
+    codec: UpdateCodec | None = None  # set: updates are kept in a spill file, not in memory
+    _spill: Any = None  # the round's spill file (a temporary file, gone when closed)
+
+    def _put(self, update: Any) -> Any:
+        """``update`` as it is kept: spilled to the round's file when there is a codec (a site's
+        partial sum, one per site, stays in memory)."""
+        if self.codec is None or isinstance(update, StreamingAggregate):
+            return update
+        if self._spill is None:
+            self._spill = tempfile.TemporaryFile(prefix="senseshield-round-")
+        data = self.codec.encode(update)
+        offset = self._spill.seek(0, 2)
+        self._spill.write(data)
+        return Spilled(offset, len(data))
+
+    def load(self, part: Any) -> Any:
+        """A kept update back (read from the spill file if it was spilled)."""
+        if not isinstance(part, Spilled):
+            return part
+        self._spill.seek(part.offset)
+        return self.codec.decode(self._spill.read(part.length))
 
     def keep(self, agent: str, update: Any, note: Any) -> None:
-        self.kept[agent] = (update, note)
+        self.kept[agent] = (self._put(update), note)
 
     def first(self, agent: str) -> Any:
         """The note of the update ``agent`` sent first in the round (None: none kept)."""
@@ -54,7 +109,7 @@ class Contributions:
     def spare(self, agent: str, update: Any, note: Any) -> None:
         """A later, different update of ``agent``; one arriving during the search lists the
         attempts again (those already sent are not repeated)."""
-        self.spares[agent] = (update, note)
+        self.spares[agent] = (self._put(update), note)
         self.queue = None
 
     def next_attempt(self) -> dict[str, Entry] | None:
@@ -78,8 +133,11 @@ class Contributions:
         return self.chosen
 
     def clear(self) -> None:
-        """The round's verdict is in: the updates go (memory)."""
+        """The round's verdict is in: the updates go (memory, and the spill file)."""
         self.kept, self.spares, self.queue, self.tried = {}, {}, None, set()
+        if self._spill is not None:
+            self._spill.close()
+            self._spill = None
 
 
 def _signature(attempt: dict[str, Entry]) -> frozenset:
@@ -87,13 +145,15 @@ def _signature(attempt: dict[str, Entry]) -> frozenset:
     return frozenset((agent, id(update)) for agent, (update, _) in attempt.items())
 
 
-def aggregate_of(attempt: dict[str, Entry], make: Callable[[], StreamingAggregate]) -> StreamingAggregate:
-    """A fresh running aggregate (``make()``) of the attempt's updates and partial sums (a
-    site's running aggregate, kept as one entry, :mod:`coordinator.sites`); a ProtocolError
-    if one does not fold (it was checked on arrival, so only a spare can)."""
+def aggregate_of(attempt: dict[str, Entry], make: Callable[[], StreamingAggregate],
+                 load: Callable[[Any], Any] = lambda part: part) -> StreamingAggregate:
+    """A fresh running aggregate (``make()``) of the attempt's updates (``load``: a kept one
+    back from the spill file, :meth:`Contributions.load`) and partial sums (a site's running
+    aggregate, kept as one entry, :mod:`coordinator.sites`); a ProtocolError if one does not
+    fold (it was checked on arrival, so only a spare can)."""
     running = make()
     for agent in sorted(attempt):
-        part = attempt[agent][0]
+        part = load(attempt[agent][0])
         if isinstance(part, StreamingAggregate):
             running.merge(part)
         else:

@@ -177,7 +177,7 @@ class KeyLink:
         while (attempt := cr.book.next_attempt()) is not None:
             t = time.perf_counter()
             try:
-                aggregate = aggregate_of(attempt, make).result()
+                aggregate = aggregate_of(attempt, make, cr.book.load).result()
             except ProtocolError as exc:  # a spare that does not fold: the next attempt
                 self.log.warning("round %d cluster %d: an attempt does not aggregate (%s)", r, k, exc)
                 continue

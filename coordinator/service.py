@@ -35,6 +35,7 @@ from coordinator.accept import (
     DUPLICATE, FOLD, LATE, REFUSED, SPARE, Late, accept_decline, accept_failure, accept_metrics, accept_update,
     accept_vector, cluster_round_of,
 )
+from coordinator.contributions import UpdateCodec
 from coordinator.drill import Drill
 from coordinator.jobs import JobBook, JobRecord
 from coordinator.keylink import KeyLink
@@ -571,6 +572,8 @@ class Coordinator(Service):
         self._ack(agent_id, "update", r, out.reason if out.kind == REFUSED else
                   f"round {r} closed before it arrived (late)" if out.kind == LATE else "")
         make = lambda: s.new_aggregate(k, r, self.keys.public)  # noqa: E731
+        if self.keys.verifiable and cr.book.codec is None:  # kept until the verdict: on disk, not in memory
+            cr.book.codec = UpdateCodec(self.keys.public, s.size)
         if out.kind == REFUSED:  # named in the report's refused, not waited for; the round goes on
             s.refused[agent_id] = out.reason
             cr.expected.discard(agent_id)
