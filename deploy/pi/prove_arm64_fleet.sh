@@ -40,7 +40,9 @@
 #      senseshield_torch`) with the root's python3 as the host's interpreter (connection
 #      local, each module run as `chroot ROOT python3`): applied (expect ok, changed=0:
 #      torch==2.9.1 is there), in --check with another pin (expect changed=1), and on this
-#      x86 machine (expect the install skipped); each checked on the play's recap;
+#      x86 machine (expect the install skipped), and in --check with the example inventory's
+#      jetson_orin group variables (expect both tasks skipped: NVIDIA's wheel comes from
+#      senseshield_pip_pre_packages); each checked on the play's recap;
 #  10. on exit (also on SIGINT/SIGTERM): stops mosquitto, unmounts /proc, unregisters the
 #      handler unless it was registered before or KEEP_BINFMT=1.
 # Ends with "== done: all passed"; a failed check exits 1 before it.
@@ -228,4 +230,8 @@ playbook 'changed=1 .*failed=0' -i arm64root, -e ansible_python_interpreter="$in
 echo "-- this x86 machine, --check (expect the install skipped: x86_64 is not pinned)"
 playbook 'changed=0 .*failed=0 .*skipped=1' -i x86host, -e ansible_python_interpreter="$X86_PYTHON" \
     -e senseshield_venv="$(dirname "$(dirname "$X86_PYTHON")")" --check
+echo "-- arm64 root with the jetson_orin group's variables (example inventory), --check (expect both torch tasks"
+echo "   skipped: an Orin gets NVIDIA's wheel from senseshield_pip_pre_packages, never PyPI's torch)"
+playbook 'changed=0 .*failed=0 .*skipped=2' -i arm64root, -e ansible_python_interpreter="$interp" -e senseshield_venv=$venv \
+    --check -e "@$repo/deploy/ansible/inventory/example/group_vars/jetson_orin.yml"
 echo "== done: all passed (CPU $CPU)"
