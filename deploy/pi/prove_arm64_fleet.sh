@@ -179,8 +179,8 @@ tail -1 "$work/idle-$CPU.log" | "$X86_PYTHON" -c '
 import json, sys
 r = json.loads(sys.stdin.read())
 for p, m in r["profiles"].items():
-    print(f"--profile {p}: first line {m[\"first_line_s\"]} s, online {m[\"online_s\"]} s, idle RSS {m[\"idle_rss_mb\"]} MB "
-          f"(peak {m[\"peak_rss_mb\"]} MB), SIGTERM to exit {m[\"sigterm_s\"]} s, exit code {m[\"exit_code\"]}")
+    print("--profile {}: first line {first_line_s} s, online {online_s} s, idle RSS {idle_rss_mb} MB (peak {peak_rss_mb} MB), "
+          "SIGTERM to exit {sigterm_s} s, exit code {exit_code}".format(p, **m))
 '
 
 for ring in $RINGS; do
@@ -200,7 +200,7 @@ for k, d in r["max_diff_per_round"].items():
     t = r["tolerance_per_round"][k]
     print(f"round {k}: max |fleet - simulator| {d:.3g} (float32 models); tolerance "
           + (f"{t:.4g}: " + ("pass" if d <= t else "FAIL") if t is not None else "none (reported only)"))
-print("key server float64 model vs simulator:", f"{r[\"max_diff_final_keyserver\"]:.3g}", " masks equal:", r["masks_equal"],
+print("key server float64 model vs simulator: {:.3g}".format(r["max_diff_final_keyserver"]), " masks equal:", r["masks_equal"],
       " budgets equal:", r["budgets_equal"], " first difference (clusters, budgets, masks):", r["first_difference"])
 print("fleet", r["fleet_seconds"], "s, simulator", r["simulator_seconds"], "s; failed:", r["failed"] or "nothing")
 ' || { tail -20 "$work/fleet-$CPU-ring$ring.json"; status=1; }
