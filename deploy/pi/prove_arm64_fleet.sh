@@ -44,7 +44,8 @@
 #      jetson_orin group variables (expect both tasks skipped: NVIDIA's wheel comes from
 #      senseshield_pip_pre_packages); each checked on the play's recap;
 #  10. on exit (also on SIGINT/SIGTERM): stops mosquitto, unmounts /proc, unregisters the
-#      handler unless it was registered before or KEEP_BINFMT=1.
+#      handler unless it was registered before or KEEP_BINFMT=1 (and unmounts binfmt_misc
+#      if binfmt.sh mounted it and no other handler is registered).
 # Ends with "== done: all passed"; a failed check exits 1 before it.
 #
 # Environment: CPU (default cortex-a72), STRATEGY (masked), AGENTS (3), ROUNDS (3), RINGS
@@ -76,10 +77,20 @@ export PYTHONPATH=$repo
 chroot_bin=$(command -v chroot)
 
 mosquitto_pid= mounted_proc= registered=
+binfmt_dir=/proc/sys/fs/binfmt_misc
+binfmt_mounted_before=0
+mountpoint -q "$binfmt_dir" && binfmt_mounted_before=1
 cleanup() {
     [ -z "$mosquitto_pid" ] || kill "$mosquitto_pid" 2>/dev/null || true
     [ -z "$mounted_proc" ] || umount "$root/proc" || true
-    if [ -n "$registered" ] && [ "$KEEP_BINFMT" != 1 ]; then "$here/binfmt.sh" unregister; fi
+    if [ -n "$registered" ] && [ "$KEEP_BINFMT" != 1 ]; then
+        "$here/binfmt.sh" unregister
+        # binfmt.sh mounted binfmt_misc if it was not: unmount it again when no handler is left
+        if [ "$binfmt_mounted_before" = 0 ] && mountpoint -q "$binfmt_dir" \
+            && [ -z "$(ls "$binfmt_dir" | grep -vx 'register\|status')" ]; then
+            umount "$binfmt_dir" && echo "unmounted $binfmt_dir (it was not mounted before)"
+        fi
+    fi
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM HUP
