@@ -6,11 +6,14 @@
 #   sudo AGENT=1 FLEET=1 deploy/pi/prove_arm64.sh  # everything, prove_arm64_fleet.sh included
 #
 # What it does, on a Debian/Ubuntu x86_64 host, as root, with the Debian mirror and PyPI
-# reachable (not part of `make test`: it downloads about 150 MB and takes minutes):
+# reachable (not part of `make test`: it downloads torch's 104 MB wheel, the agent's
+# dependencies and a few Debian packages; AGENT=1 FLEET=1 with two fleet CPU models took 15
+# minutes from nothing on a shared 2-core machine):
 #   1. apt-get installs qemu-user-static and mmdebstrap if missing;
 #   2. builds a Debian bookworm arm64 root with `mmdebstrap --variant=extract` (unpacks
 #      python3, python3-venv and libstdc++6 (torch needs it) without running anything, so
-#      it needs no binfmt_misc);
+#      it needs no binfmt_misc) and makes the /proc, /sys, /root, /run and /dev/shm that
+#      variant lacks;
 #   3. copies qemu-aarch64-static into it and runs every arm64 program as
 #      `chroot ROOT /usr/bin/qemu-aarch64-static -cpu CPU PROGRAM`: no binfmt_misc
 #      registration needed (none was registered on the machine this was written on), and an

@@ -9,7 +9,7 @@
 # arm64, /opt/agent with torch 2.9.1, the agent and its `lab` extra: c000's shard of the
 # built-in digits data is read from scikit-learn's data file), mosquitto, and this checkout's x86
 # interpreter ($X86_PYTHON) with its dev extras (ansible-core). Not part of `make test`:
-# about 20 minutes on a busy 2-core machine. It runs itself at nice 10. Steps:
+# about 4 minutes per CPU model on a shared 2-core machine. It runs itself at nice 10. Steps:
 #   1. registers a binfmt_misc handler for aarch64 (deploy/pi/binfmt.sh: flag F, so it works
 #      in the chroot) and checks that qemu honours QEMU_CPU=$CPU (deploy/pi/lse_probe.py: on
 #      cortex-a72 the child running an ARMv8.1 atomic must die with SIGILL). From here an
