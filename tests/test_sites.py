@@ -84,3 +84,28 @@ def test_a_site_aggregator_that_lies_loses_its_sites_updates_and_nothing_else(mo
         assert "model unchanged" not in notes, notes
     log = (tmp_path / "logs" / "coordinator.log").read_text()
     assert "aggregating again over" in log
+
+
+@pytest.mark.parametrize("args, sentence", [
+    (["fleet", "up", "--agents", "2", "--sites", "3"], "--sites 3 is not allowed; use 0 (no sites) up to the number of agents (2)."),
+    (["fleet", "bridge", "--site", "a b", "--hub", "h:1883"], "Site name 'a b' is not allowed"),
+    (["fleet", "bridge", "--site", "north", "--hub", "h:99999"], "invalid port"),
+])
+def test_site_options_that_cannot_work_are_one_sentence(args, sentence):
+    from typer.testing import CliRunner
+
+    from senseshield.cli.main import app
+
+    out = CliRunner().invoke(app, args)
+    assert out.exit_code == 2 and sentence in out.output and "Traceback" not in out.output, out.output
+
+
+def test_a_site_aggregator_refuses_job_flags_in_one_sentence(tmp_path):
+    from typer.testing import CliRunner
+
+    from coordinator.cli import app
+
+    out = CliRunner().invoke(app, ["serve", "--site", "north", "--once", "--insecure-dev"])
+    assert out.exit_code == 2 and "--once is not allowed with --site" in out.output, out.output
+    out = CliRunner().invoke(app, ["serve", "--site", "no/rth", "--insecure-dev"])
+    assert out.exit_code == 2 and "--site: Site name 'no/rth' is not allowed" in out.output, out.output
