@@ -730,6 +730,8 @@ BAD_INVENTORIES = {
                       r"Host gw-y: site_name 'south pole' is not a site's name; .* 1-32 letters, digits or '-'"),
     "long-site-name": ("all:\n  children:\n    sites:\n      hosts:\n        gw-l: {site_name: " + "s" * 33 + "}\n",
                        r"Host gw-l: site_name 's{33}' is not a site's name"),
+    "dashes-site-name": ("all:\n  children:\n    sites:\n      hosts:\n        gw-d: {site_name: '---'}\n",
+                         r"Host gw-d: site_name '---' is not a site's name"),
     "same-site-twice": ("all:\n  children:\n    sites:\n      hosts:\n        gw-z: {site_name: north}\n",
                         r"Host (gw-z|sandbox-site-north): site_name 'north' must name one host of the group 'sites' "
                         r"\(it names 2\)"),
