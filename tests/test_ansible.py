@@ -12,6 +12,12 @@ agents. The broker refuses what the ACL forbids (another agent's topics, job sub
 anyone but the operator, a wrong password, anonymous or plain connections), a rotated
 credential replaces the old one, and bad inventories fail before anything changes, naming
 the host and the variable.
+
+The sandbox has one site, "north" (docs/sites.md): its own Mosquitto (TLS, its device's
+credential and ACL) bridged to the hub's over TLS as user bridge-north, rendered from the
+topic list of senseshield/runtime/sites.py, and its aggregator (`coordinator serve --site
+north`); agent-b joins the site's broker, agent-a the hub's. The jobs run with agent-b's
+updates folded by the site aggregator into partial sums.
 """
 
 from __future__ import annotations
@@ -40,13 +46,17 @@ from senseshield.cli.top import scrape
 from senseshield.errors import ConfigError
 from senseshield.runtime.identity import Identity, Trust
 from senseshield.runtime.jobs import JobClient
-from senseshield.runtime.transport import Link, check_security, parse_broker
+from senseshield.runtime.sites import bridge_topics
+from senseshield.runtime.transport import PREFIX, Link, check_security, parse_broker
 from tests.broker import free_port, mosquitto_binary
 
 ANSIBLE_DIR = Path(__file__).resolve().parents[1] / "deploy" / "ansible"
 BIN = Path(sys.executable).parent
 FLEET = "sandbox"
 AGENTS = ("agent-a", "agent-b")  # rpi4 and jetson_orin in inventory/sandbox
+SITE, SITE_HOST = "north", "sandbox-site-north"  # inventory/sandbox's one site; agent-b is there
+HUB_USERS = ("keyserver", "coordinator", "operator", "agent-a", f"bridge-{SITE}")  # the hub broker's password file
+SITE_USERS = ("agent-b", f"site-{SITE}")  # the site broker's
 
 pytestmark = [
     pytest.mark.skipif(
@@ -62,6 +72,19 @@ def ansible_env() -> dict[str, str]:
                ANSIBLE_FORCE_COLOR="0", ANSIBLE_CONFIG=str(ANSIBLE_DIR / "ansible.cfg"), NO_COLOR="1")
     env.pop("VIRTUAL_ENV", None)
     return env
+
+
+def port_pair() -> int:
+    """A free port whose successor is free too: the hub's broker and site north's (inventory/sandbox
+    puts the site's broker on the hub's port + 1)."""
+    while True:
+        port = free_port()
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
 
 
 def playbook(root: Path, *extra: str, inventories: tuple[str, ...] = ("inventory/sandbox",),
@@ -126,11 +149,20 @@ class Sandbox:
     packages: list[str]  # the extra vars of the first apply (the model package, the metrics ports)
     metrics: dict[str, int]  # the Prometheus ports of the coordinator and the key server
     broker: subprocess.Popen | None = None
+    site_broker: subprocess.Popen | None = None
     processes: list[subprocess.Popen] = field(default_factory=list)
 
     @property
     def url(self) -> str:
         return f"mqtts://127.0.0.1:{self.port}"
+
+    @property
+    def site_port(self) -> int:
+        return self.port + 1
+
+    @property
+    def site_url(self) -> str:
+        return f"mqtts://127.0.0.1:{self.site_port}"
 
     @property
     def ca(self) -> Path:
@@ -153,10 +185,11 @@ class Sandbox:
 
 @pytest.fixture(scope="module")
 def sandbox(tmp_path_factory):
-    """The playbook applied twice to a fresh sandbox; the rendered broker runs for the module."""
+    """The playbook applied to a fresh sandbox; the rendered brokers (the hub's and site north's,
+    bridged) run for the module."""
     mosquitto_binary()  # the tests need mosquitto and mosquitto_passwd (`make test` installs them)
     root = tmp_path_factory.mktemp("fleet")
-    port = free_port()
+    port = port_pair()
     metrics = {"coordinator": free_port(), "keyserver": free_port()}
     packages = ["-e", json.dumps({"edge_agent_model_packages": [str(model_wheel(root / "packages"))],
                                   "coordinator_metrics_port": metrics["coordinator"],
@@ -169,15 +202,21 @@ def sandbox(tmp_path_factory):
     print(f"\nprovisioning the sandbox: from zero {seconds['from_zero']:.1f} s")
     box = Sandbox(root, port, seconds, first, packages, metrics)
     box.broker = box.spawn("sandbox-broker", "senseshield-mosquitto", "broker.log")
-    deadline = time.monotonic() + 15
-    while True:
-        assert box.broker.poll() is None, (root / "logs" / "broker.log").read_text()[-2000:]
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                break
-        except OSError:
-            assert time.monotonic() < deadline, "the rendered broker did not listen"
-            time.sleep(0.1)
+    box.site_broker = box.spawn(SITE_HOST, "senseshield-mosquitto", "site-broker.log")
+    for proc, log, at in [(box.broker, "broker.log", port), (box.site_broker, "site-broker.log", box.site_port)]:
+        deadline = time.monotonic() + 15
+        while True:
+            assert proc.poll() is None, (root / "logs" / log).read_text()[-2000:]
+            try:
+                with socket.create_connection(("127.0.0.1", at), timeout=0.2):
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, f"the rendered broker of {log} did not listen"
+                time.sleep(0.1)
+    deadline = time.monotonic() + 15  # the site's bridge logs in at the hub
+    while f"u'bridge-{SITE}'" not in (root / "logs" / "broker.log").read_text(errors="replace"):
+        assert time.monotonic() < deadline, (root / "logs" / "site-broker.log").read_text()[-2000:]
+        time.sleep(0.1)
     yield box
     for proc in box.processes:
         if proc.poll() is None:
@@ -210,7 +249,7 @@ def test_playbook_syntax(inventory):
 # -- the sandbox -------------------------------------------------------------------------------
 
 
-HOSTS = {"sandbox-broker", "sandbox-keyserver", "sandbox-coordinator", *AGENTS}
+HOSTS = {"sandbox-broker", "sandbox-keyserver", "sandbox-coordinator", SITE_HOST, *AGENTS}
 
 
 def test_sandbox_is_provisioned(sandbox):
@@ -223,7 +262,7 @@ def test_sandbox_is_provisioned(sandbox):
     assert mode(root / "sandbox-keyserver/var/lib/senseshield/keyserver") == 0o700
     assert mode(root / "sandbox-broker/etc/mosquitto/senseshield/server.key") == 0o600
     for host, name in [("sandbox-keyserver", "keyserver"), ("sandbox-coordinator", "coordinator"),
-                       *[(a, "edge-agent") for a in AGENTS]]:
+                       (SITE_HOST, "site-aggregator"), *[(a, "edge-agent") for a in AGENTS]]:
         assert mode(root / host / f"etc/senseshield/{name}.password") == 0o400
         assert (root / host / "etc/senseshield/ca.crt").read_bytes() == sandbox.ca.read_bytes()
         assert (root / host / f"etc/systemd/system/senseshield-{name}.service").is_file()
@@ -250,10 +289,17 @@ def test_sandbox_is_provisioned(sandbox):
     assert "--metrics-port" not in launcher  # an agent has none
     for host, name in [("sandbox-coordinator", "coordinator"), ("agent-a", "edge-agent")]:
         assert "Restart=always" in (root / host / f"etc/systemd/system/senseshield-{name}.service").read_text()
-    # one hashed credential per MQTT user, and no password in any rendered file or in the output
-    passwd = (root / "sandbox-broker/etc/mosquitto/senseshield/passwd").read_text().splitlines()
-    assert [line.split(":")[0] for line in passwd] == ["keyserver", "coordinator", "operator", *AGENTS]
-    secrets = [sandbox.password(u) for u in ("keyserver", "coordinator", "operator", *AGENTS)]
+    # agent-b is at site north: it joins the site's broker, agent-a the hub's
+    assert f"--broker {sandbox.site_url}" in sandbox.launcher("agent-b", "senseshield-edge-agent").read_text()
+    # one hashed credential per MQTT user of each broker, and no password in any rendered file
+    # (but the bridge's own, in its 0600 configuration) or in the output
+    for host, users in [("sandbox-broker", HUB_USERS), (SITE_HOST, SITE_USERS)]:
+        passwd = (root / host / "etc/mosquitto/senseshield/passwd").read_text().splitlines()
+        assert [line.split(":")[0] for line in passwd] == list(users), host
+    bridge = root / SITE_HOST / "etc/mosquitto/conf.d/senseshield-bridge.conf"
+    assert mode(bridge) == 0o600
+    assert f"remote_password {sandbox.password(f'bridge-{SITE}')}\n" in bridge.read_text()
+    secrets = [sandbox.password(u) for u in (*HUB_USERS, *SITE_USERS)]
     rendered = [p for p in root.rglob("*") if p.is_file() and (
         p.parent.name == "bin" and p.parent.parent.name == "senseshield"  # the launchers
         or p.suffix in (".service", ".conf") or p.name in ("acl", "passwd"))]
@@ -262,13 +308,15 @@ def test_sandbox_is_provisioned(sandbox):
         assert len(secret) >= 32
         assert secret not in sandbox.first.stdout
         for path in rendered:
-            assert secret not in path.read_text(errors="replace"), path
+            if path != bridge:
+                assert secret not in path.read_text(errors="replace"), path
 
 
 IDENTITY_FILES = {  # each host principal's identity key on its host (the roles' defaults)
     "keyserver": "sandbox-keyserver/var/lib/senseshield/keyserver/identity.key",
     "coordinator": "sandbox-coordinator/var/lib/senseshield/coordinator/identity/coordinator.key",
     **{a: f"{a}/var/lib/senseshield/agent/identity/agent.key" for a in AGENTS},
+    f"site-{SITE}": f"{SITE_HOST}/var/lib/senseshield/site/identity/site.key",
 }
 
 
@@ -303,12 +351,15 @@ def write_job(path: Path, **fields) -> Path:
 def test_the_rendered_fleet_runs_submitted_jobs_over_tls(sandbox, tmp_path):
     """The coordinator and the agents run as services (no --once): the operator submits a
     job with submit-job.yml and a second one with `senseshield job submit --follow`; both
-    complete on the same agent processes, the first with the model package the play installed."""
+    complete on the same agent processes, the first with the model package the play installed.
+    agent-b joins through site north's broker: the site aggregator folds its updates and sends
+    the coordinator a partial sum each round."""
     out = sandbox.root / "sandbox-coordinator/var/lib/senseshield/coordinator/run/jobs"
     keyserver = sandbox.spawn("sandbox-keyserver", "senseshield-keyserver", "keyserver.log")
     coordinator = sandbox.spawn("sandbox-coordinator", "senseshield-coordinator", "coordinator.log")
+    site = sandbox.spawn(SITE_HOST, "senseshield-site-aggregator", f"site-{SITE}.log")
     agents = [sandbox.spawn(a, "senseshield-edge-agent", f"{a}.log") for a in AGENTS]
-    services = [keyserver, coordinator, *agents]
+    services = [keyserver, coordinator, *agents, site]
     operator = {"ca_file": sandbox.ca, "username": "operator", "password": sandbox.password("operator"),
                 "identity": Identity.load_or_create("operator", sandbox.root / "pki/identities/operator.key"),
                 "trust": Trust.load(sandbox.root / "pki/trust.json", fleet=FLEET)}
@@ -358,11 +409,11 @@ def test_the_rendered_fleet_runs_submitted_jobs_over_tls(sandbox, tmp_path):
                 proc.send_signal(signal.SIGTERM)
         codes = [proc.wait(60) for proc in services]
     text = logs()
-    assert codes[1:] == [0, 0, 0], {name: text[name][-1500:] for name in ("coordinator", *AGENTS)}
+    assert codes[1:] == [0, 0, 0, 0], {name: text[name][-1500:] for name in ("coordinator", *AGENTS, f"site-{SITE}")}
     # every service ran with the fleet's trust file (no trust on first use), keys made once on the controller
     assert not [name for name, log in text.items() if "no --trust file" in log or "on first use" in log]
     trust = json.loads((sandbox.root / "pki/trust.json").read_text())
-    assert sorted(trust["principals"]) == sorted(["keyserver", "coordinator", "operator", *AGENTS])
+    assert sorted(trust["principals"]) == sorted(["keyserver", "coordinator", "operator", *AGENTS, f"site-{SITE}"])
     reports = {job_id: json.loads((out / job_id / "report.json").read_text()) for job_id in (first_id, second_id)}
     assert [r["round"] for r in reports[first_id]["rounds"]] == [1, 2]
     assert reports[first_id]["rounds"][-1]["accuracy"] > 0.5
@@ -385,9 +436,15 @@ def test_the_rendered_fleet_runs_submitted_jobs_over_tls(sandbox, tmp_path):
     assert got(keyserver_metrics, "senseshield_keyserver_decrypt_seconds_count") == 3
     # the ACL lets the status topics through: the key server saw the coordinator's offline
     assert "keyserver: coordinator offline since" in text["keyserver"]
-    # each process logged in with its own user over the TLS listener
-    for user in ("keyserver", "coordinator", "operator", *AGENTS):
+    # each process logged in with its own user over the TLS listener of its broker: agent-b and
+    # the site aggregator at site north's, the site's bridge at the hub's
+    for user in HUB_USERS:
         assert f"u'{user}'" in text["broker"], user
+    for user in SITE_USERS:
+        assert f"u'{user}'" in text["site-broker"] and f"u'{user}'" not in text["broker"], user
+    # the site aggregator folded agent-b's update of every round (3) into a partial sum of its own
+    partials = re.findall(r"round (\d+) cluster 0: sent the partial sum of 1 update\(s\)", text[f"site-{SITE}"])
+    assert len(partials) >= 3, text[f"site-{SITE}"][-2000:]
 
 
 # -- the broker's ACL and authentication --------------------------------------------------------
@@ -396,7 +453,7 @@ def test_the_rendered_fleet_runs_submitted_jobs_over_tls(sandbox, tmp_path):
 class Client:
     """A paho MQTT 5 client over TLS that records deliveries, PUBACK and SUBACK codes."""
 
-    def __init__(self, box: Sandbox, user: str | None, password: str | None) -> None:
+    def __init__(self, box: Sandbox, user: str | None, password: str | None, *, port: int | None = None) -> None:
         self.messages: queue.Queue = queue.Queue()
         self.acks: dict[int, str] = {}
         self.suback: dict[int, list[str]] = {}
@@ -410,7 +467,7 @@ class Client:
         self.client.on_message = lambda c, u, m: self.messages.put((m.topic, bytes(m.payload)))
         self.client.on_publish = lambda c, u, mid, rc, p: self.acks.__setitem__(mid, str(rc))
         self.client.on_subscribe = lambda c, u, mid, rcs, p: self.suback.__setitem__(mid, [str(r) for r in rcs])
-        self.client.connect("127.0.0.1", box.port)
+        self.client.connect("127.0.0.1", port or box.port)
         self.client.loop_start()
 
     def connected(self) -> str:
@@ -509,6 +566,78 @@ def test_only_the_operator_submits_jobs(sandbox):
             client.stop()
 
 
+def test_the_sites_bridge_and_aggregator_are_rendered_from_the_one_topic_list(sandbox):
+    """Site north's bridge carries exactly the topics of senseshield/runtime/sites.py over TLS as
+    bridge-north; the hub's ACL gives that user exactly those (out: write, in: read); the site's
+    ACL gives its aggregator its topics; the aggregator runs `coordinator serve --site north` on
+    the site's broker with its own identity and credential."""
+    root, t = sandbox.root, f"ss/v1/{FLEET}"
+    topics = bridge_topics(FLEET, SITE, PREFIX)
+    bridge = (root / SITE_HOST / "etc/mosquitto/conf.d/senseshield-bridge.conf").read_text().splitlines()
+    assert [tuple(line.split()[1:3]) for line in bridge if line.startswith("topic ")] == topics
+    assert not [line for line in bridge if line.startswith("topic ") and "/update" in line]
+    for line in (f"connection site-{SITE}", f"address 127.0.0.1:{sandbox.port}", f"remote_username bridge-{SITE}",
+                 f"bridge_cafile {root / SITE_HOST}/etc/mosquitto/senseshield/ca.crt", "bridge_insecure false"):
+        assert line in bridge, line
+
+    def acl(host: str) -> dict[str, list[str]]:
+        users: dict[str, list[str]] = {}
+        for line in (root / host / "etc/mosquitto/senseshield/acl").read_text().splitlines():
+            if line.startswith("user "):
+                users[line.split()[1]] = []
+            elif line.startswith("topic "):
+                users[list(users)[-1]].append(line)
+        return users
+
+    hub, site = acl("sandbox-broker"), acl(SITE_HOST)
+    assert sorted(hub) == sorted(HUB_USERS) and sorted(site) == sorted(SITE_USERS)
+    assert hub[f"bridge-{SITE}"] == [f"topic {'write' if d == 'out' else 'read'} {p}" for p, d in topics]
+    assert f"topic read {t}/sites/+/partial" in hub["coordinator"]
+    assert f"topic write {t}/sites/{SITE}/partial" in site[f"site-{SITE}"]
+    # a device's ACL is the same wherever it joins
+    assert site["agent-b"] == [line.replace("agent-a", "agent-b") for line in hub["agent-a"]]
+    launcher = sandbox.launcher(SITE_HOST, "senseshield-site-aggregator").read_text()
+    for flag in (f"serve --site {SITE} --broker {sandbox.site_url} --fleet {FLEET}", f"--username site-{SITE}",
+                 f"--identity {root / SITE_HOST}/var/lib/senseshield/site/identity/site.key",
+                 f"--trust {root / SITE_HOST}/etc/senseshield/trust.json", "--password-file", "--ca-file"):
+        assert flag in launcher, flag
+    assert "Restart=always" in (root / SITE_HOST / "etc/systemd/system/senseshield-site-aggregator.service").read_text()
+
+
+def test_the_sites_bridge_carries_what_the_hub_needs_and_never_an_update(sandbox):
+    """Live, through the rendered brokers: agent-b's hello crosses to the hub, its update does
+    not; the site aggregator's partial sum does; the coordinator's word to agent-b reaches it at
+    its site."""
+    t = f"ss/v1/{FLEET}"
+    watcher = Client(sandbox, "coordinator", sandbox.password("coordinator"))
+    agent_b = Client(sandbox, "agent-b", sandbox.password("agent-b"), port=sandbox.site_port)
+    aggregator = Client(sandbox, f"site-{SITE}", sandbox.password(f"site-{SITE}"), port=sandbox.site_port)
+    try:
+        assert {watcher.connected(), agent_b.connected(), aggregator.connected()} == {"Success"}
+        watcher.subscribe(f"{t}/agents/agent-b/#")
+        watcher.subscribe(f"{t}/sites/#")
+        agent_b.subscribe(f"{t}/agents/agent-b/inbox")
+        time.sleep(0.5)  # the subscriptions settle
+        # nobody at the site takes the update, not even the bridge (the site aggregator, which
+        # would, is not running): MQTT 5's "No matching subscribers"
+        assert agent_b.publish(f"{t}/agents/agent-b/update", b"an update") == "No matching subscribers"
+        assert agent_b.publish(f"{t}/agents/agent-b/hello", b"a hello") == "Success"
+        assert aggregator.publish(f"{t}/sites/{SITE}/partial", b"a partial sum") == "Success"
+        assert aggregator.publish(f"{t}/sites/south/partial", b"another site's") == "Not authorized"
+        got: list[tuple[str, bytes]] = []
+        while not {(f"{t}/agents/agent-b/hello", b"a hello"), (f"{t}/sites/{SITE}/partial", b"a partial sum")} <= set(got):
+            got.append(watcher.messages.get(timeout=10))
+        time.sleep(0.5)
+        while not watcher.messages.empty():
+            got.append(watcher.messages.get())
+        assert not [m for m in got if m[0].endswith("/update") or m[1] == b"another site's"], got
+        assert watcher.publish(f"{t}/agents/agent-b/inbox", b"a plan") == "Success"
+        assert agent_b.messages.get(timeout=10) == (f"{t}/agents/agent-b/inbox", b"a plan")
+    finally:
+        for client in (watcher, agent_b, aggregator):
+            client.stop()
+
+
 def connects(url: str, *, timeout: float = 10.0, **security) -> None:
     """Connect a Link as the services do (ConnectionError when refused), then disconnect."""
     link = Link(url, client_id="probe", fleet=FLEET, on_frame=lambda t, f: None, **security)
@@ -535,8 +664,13 @@ def test_the_broker_refuses_wrong_credentials_anonymous_and_plain_connections(sa
     with pytest.raises(ConnectionError):
         connects(f"mqtt://127.0.0.1:{sandbox.port}", timeout=2, username="agent-a",
                  password=sandbox.password("agent-a"))
-    # the right credential over TLS works
-    connects(sandbox.url, ca_file=sandbox.ca, username="agent-b", password=sandbox.password("agent-b"))
+    # the right credential over TLS works, at the device's own broker only: agent-a at the hub's,
+    # agent-b at its site's (each broker knows its own devices)
+    connects(sandbox.url, ca_file=sandbox.ca, username="agent-a", password=sandbox.password("agent-a"))
+    connects(sandbox.site_url, ca_file=sandbox.ca, username="agent-b", password=sandbox.password("agent-b"))
+    for url, user in [(sandbox.url, "agent-b"), (sandbox.site_url, "agent-a"), (sandbox.site_url, "operator")]:
+        with pytest.raises(ConnectionError, match="refused the connection"):
+            connects(url, ca_file=sandbox.ca, username=user, password=sandbox.password(user))
 
 
 @pytest.mark.slow  # one more playbook run (50-75 s on 2 shared cores)
@@ -554,21 +688,22 @@ def test_a_second_apply_changes_nothing(sandbox):
 
 @pytest.mark.slow  # one more playbook run (~55 s on 2 shared cores)
 def test_a_rotated_credential_replaces_the_old_one(sandbox):
+    # agent-b is at site north: its credential lives on the site's broker
     old = sandbox.password("agent-b")
-    proc = playbook(sandbox.root, "--limit", "sandbox-broker,agent-b", "-e", "senseshield_rotate_credentials=agent-b",
+    proc = playbook(sandbox.root, "--limit", f"{SITE_HOST},agent-b", "-e", "senseshield_rotate_credentials=agent-b",
                     port=sandbox.port)
     assert proc.returncode == 0, tail(proc)
     changed = {h: r["changed"] for h, r in recap(proc.stdout).items()}
-    assert changed["sandbox-broker"] > 0 and changed["agent-b"] > 0, changed
+    assert changed[SITE_HOST] > 0 and changed["agent-b"] > 0, changed
     new = sandbox.password("agent-b")
     assert new != old
     assert (sandbox.root / "agent-b/etc/senseshield/edge-agent.password").read_text().strip() == new
-    sandbox.broker.send_signal(signal.SIGHUP)  # what `systemctl reload mosquitto` does
+    sandbox.site_broker.send_signal(signal.SIGHUP)  # what `systemctl reload mosquitto` does
     time.sleep(0.5)
 
     with pytest.raises(ConnectionError, match="refused"):
-        connects(sandbox.url, ca_file=sandbox.ca, username="agent-b", password=old)
-    connects(sandbox.url, ca_file=sandbox.ca, username="agent-b", password=new)
+        connects(sandbox.site_url, ca_file=sandbox.ca, username="agent-b", password=old)
+    connects(sandbox.site_url, ca_file=sandbox.ca, username="agent-b", password=new)
     # agent-a's credential is untouched
     connects(sandbox.url, ca_file=sandbox.ca, username="agent-a", password=sandbox.password("agent-a"))
 
@@ -587,6 +722,24 @@ BAD_INVENTORIES = {
                   r".* senseshield_allow_colocated_keyserver: true"),
     "metrics-port": ("all:\n  hosts:\n    sandbox-coordinator: {coordinator_metrics_port: 99999}\n",
                      r"Host sandbox-coordinator: coordinator_metrics_port 99999 is not a port; give a port in 1\.\.65535"),
+    # sites: a site host without its name, a bad name, a name two hosts claim, a device at a site
+    # that has no host, a device named like a site aggregator
+    "site-without-name": ("all:\n  children:\n    sites:\n      hosts:\n        gw-x: {}\n",
+                          r"Host gw-x: site_name is not set; a host of the group 'sites' runs one site's broker"),
+    "bad-site-name": ("all:\n  children:\n    sites:\n      hosts:\n        gw-y: {site_name: 'south pole'}\n",
+                      r"Host gw-y: site_name 'south pole' is not a site's name; .* 1-32 letters, digits or '-'"),
+    "long-site-name": ("all:\n  children:\n    sites:\n      hosts:\n        gw-l: {site_name: " + "s" * 33 + "}\n",
+                       r"Host gw-l: site_name 's{33}' is not a site's name"),
+    "dashes-site-name": ("all:\n  children:\n    sites:\n      hosts:\n        gw-d: {site_name: '---'}\n",
+                         r"Host gw-d: site_name '---' is not a site's name"),
+    "same-site-twice": ("all:\n  children:\n    sites:\n      hosts:\n        gw-z: {site_name: north}\n",
+                        r"Host (gw-z|sandbox-site-north): site_name 'north' must name one host of the group 'sites' "
+                        r"\(it names 2\)"),
+    "unknown-site": ("all:\n  hosts:\n    agent-a: {edge_agent_site: south}\n",
+                     r"Host agent-a: edge_agent_site 'south' names no site: no host of the group 'sites' has "
+                     r"site_name 'south' \(the sites: north\)"),
+    "agent-named-site": ("all:\n  children:\n    rpi4:\n      hosts:\n        site-east: {}\n",
+                         r"Host site-east: the inventory name is the agent id .* no name beginning with 'site-'"),
 }
 
 
