@@ -1,4 +1,4 @@
-"""deploy/ansible checked for real (issue 7).
+"""deploy/ansible checked for real.
 
 ansible-lint (production profile) and a syntax check; then the whole playbook applied to
 localhost into a sandbox (inventory/sandbox: five hosts, each rooted in its own directory,
