@@ -7,7 +7,7 @@
   that keeps ``steps`` releases at sample rate ``q`` within (target_epsilon, delta). An
   unreachable target raises :class:`ConfigError`.
 * :func:`epsilons`: a run's epsilon against an outside observer of the released models and
-  against the server, by RDP and by PLD (issue 16).
+  against the server, by RDP and by PLD.
 
 **Against whom.** Client sampling (``sample_rate`` q < 1) amplifies privacy only against an
 adversary who does not know who was sampled: an outside observer of the released models.

@@ -30,7 +30,7 @@ class RoundRecord(BaseModel):
     metrics: dict[str, float] = {}  # every metric the clients reported (evaluation and training_*)
     he_ratio_mean: float
     union_ratio_mean: float
-    # union positions encrypted by fewer than min_encryptors clients: never decrypted (issue 22)
+    # union positions encrypted by fewer than min_encryptors clients: never decrypted
     sealed_positions: int = 0
     bytes_up: int
     bytes_down: int

@@ -15,7 +15,7 @@ fixed-point encoding (property-tested).
 What the coordinator learns: every client's mask and its plaintext values outside it, and
 the aggregate. Everything here is pure computation, no I/O.
 
-Never a sum of fewer than k (issue 22): with schemes whose clients encrypt different
+Never a sum of fewer than k: with schemes whose clients encrypt different
 positions (``ragged_masks``: Paillier, packed Paillier), a union position that only one
 client encrypted would be decrypted as that client's value plus the others' plaintext,
 which the coordinator knows: the individual value. With ``min_encryptors = k`` (default 2)

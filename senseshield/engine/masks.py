@@ -782,7 +782,7 @@ def nested_block_masks(
     c: float = DEFAULT_C,
     b: float = DEFAULT_B,
 ) -> list[np.ndarray]:
-    """Nested masks of one cluster (issue 22): every member encrypts a prefix of the same
+    """Nested masks of one cluster: every member encrypts a prefix of the same
     ranking, so every encrypted block has at least ``min_encryptors`` encryptors.
 
     ``scores`` is the cluster's agreed sensitivity (one value per position, >= 0), ``alphas``

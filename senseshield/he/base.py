@@ -210,7 +210,7 @@ class PublicKey(ABC):
 
     # the encryptor multiplies its values by its sample weight (``encrypt(..., weight=n)``), so
     # the coordinator folds its ciphertext with one multiplication instead of an
-    # exponentiation (issue 22 item 5); the key server's fingerprint check then takes
+    # exponentiation; the key server's fingerprint check then takes
     # exponent 1 for it. Accumulators tell a folded part by block weights equal to its weight.
     prefolds_weight: ClassVar[bool] = False
 

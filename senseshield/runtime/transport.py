@@ -21,7 +21,7 @@ Waiting: :meth:`Link.publish` waits for the broker's acknowledgement in short sl
 gives up at once when the link's ``stopping`` event is set (a service being stopped), as
 :meth:`Link.start` gives up connecting.
 
-A secured broker (issue 7, ``deploy/ansible``): ``mqtts://HOST[:PORT]`` (default port 8883)
+A secured broker (``deploy/ansible``): ``mqtts://HOST[:PORT]`` (default port 8883)
 speaks TLS and needs ``ca_file``, the CA that signed the broker's certificate (the
 certificate must name HOST; optional ``certfile``/``keyfile`` for client certificates);
 ``username``/``password`` are the device's credentials. Anything missing or unreadable is a

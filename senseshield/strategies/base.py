@@ -80,7 +80,7 @@ class StrategyOptions(BaseModel):
         defaults.MIN_ENCRYPTORS,
         ge=1,
         description=(
-            "Never a sum of fewer than k (issue 22): with per-client masks (Paillier, packed "
+            "Never a sum of fewer than k: with per-client masks (Paillier, packed "
             "Paillier) a position fewer than k clients of the cluster encrypted is never "
             "decrypted; its mean comes from the clients that sent it in plaintext. 1 = the "
             "papers' rule (a single encryptor's value is decrypted)."
@@ -90,7 +90,7 @@ class StrategyOptions(BaseModel):
         "solver",
         description=(
             "SenseCrypt's per-client masks: 'solver' (each client solves eqs. 4-8 on its own "
-            "sensitivity every round) or 'nested' (issue 22: the cluster ranks blocks once by its "
+            "sensitivity every round) or 'nested' (the cluster ranks blocks once by its "
             "members' mean bootstrap sensitivity and each member encrypts the prefix of that one "
             "ranking the solver picks at its budget, the largest min_encryptors-1 prefixes capped "
             "at the next, so every encrypted block has at least min_encryptors encryptors; each "
@@ -133,7 +133,7 @@ class StrategyOptions(BaseModel):
     plain_noise: float = Field(
         0.0,
         description=(
-            "SenseCrypt hybrid (issue 16): Gaussian noise on the plaintext part of each update, its "
+            "SenseCrypt hybrid: Gaussian noise on the plaintext part of each update, its "
             "norm this fraction of that part's norm (a noise-to-signal ratio against gradient "
             "inversion; not a DP guarantee); 0 = off."
         ),

@@ -10,7 +10,7 @@
    encrypt their own mask and the coordinator aggregates them per cluster, decrypting only
    the union mask (sec. 3.3).
 
-Hybrid (issue 16, ``--set plain_noise=R``): the plaintext part of each update gets
+Hybrid (``--set plain_noise=R``): the plaintext part of each update gets
 Gaussian noise of norm R times its own before it is sent (``engine.dp.relative_noise``).
 Encryption at a slow device's budget cannot hide a one-image update: every visible fully
 connected layer's gradient is a rank-one product of the back-propagated error and the
