@@ -284,14 +284,21 @@ class ExactSum:
 
     def add(self, positions: np.ndarray, terms: np.ndarray) -> None:
         terms = np.asarray(terms, dtype=np.float64)
+        if not terms.size:
+            return
+        top = float(np.max(np.abs(terms)))
         above = np.zeros_like(terms)
         for i, unit in enumerate(_SLICES):
+            if unit > top:  # every term is below this unit: its slice part is 0
+                continue
             upto = np.trunc(terms / unit) * unit  # the term truncated to multiples of this unit
             part = upto - above
             if part.any():
                 if i not in self.slices:
                     self.slices[i] = np.zeros(self.size, dtype=np.float64)
                 self.slices[i][positions] += part
+            if np.array_equal(upto, terms):  # nothing left below: the finer slices' parts are 0
+                break
             above = upto
 
     def merge(self, other: "ExactSum") -> None:
