@@ -323,3 +323,41 @@ def test_unmasking_on_several_processes_gives_the_same_sum(ragged):
         results.append(SECRET.decrypt(vector, threads=threads))
     assert results[0].tobytes() == results[1].tobytes()
     assert np.all(np.abs(results[0]) <= sum(i % 3 + 1 for i in range(n)))
+
+
+def test_pad_workers_end_with_the_process_that_started_them(tmp_path):
+    """A key server stopped on a signal leaves with ``os._exit`` (no clean-up): its pad
+    processes see it gone and end too, instead of staying behind."""
+    import os
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    script = (
+        "import os, sys\n"
+        "from senseshield.he import generate_keys\n"
+        "from senseshield.he.masked import _pad_pool\n"
+        "pool = _pad_pool(generate_keys('masked')._export(), 2)\n"
+        "assert pool.submit(int, 1).result() == 1\n"
+        "print(' '.join(str(p) for p in pool._processes), flush=True)\n"
+        "os._exit(0)\n"
+    )
+    log = tmp_path / "out.txt"
+    with log.open("w") as out:  # a file: the workers inherit it, and a pipe would wait for them
+        subprocess.run([sys.executable, "-c", script], stdout=out, stderr=subprocess.STDOUT, timeout=120, check=True)
+    pids = [int(p) for p in log.read_text().split()]
+    assert pids, log.read_text()
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        stat = Path(f"/proc/{pid}/stat")
+        return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+
+    end = time.monotonic() + 60
+    while any(alive(p) for p in pids) and time.monotonic() < end:
+        time.sleep(0.2)
+    assert not any(alive(p) for p in pids), "pad workers outlived their key server"

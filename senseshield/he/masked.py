@@ -98,7 +98,9 @@ sealed (:meth:`select` takes the rest), as with packed Paillier.
 
 from __future__ import annotations
 
+import os
 import struct
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -706,8 +708,34 @@ def pad_total(private: bytes, items: Sequence[tuple[bytes, int, bytes, np.ndarra
 _WORKER_KEY: list[bytes] = []
 
 
-def _init_worker(private: bytes) -> None:
+def _init_worker(private: bytes, owner: int) -> None:
+    """A pad worker: keeps the key, and ends when the process that started it is gone (a key
+    server stopped with ``os._exit`` runs no clean-up, and a worker must not outlive it)."""
+    import threading
+
     _WORKER_KEY[:] = [private]
+
+    def gone() -> bool:  # exited (a zombie not yet reaped counts as exited)
+        try:
+            with open(f"/proc/{owner}/stat", "rb") as stat:
+                return stat.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+        except FileNotFoundError:
+            return True
+        except OSError:  # no /proc: ask the kernel
+            try:
+                os.kill(owner, 0)
+            except ProcessLookupError:
+                return True
+            except PermissionError:
+                pass
+            return False
+
+    def watch() -> None:
+        while not gone():
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="pad-worker-owner", daemon=True).start()
 
 
 def _pad_total_in_worker(args: tuple) -> np.ndarray:
@@ -732,7 +760,7 @@ def _pad_pool(private: bytes, workers: int):  # noqa: ANN202 - a ProcessPoolExec
         atexit.register(lambda: [pool.shutdown(wait=False, cancel_futures=True) for pool in _POOLS.values()])
     if ident not in _POOLS:
         _POOLS[ident] = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("forkserver"),
-                                            initializer=_init_worker, initargs=(private,))
+                                            initializer=_init_worker, initargs=(private, os.getpid()))
     return _POOLS[ident]
 
 
