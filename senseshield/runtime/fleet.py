@@ -39,6 +39,7 @@ from senseshield.job import Job, check_job, with_shape
 from senseshield.runtime.files import write_atomic
 from senseshield.runtime.identity import Identity, Trust, check_frame
 from senseshield.runtime.jobsig import sign_job
+from senseshield.runtime.keyfiles import secure_dir
 from senseshield.runtime.sites import SITE_PREFIX
 from senseshield.runtime.service import writable_dir
 
@@ -245,7 +246,9 @@ class Fleet:
         names = {"keyserver": "keyserver", "coordinator": "coordinator", "operator": "operator",
                  **{f"{SITE_PREFIX}{site}": "site" for site in self.options.sites},
                  **{a: "agent" for a in agent_ids(self.options.agents)}}
-        self.identities = {n: (Identity.load_or_create(n, self.identity_file(n)), role) for n, role in names.items()}
+        secure_dir(self.identity_file("operator").parent, "--identity")  # once, not once per identity
+        self.identities = {n: (Identity.load_or_create(n, self.identity_file(n), checked=True), role)
+                           for n, role in names.items()}
         self.trust = Trust.for_identities(self.identities, fleet=self.options.fleet)
         # numbered and signed by the fleet's operator, as services require (docs/security.md)
         self.trust.sign(self.identities["operator"][0], serial=Trust.next_serial(self.out / "trust.json", self.options.fleet))

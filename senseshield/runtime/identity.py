@@ -115,10 +115,13 @@ class Identity:
         return cls(name, os.urandom(_SEED_BYTES))
 
     @classmethod
-    def load_or_create(cls, name: str, path: str | Path) -> "Identity":
-        """The identity in ``path`` (0600, in a 0700 directory), created on first use."""
+    def load_or_create(cls, name: str, path: str | Path, *, checked: bool = False) -> "Identity":
+        """The identity in ``path`` (0600, in a 0700 directory), created on first use.
+        ``checked``: the caller checked the directory already (:func:`secure_dir` reads every
+        key file in it: once for a fleet's thousands of identities, not once each)."""
         path = Path(path)
-        secure_dir(path.parent, "--identity")
+        if not checked:
+            secure_dir(path.parent, "--identity")
         if path.is_symlink():
             raise ConfigError(f"Identity file {path} is a symbolic link; give the file itself.")
         if path.exists():
