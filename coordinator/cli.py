@@ -80,7 +80,7 @@ def serve(
     from coordinator.service import Coordinator
     from senseshield.runtime.service import leave
     from senseshield.job import load_job, with_shape
-    from senseshield.runtime.jobsig import is_signed_job, read_job_bytes, signed_nonce
+    from senseshield.runtime.jobsig import check_signed_job, is_signed_job, read_job_bytes, signed_nonce
 
     flags = {"rounds": rounds, "dataset": dataset, "model": model, "partition": partition, "seed": seed,
              "local_epochs": local_epochs, "batch_size": batch_size, "lr": lr, "key_bits": key_bits,
@@ -122,7 +122,13 @@ def serve(
         # coordinator (a service restarted by its supervisor) does not run a finished one again
         # (a signed job is booked under its nonce: each signature runs once)
         booked = [r.spec for r in server.book.records.values() if not once or r.state in OPEN]
-        queue = [server.open_signed(e[1], repr(str(e[0]))) if isinstance(e, tuple) else (e, b"", "") for e in jobs]
+        queue = []
+        for e in jobs:
+            if isinstance(e, tuple):  # a signed job file, checked as the key server will check it
+                operator, spec = check_signed_job(e[1], trusted, fleet=fleet, where=repr(str(e[0])))
+                queue.append((spec, e[1], operator))
+            else:
+                queue.append((e, b"", ""))
         for spec, frame, operator in queue:
             nonce = signed_nonce(frame) if frame else ""
             if (nonce and nonce not in server.book.records) or (not nonce and spec not in booked):

@@ -43,6 +43,7 @@ from coordinator.metrics import METRICS_PORT_ENV, CoordinatorMetrics  # noqa: F4
 from coordinator.report import FleetReport, report, round_failure, round_line, straggling_now  # noqa: F401
 from coordinator.rounds import Closed, advance, check_facts
 from coordinator.sites import accept_partial, fold_partial
+from coordinator.stall import STALL_S, StallWatch, progress_mark, waiting_for
 from coordinator.state import JobState, take_up
 from coordinator.store import MemoryStore, SqliteStore, Store
 from senseshield.errors import ConfigError, ProtocolError
@@ -50,7 +51,6 @@ from senseshield.job import Job, check_job, initial_model, job_from_dict, job_sh
 from senseshield.results import metric_line
 from senseshield.runtime.files import npy_bytes, write_atomic
 from senseshield.runtime.identity import Identity, Trust
-from senseshield.runtime.jobsig import check_signed_job
 from senseshield.runtime.metrics import metrics_port as live_port
 from senseshield.runtime.protocol.envelope import DEFAULT_MAX_FRAME_BYTES
 from senseshield.runtime.protocol.messages import (
@@ -102,7 +102,7 @@ def preload(service: Service) -> None:
 class Coordinator(Service):
     """``coordinator serve``: see the module docstring."""
 
-    STALL_S = 60.0
+    STALL_S = STALL_S
     """A running job that has not progressed for this long says what it waits for (tick)."""
 
     SUBSCRIPTIONS = [
@@ -197,8 +197,7 @@ class Coordinator(Service):
         }.items():
             self.on(cls, handler)
         self.watch("keyserver", lambda online: online and self._resend_requests("the key server is back online"))
-        self._stall: tuple | None = None  # (progress mark, since, last said): see tick
-        self._stall_checked = 0.0
+        self.stall = StallWatch(self.STALL_S)  # when a job's lack of progress is said (tick)
         # no job yet: announcements and verdicts are not for us
         self.keys = KeyLink("", None, sign=lambda message, r: self.frame(message, round=r),
                             publish=lambda frame: self.link.publish("keyserver/requests", frame), log=self.log)
@@ -217,42 +216,32 @@ class Coordinator(Service):
         self._publish_board()
         return record
 
-    def open_signed(self, data: bytes, where: str) -> tuple[Job, bytes, str]:
-        """(job, frame, operator) of a signed job file (``senseshield job sign``), checked as
-        the key server will check it; ConfigError naming ``where`` and what is wrong. It runs
-        under the nonce it was signed with (:func:`signed_nonce`)."""
-        operator, job = check_signed_job(data, self.trust, fleet=self.fleet, where=where)
-        return job, data, operator
-
-    def _reply(self, reply: JobReply) -> None:
-        self.replies[reply.request_id] = reply
-        while len(self.replies) > 1000:
-            self.replies.pop(next(iter(self.replies)))
-        self.send(f"jobs/replies/{reply.request_id}", reply)
-
     def _on_request(self, item: Inbound) -> None:
         """An operator's ``jobs/submit`` or ``jobs/cancel``, answered on ``jobs/replies/<id>``
         (a repeated request, whose answer the operator did not hear, gets the same answer)."""
         msg: JobSubmit | JobCancel = item.message  # type: ignore[assignment]
         check_operator(self.trust, item)
-        if msg.request_id in self.replies:
-            self._reply(self.replies[msg.request_id])
-        elif isinstance(msg, JobCancel):
+        reply = self.replies.get(msg.request_id)
+        if reply is None and isinstance(msg, JobCancel):
             record, reason = self.book.cancel(msg.job_id)
             if record is not None and record.state != "cancelled":
                 self.cancelled.add(record.id)  # the running job's loop stops at its next step
-            self._reply(JobReply(request_id=msg.request_id, accepted=record is not None,
-                                 job_id=record.id if record is not None else "", reason=reason))
+            reply = JobReply(request_id=msg.request_id, accepted=record is not None,
+                             job_id=record.id if record is not None else "", reason=reason)
             if record is not None:
                 self._publish_board()
-        else:
+        elif reply is None:
             try:
                 record = self.submit(job_from_dict(msg.job, where="job"), msg.nonce or None, signed=item.frame.raw,
                                      operator=item.sender)
-                self._reply(JobReply(request_id=msg.request_id, accepted=True, job_id=record.id))
+                reply = JobReply(request_id=msg.request_id, accepted=True, job_id=record.id)
             except ConfigError as exc:
                 self.log.warning("job refused: %s", exc)
-                self._reply(JobReply(request_id=msg.request_id, accepted=False, reason=str(exc)))
+                reply = JobReply(request_id=msg.request_id, accepted=False, reason=str(exc))
+        self.replies[reply.request_id] = reply
+        while len(self.replies) > 1000:  # the oldest answers go
+            self.replies.pop(next(iter(self.replies)))
+        self.send(f"jobs/replies/{reply.request_id}", reply)
 
     def _check_cancelled(self) -> None:
         if self.stopping.is_set():
@@ -687,77 +676,33 @@ class Coordinator(Service):
             if figures is not None:
                 self.metrics_server.straggling(*figures)
 
-    # ---- a job that does not progress says why ----------------------------------------
+    # ---- a job that does not progress says why (coordinator.stall) ---------------------
     def tick(self) -> None:
-        """Once the running job has not progressed (no device ready, no proposal or update,
-        no verdict, no round closed) for :attr:`STALL_S` s, say what it waits for, in the
-        log and as a job event (``job status``/``logs``, the board), again every
-        :attr:`STALL_S` s while it stays so."""
+        """Once the running job has not progressed for ``stall.after`` s, say what it waits
+        for, in the log and as a job event (``job status``/``logs``, the board)."""
         s = self.state
         if self.job is None or s is None:
-            self._stall = None
+            self.stall.reset()
             return
-        now = time.monotonic()
-        if now - self._stall_checked < 1.0:  # the mark costs O(devices): once a second
+        stalled = self.stall.check(lambda: progress_mark(s, self.keys.ready))
+        if stalled is None:
             return
-        self._stall_checked = now
-        mark = self._progress_mark()
-        if self._stall is None or self._stall[0] != mark:
-            self._stall = (mark, now, now)
+        if stalled == 0.0:
             if self.metrics_server is not None:
                 self.metrics_server.stalled(0.0, "")
             return
-        _, since, said = self._stall
-        if now - said < self.STALL_S:
-            return
-        self._stall = (mark, since, now)
-        line = f"no progress for {now - since:.0f} s: {self.waiting_for()}"
+        waiting = self.waiting_for()
+        line = f"no progress for {stalled:.0f} s: {waiting}"
         self.log.warning("%s", line)
         self.book.event(self.job, line)
         self._publish_board()
         if self.metrics_server is not None:
-            self.metrics_server.stalled(now - since, self.waiting_for())
-
-    def _progress_mark(self) -> tuple:
-        """What changes whenever the job progresses (see :meth:`tick`)."""
-        s = self.state
-        clusters = tuple((k, cr.phase, len(cr.proposals), len(cr.updates), cr.accepted)
-                         for k, cr in sorted(s.clusters.items()))
-        return (s.plan is None, len(s.agents), len(s.ready_agents()) if s.plan is None else 0, s.round, s.completed,
-                clusters, self.keys.ready)
+            self.metrics_server.stalled(stalled, waiting)
 
     def waiting_for(self) -> str:
-        """One sentence: what the running job waits for now (devices, updates, the key
-        server's verdict), and the links it depends on when they are down."""
-        s = self.state
-        if s is None or self.job is None:
-            return "no job is running"
-        parts = []
-        if not self.link.connected:
-            parts.append("the broker link is down (reconnecting)")
-        keyserver = self.peer_online("keyserver")
-        if keyserver is False:
-            parts.append("the key server is offline")
-        if not self.keys.ready and s.plan is None:
-            parts.append("the key server's public key for this job")
-        elif s.plan is None:
-            ready = len(s.ready_agents())
-            parts.append(f"devices: {ready}/{s.config.min_devices} ready ({len(s.agents)} said hello"
-                         + (f", {len(s.declined)} declined" if s.declined else "") + ")")
-        else:
-            now = time.time()
-            for k, cr in sorted(s.clusters.items()):
-                if cr.phase == "proposals":
-                    parts.append(f"round {s.round} cluster {k}: {len(cr.proposals)}/{len(cr.members)} proposals")
-                elif cr.phase == "updates":
-                    parts.append(f"round {s.round} cluster {k}: {len(cr.updates)}/{len(cr.expected)} updates "
-                                 f"(deadline in {max(cr.deadline - now, 0):.0f} s)")
-                elif cr.phase == "decrypting":
-                    asked = f"{now - cr.requested_at:.0f} s ago" if cr.requested_at else "not yet asked"
-                    parts.append(f"round {s.round} cluster {k}: the key server's verdict (asked {asked})")
-            if not parts:
-                parts.append(f"round {s.round + 1} to open")
-        return "; ".join(parts)
+        """What the running job waits for now, in one sentence (coordinator.stall.waiting_for)."""
+        return waiting_for(self.state if self.job is not None else None, key_ready=self.keys.ready,
+                           link_up=self.link.connected, keyserver_online=self.peer_online("keyserver"))
 
     def on_reconnect(self) -> None:
         """The broker may have lost in-flight messages: re-send the round's pending parts."""
