@@ -34,6 +34,7 @@ def test_six_generated_agents_are_all_counted_in_verified_aggregates(mosquitto, 
     assert line.startswith(f"| 6 | 0 | {strategy} | ") and line.endswith("| yes |")
 
 
+@pytest.mark.slow  # ~45 s: the queue squeeze, then the job to its end (make test-slow)
 def test_devices_re_send_what_a_full_broker_queue_dropped(tmp_path, monkeypatch):
     """A broker whose queue toward the coordinator holds 5 messages beyond 1 in flight, and a
     coordinator paused (SIGSTOP) while the fleet of 20 says hello: Mosquitto drops hellos for
@@ -74,6 +75,7 @@ def test_devices_re_send_what_a_full_broker_queue_dropped(tmp_path, monkeypatch)
     assert row["every_update_counted"] and row["updates_sent"] == 40 and not row["loadgen_errors"]
 
 
+@pytest.mark.slow  # ~20 s (make test-slow); tests/test_sites.py runs a fleet over sites by default
 def test_generated_agents_over_two_sites_are_counted_and_their_updates_stay_there(mosquitto, tmp_path):
     """Eight generated agents over two bridged sites (a site aggregator each): every update is
     counted in the verified aggregate, and what crosses into the hub's broker per round is
