@@ -51,7 +51,7 @@ def serve(
     metrics_host: Annotated[str, typer.Option(help="Address the Prometheus endpoint binds to (0.0.0.0: every interface; the metrics name every device).")] = "127.0.0.1",
     kill_before_close: Annotated[Optional[int], typer.Option(help="Fault drill: SIGKILL the coordinator once round R has every verdict, before it closes the round (not again after a restart).", hidden=True)] = None,
     kill_at_message: Annotated[Optional[list[int]], typer.Option(help="Fault drill: SIGKILL the coordinator right after it handled the job's N-th inbound message, counted over restarts in --state-dir (each N once; repeatable).", hidden=True)] = None,
-    site: Annotated[Optional[str], typer.Option(help="Run as the aggregator of site NAME instead: on the site's own broker (--broker), bridged to the hub's (`senseshield fleet bridge`), fold the site's devices' updates and send one partial sum per cluster to the coordinator (masked and plaintext jobs). Identity: site-NAME.")] = None,
+    site: Annotated[Optional[str], typer.Option(help="Run as the aggregator of site NAME instead: on the site's own broker (--broker), bridged to the hub's (`senseshield fleet bridge`), fold the site's devices' updates and send one partial sum per cluster to the coordinator (masked, packed-Paillier and plaintext jobs). Identity: site-NAME.")] = None,
     insecure_dev: InsecureDev = False,
     log_level: LogLevel = defaults.LOG_LEVEL,
 ) -> None:

@@ -32,7 +32,7 @@ from senseshield.runtime.protocol.messages import (
 )
 from senseshield.runtime.service import Inbound, Service, agent_of, check_sender
 
-SCHEMES_FOLDED = (None, "masked")
+SCHEMES_FOLDED = (None, "masked", "packed-paillier")
 """The HE schemes whose updates a site folds (None: plaintext jobs)."""
 
 MARGIN_S = 1.0
@@ -85,8 +85,8 @@ class SiteAggregator(Service):
         self._reset(msg.run_id)
         self.job, self.strategy, self.scheme, self.size = job, strategy, scheme, int(msg.initial.size)
         if scheme not in SCHEMES_FOLDED:
-            self.log.error("job %s encrypts with %s, whose updates a site cannot fold (the masked scheme and "
-                           "plaintext can); this site's updates of it are dropped", msg.run_id, scheme)
+            self.log.error("job %s encrypts with %s, whose updates a site cannot fold (the masked scheme, "
+                           "packed Paillier and plaintext can); this site's updates of it are dropped", msg.run_id, scheme)
         else:
             self.log.info("site %s: job %s (%s, %s), %d parameters", self.site, msg.run_id, job.strategy,
                           scheme or "plaintext", self.size)

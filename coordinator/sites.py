@@ -18,10 +18,10 @@ aggregate fail the fingerprint check; the coordinator's search for the part at f
 leaves its partial sum out (:mod:`coordinator.contributions`), and the key server names its
 contributors.
 
-Schemes: the masked scheme (the default) and plaintext jobs fold at a site; a job of the
-Paillier or CKKS families is refused by the site aggregator with one sentence (their running
-aggregates hold ciphertext objects that do not travel yet), and its devices then need a
-broker of the hub.
+Schemes: the masked scheme (the default), packed Paillier (SenseCrypt's) and plaintext jobs
+fold at a site; a job of per-value Paillier or CKKS is refused by the site aggregator with one
+sentence (their running aggregates keep every part), and its devices then need the hub's
+broker.
 """
 
 from __future__ import annotations

@@ -174,7 +174,7 @@ def test_arrays_travel_without_pickles():
         unpack_arrays(b"not an npz")
 
 
-def test_schemes_whose_running_sum_cannot_travel_say_so():
+def test_schemes_whose_running_sum_cannot_travel_say_so():  # per-value Paillier and CKKS keep their parts
     import warnings
 
     with warnings.catch_warnings():
@@ -183,3 +183,49 @@ def test_schemes_whose_running_sum_cannot_travel_say_so():
     running = StreamingAggregate(public, size=4, round=2, cluster=0)
     with pytest.raises(ProtocolError, match="cannot be folded at a site"):
         partial_state(running)
+
+
+@pytest.fixture(scope="module")
+def packed():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return SCHEMES.get("packed-paillier").generate(key_bits=512)
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_packed_paillier_partial_sums_give_the_aggregate_of_every_update(packed, data):
+    """Packed Paillier (per-client block masks, plaintext parts, withheld blocks): running
+    products merged per block, sums added: the same aggregate, integer for integer."""
+    public = packed.public_key
+    block = public.block_size
+    blocks = data.draw(st.integers(1, 3))
+    size = data.draw(st.integers((blocks - 1) * block + 1, blocks * block))
+    agents = data.draw(st.integers(1, 5))
+    values = st.floats(-1, 1, allow_nan=False, allow_infinity=False, width=32)
+    updates = []
+    for i in range(agents):
+        delta = np.array(data.draw(st.lists(values, min_size=size, max_size=size)), dtype=np.float64)
+        mask = np.repeat(np.array(data.draw(st.lists(st.booleans(), min_size=blocks, max_size=blocks))), block)[:size]
+        updates.append(protect_update(delta, mask, public, client_id=f"c{i}", round=2, cluster=0,
+                                      n_samples=data.draw(st.integers(1, 200))))
+    sites = data.draw(st.lists(st.integers(0, 2), min_size=agents, max_size=agents))
+    whole = StreamingAggregate(public, size=size, round=2, cluster=0)
+    centre = StreamingAggregate(public, size=size, round=2, cluster=0)
+    parts: dict[int, StreamingAggregate] = {}
+    for update, site in zip(updates, sites):
+        whole.add(update)
+        (centre if site == 0 else parts.setdefault(site, StreamingAggregate(public, size=size, round=2,
+                                                                              cluster=0))).add(update)
+    for site in sorted(parts):
+        centre.merge(_travel(parts[site], public, size))
+    a, b = whole.result(), centre.result()
+    assert a.contributors == b.contributors and a.total_weight == b.total_weight
+    np.testing.assert_array_equal(a.union_mask, b.union_mask)
+    assert a.plain_sum.tobytes() == b.plain_sum.tobytes()
+    assert (a.ciphertext is None) == (b.ciphertext is None)
+    if a.ciphertext is not None:
+        assert a.ciphertext.payload.ciphertexts == b.ciphertext.payload.ciphertexts
+        np.testing.assert_array_equal(a.ciphertext.payload.weights, b.ciphertext.payload.weights)

@@ -12,7 +12,7 @@ per-slice sums of :class:`~senseshield.engine.aggregation.ExactSum`, integer wei
 :func:`partial_state` gives what travels: JSON fields and 1-D arrays (packed by
 :func:`pack_arrays`, an ``.npz`` without pickles); :func:`partial_from_state` reads it back,
 checking every field against the model's size and the job's key. Schemes whose running
-aggregate cannot travel (the Paillier and CKKS families keep ciphertext objects) raise
+aggregate cannot travel (per-value Paillier and CKKS keep every part) raise
 :class:`~senseshield.errors.ProtocolError` saying so. Pure: numpy only, no I/O.
 """
 

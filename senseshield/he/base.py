@@ -115,13 +115,13 @@ class Accumulator(ABC):
         changing nothing, when the two do not fit. A scheme whose running aggregate cannot
         travel says so."""
         raise ProtocolError(f"{type(self).__name__}: this scheme's running aggregates cannot be folded at a site; "
-                            "site aggregation folds the masked scheme and plaintext.")
+                            "site aggregation folds the masked scheme, packed Paillier and plaintext.")
 
     def state(self) -> tuple[dict, dict[str, np.ndarray]]:
         """What a partial sum carries of this running aggregate: JSON fields and 1-D arrays,
         read back by :meth:`PublicKey.accumulator_from_state`."""
         raise ProtocolError(f"{type(self).__name__}: this scheme's running aggregates cannot be folded at a site; "
-                            "site aggregation folds the masked scheme and plaintext.")
+                            "site aggregation folds the masked scheme, packed Paillier and plaintext.")
 
 
 class PartsAccumulator(Accumulator):
@@ -195,7 +195,7 @@ class PublicKey(ABC):
         """The running aggregate :meth:`Accumulator.state` described (a site's partial sum),
         every field checked against this key and ``size``; :class:`ProtocolError` otherwise."""
         raise ProtocolError(f"The {self.scheme} scheme's running aggregates cannot be folded at a site; "
-                            "site aggregation folds the masked scheme and plaintext.")
+                            "site aggregation folds the masked scheme, packed Paillier and plaintext.")
 
     def verify_aggregate(self, aggregate: EncryptedVector, seed: bytes,
                          contributions: Sequence[tuple[bytes, int]], plain: bytes) -> bool:

@@ -161,3 +161,83 @@ class PackedAccumulator(Accumulator):
         _, _, blocks, lengths = self.public._check_payload(like, "The aggregate")
         return self.public._fold_bytes(self._fold(blocks, lengths)[0])
 
+    # ---- a site's partial sum (senseshield.engine.partial) -------------------------------
+    _ARRAYS = {"cipher_weight": np.int64, "plain": np.int64, "plain_clipped": np.int32, "plain_weight": np.int64,
+               "plain_min": np.int64, "plain_max": np.int64}
+
+    def merge(self, other: Accumulator) -> None:
+        """Take in ``other``'s running products and sums (a site's partial sum under the same
+        key): products multiply per block modulo n², sums and weights add, so the result is
+        that of every part added here; ProtocolError, changing nothing, if they do not fit."""
+        if not isinstance(other, PackedAccumulator) or other.public.key_id != self.public.key_id \
+                or other.size != self.size:
+            raise ProtocolError("A partial sum under another key or of another model cannot join this aggregate.")
+        for b, length in other.lengths.items():
+            if self.lengths.get(b, length) != length:
+                raise ProtocolError("A partial sum covers a partial block that differs from the aggregate's.")
+        limit = self.public.layout.max_total_weight
+        after = self.cipher_weight + other.cipher_weight
+        if np.any(after > limit):
+            j = int(np.argmax(after > limit))
+            self.public._raise_headroom(j, int(after[j]))
+        nsquare = self.public._nsquare
+        for b, c in other.products.items():
+            acc = self.products.get(b)
+            self.products[b] = c if acc is None else acc * c % nsquare
+            self.lengths[b] = other.lengths[b]
+        self.cipher_weight = after
+        self.cipher_clipped += other.cipher_clipped
+        self.plain = self.plain + other.plain
+        self.plain_clipped = self.plain_clipped + other.plain_clipped
+        self.plain_weight = self.plain_weight + other.plain_weight
+        self.plain_min = np.minimum(self.plain_min, other.plain_min)
+        self.plain_max = np.maximum(self.plain_max, other.plain_max)
+        self.parts += other.parts
+
+    def state(self) -> tuple[dict, dict[str, np.ndarray]]:
+        blocks = sorted(self.products)
+        width = self.public.ciphertext_nbytes
+        products = b"".join(int(self.products[b]).to_bytes(width, "big") for b in blocks)
+        arrays = {name: getattr(self, name) for name in self._ARRAYS}
+        arrays.update(blocks=np.array(blocks, dtype=np.int64), lengths=np.array([self.lengths[b] for b in blocks],
+                                                                                dtype=np.int64),
+                      products=np.frombuffer(products, dtype=np.uint8))
+        return {"parts": int(self.parts), "cipher_clipped": int(self.cipher_clipped)}, arrays
+
+    @classmethod
+    def from_state(cls, public: PackedPaillierPublicKey, size: int, fields: dict,
+                   arrays: dict[str, np.ndarray]) -> "PackedAccumulator":
+        """The running aggregate :meth:`state` described, every field checked against the key
+        and the model's ``size``; ProtocolError naming what does not fit."""
+        acc = cls(public, size)
+        for name in ("parts", "cipher_clipped"):
+            value = fields.get(name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ProtocolError(f"A partial sum's {name} must be a non-negative integer.")
+        acc.parts, acc.cipher_clipped = fields["parts"], fields["cipher_clipped"]
+        for name, dtype in cls._ARRAYS.items():
+            value = arrays.get(f"{name}")
+            like = getattr(acc, name)
+            if value is None or value.shape != like.shape or value.dtype != np.dtype(dtype):
+                raise ProtocolError(f"A partial sum's {name} must be {like.size} values of {np.dtype(dtype).name}.")
+            setattr(acc, name, value.copy())
+        limit = public.layout.max_total_weight
+        if np.any(acc.cipher_weight < 0) or np.any(acc.cipher_weight > limit) or np.any(acc.plain_weight < 0) \
+                or np.any(acc.plain_clipped < 0):
+            raise ProtocolError(f"A partial sum's block weights must be within 0..{limit}.")
+        blocks, lengths, products = arrays.get("blocks"), arrays.get("lengths"), arrays.get("products")
+        width, nblocks = public.ciphertext_nbytes, acc.cipher_weight.size
+        if blocks is None or lengths is None or products is None or blocks.dtype != np.int64 \
+                or lengths.shape != blocks.shape or products.dtype != np.uint8 or products.size != width * blocks.size \
+                or (blocks.size and (blocks[0] < 0 or blocks[-1] >= nblocks or np.any(np.diff(blocks) <= 0))) \
+                or np.any(lengths < 1) or np.any(lengths > public.block_size):
+            raise ProtocolError(f"A partial sum's blocks must be increasing within 0..{nblocks - 1}, each with its "
+                                f"length and one {width}-byte ciphertext.")
+        raw, nsquare = products.tobytes(), public._nsquare
+        for i, (b, length) in enumerate(zip(blocks.tolist(), lengths.tolist())):
+            c = gmpy2.mpz(int.from_bytes(raw[i * width:(i + 1) * width], "big"))
+            if not 0 < c < nsquare:
+                raise ProtocolError(f"A partial sum's ciphertext of block {b} is not below n².")
+            acc.products[b], acc.lengths[b] = c, length
+        return acc
+

@@ -557,6 +557,11 @@ class PackedPaillierPublicKey(PaillierFamilyKey):
 
         return PackedAccumulator(self, size)
 
+    def accumulator_from_state(self, size: int, fields: dict, arrays: dict) -> "PackedAccumulator":
+        from senseshield.he.packed_accumulator import PackedAccumulator
+
+        return PackedAccumulator.from_state(self, size, fields, arrays)
+
     def _raise_headroom(self, block: int, total: int) -> None:
         lay = self._layout
         limit = lay.max_total_weight
