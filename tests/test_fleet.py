@@ -240,6 +240,7 @@ def test_faults_are_rejected_and_a_killed_agent_does_not_delay_its_round(mosquit
     assert "intruder" not in report["refused"] and not notices
 
 
+@pytest.mark.slow  # ~18 s (make test-slow); tests/test_jobs.py's failures test covers a raising device by default
 def test_an_agent_whose_training_raises_is_not_waited_for(mosquitto, tmp_path):
     """c002's training raises in round 2 (fault drill): it tells the coordinator
     (``agents/<id>/failure``), which closes round 2 without it at once instead of waiting for
@@ -289,6 +290,7 @@ def test_a_broker_restart_mid_run_is_survived(mosquitto, tmp_path):
     assert "reconnected" in (tmp_path / "logs" / "coordinator.log").read_text()
 
 
+@pytest.mark.slow  # ~21 s (make test-slow); the default kill point below resumes a killed coordinator
 def test_a_restarted_coordinator_resumes_from_its_checkpoint(mosquitto, tmp_path):
     """A coordinator killed (fault drill) once round 2 has its verdict, before it closes the
     round, and started again with the same command line: it resumes round 2, and the report
