@@ -120,13 +120,16 @@ def check_facts(plan: FleetPlan | None, agents: dict[str, AgentInfo], model_size
 
 
 def check_receipt(trust: Trust, receipt: bytes, *, agent_id: str, r: int, run_id: str, cluster: int, n_samples: int,
-                  ciphertext: bytes, verifiable: bool, plain: bytes) -> None:
+                  ciphertext: bytes | None, verifiable: bool, plain: bytes | None) -> None:
     """The update's ``receipt`` must be the agent's own signed statement about this update
     (the key server checks it again, and the fingerprint): one bad receipt would make the
     whole cluster's aggregate refused. ``verifiable``: the update encrypts under a key whose
     aggregates are checked against fingerprints (the receipt must carry one); ``plain``: the
     update's plaintext part (:func:`~senseshield.runtime.protocol.messages.plain_part`),
-    whose digest the receipt signs."""
+    whose digest the receipt signs. In a site's partial sum (:mod:`coordinator.sites`) the
+    ciphertext was folded at the site (``ciphertext`` None: its digest and fingerprint are the
+    key server's to check) and the plaintext part travels only for verifiable keys (``plain``
+    None otherwise)."""
     if not receipt:
         raise ProtocolError(f"Update of {agent_id!r} carries no signed receipt.")
     frame = decode_frame(receipt)
@@ -136,10 +139,12 @@ def check_receipt(trust: Trust, receipt: bytes, *, agent_id: str, r: int, run_id
         raise ProtocolError(f"Update of {agent_id!r} carries a receipt of {frame.sender!r} for round {frame.round}.")
     if (statement.run_id, statement.cluster, statement.n_samples) != (run_id, cluster, n_samples):
         raise ProtocolError(f"Update of {agent_id!r} carries a receipt for another run, cluster or sample count.")
+    if plain is not None and statement.plain_digest != hashlib.sha256(plain).hexdigest():
+        raise ProtocolError(f"Update of {agent_id!r} carries a receipt for another plaintext part.")
+    if ciphertext is None:
+        return
     if statement.ciphertext_digest != (hashlib.sha256(ciphertext).hexdigest() if ciphertext else ""):
         raise ProtocolError(f"Update of {agent_id!r} carries a receipt for another ciphertext.")
-    if statement.plain_digest != hashlib.sha256(plain).hexdigest():
-        raise ProtocolError(f"Update of {agent_id!r} carries a receipt for another plaintext part.")
     if bool(statement.fingerprint) != bool(ciphertext and verifiable):
         raise ProtocolError(f"Update of {agent_id!r} carries a receipt without the fingerprint of its ciphertext.")
 

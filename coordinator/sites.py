@@ -33,14 +33,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from coordinator.rounds import ClusterRound, UpdateNote
+from coordinator.rounds import ClusterRound, UpdateNote, check_receipt
 from senseshield.engine.aggregation import StreamingAggregate
 from senseshield.engine.partial import pack_arrays, partial_from_state, partial_state, unpack_arrays
 from senseshield.errors import ProtocolError
-from senseshield.runtime.identity import Trust, check_frame
-from senseshield.runtime.protocol.envelope import decode_frame
+from senseshield.runtime.identity import Trust
 from senseshield.runtime.sites import SITE_PREFIX
-from senseshield.runtime.protocol.messages import Receipt, SitePartial, from_frame, pack_frames, plain_part, \
+from senseshield.runtime.protocol.messages import SitePartial, pack_frames, plain_part, \
     pack_mask, unpack_frames
 
 if TYPE_CHECKING:
@@ -175,9 +174,10 @@ def accept_partial(state: JobState | None, msg: SitePartial, *, sender: str, r: 
         samples = state.strategy.sample_weight(info.hello.n_samples)
         weight += samples
         plain = running.plains.get(a) if running.plains is not None else None
-        _check_receipt(trust, receipt, agent=a, r=r, run_id=state.run_id, cluster=k, n_samples=samples,
-                       plain=None if plain is None else plain_part(
-                           pack_mask(plain[0]) if plain[0] is not None else np.zeros(0, np.uint8), plain[1]))
+        check_receipt(trust, receipt, agent_id=a, r=r, run_id=state.run_id, cluster=k, n_samples=samples,
+                      ciphertext=None, verifiable=plain is not None,
+                      plain=None if plain is None else plain_part(
+                          pack_mask(plain[0]) if plain[0] is not None else np.zeros(0, np.uint8), plain[1]))
     if weight != running.total_weight:
         raise ProtocolError(f"Partial sum of site {msg.site!r} weighs {running.total_weight}; its contributors' hellos "
                             f"weigh {weight}.")
@@ -190,25 +190,6 @@ def accept_partial(state: JobState | None, msg: SitePartial, *, sender: str, r: 
         raise ProtocolError(f"Partial sum of site {msg.site!r} arrived after cluster {k}'s round {r} stopped waiting for "
                             f"{', '.join(sorted(set(names) - cr.expected)) or 'updates'}; dropped as late.")
     return PartialOutcome("fold", k, cr, list(names), running, notes)
-
-
-def _check_receipt(trust: Trust, receipt: bytes, *, agent: str, r: int, run_id: str, cluster: int, n_samples: int,
-                   plain: bytes | None) -> None:
-    """A contributor's receipt in a partial sum: its own signed statement for this run, round,
-    cluster, sample weight and (verifiable keys) plaintext part. Its ciphertext is folded at
-    the site: the key server's fingerprint check covers it."""
-    import hashlib
-
-    frame = decode_frame(receipt)
-    check_frame(trust, frame)
-    statement = from_frame(frame)
-    if not isinstance(statement, Receipt) or frame.sender != agent or frame.round != r:
-        raise ProtocolError(f"A partial sum carries, for {agent!r}, a receipt of {frame.sender!r} for round "
-                            f"{frame.round}.")
-    if (statement.run_id, statement.cluster, statement.n_samples) != (run_id, cluster, n_samples):
-        raise ProtocolError(f"A partial sum carries a receipt of {agent!r} for another run, cluster or sample count.")
-    if plain is not None and statement.plain_digest != hashlib.sha256(plain).hexdigest():
-        raise ProtocolError(f"A partial sum carries a receipt of {agent!r} for another plaintext part.")
 
 
 def _note(agent: str, data: Any, receipt: bytes, site: str) -> UpdateNote:  # noqa: ANN401 - JSON

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
 
 import pytest
 
 from senseshield.bench.budgets import cpu_hog, join, join_budgets, spread
+from tests.test_measured_rates import _cpu_cgroup  # one check of the cgroup controller
 
 
 def test_identical_measuring_agents_get_budgets_within_ten_percent(mosquitto, tmp_path):
@@ -31,13 +31,6 @@ def test_identical_agents_started_beside_a_cpu_hog_get_budgets_within_ten_percen
         assert hog.poll() is None  # still spinning when the last budget came
     assert spread(result.budgets) <= 1.10, (result.budgets, result.rates, result.summaries)
     assert result.notes["clusters"]["0"]["mode"] == "measured"  # from the encryption rates they measured
-
-
-def _cpu_cgroup() -> tuple[str, Path] | None:
-    from senseshield.trials.emulation import _cpu_cgroup_mount
-
-    found = _cpu_cgroup_mount()
-    return found if os.geteuid() == 0 and found is not None and os.access(found[1], os.W_OK) else None
 
 
 @pytest.mark.skipif(_cpu_cgroup() is None, reason="needs root and a writable cpu cgroup controller")
