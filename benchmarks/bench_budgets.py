@@ -82,7 +82,7 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as tmp, (cpu_hog(0) if setup["hog"] else nullcontext()):
                 load = os.getloadavg()[0]
                 result = join(args.agents, Path(tmp), broker=args.broker, budget_mode=args.mode,
-                              fleet=f"budgets-{name}-{j}", timeout=300, **options)
+                              fleet=f"budgets-{name}-{j}", timeout=300, notes=True, **options)
             budgets, rates = result.budgets, result.rates
             runs[name].append({"budgets": budgets, "max_over_min": spread(budgets), "rates": rates,
                                "rate_max_over_min": spread(rates) if rates else None, "summaries": result.summaries,

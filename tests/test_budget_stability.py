@@ -27,7 +27,7 @@ def test_identical_agents_started_beside_a_cpu_hog_get_budgets_within_ten_percen
     """A busy-looping process pinned to CPU 0 from before the fleet starts until every agent
     has its budget: the agents measure while it spins."""
     with cpu_hog(0) as hog:
-        result = join(3, tmp_path, broker=mosquitto.url, fleet="stable-hog", timeout=60)
+        result = join(3, tmp_path, broker=mosquitto.url, fleet="stable-hog", timeout=60, notes=True)
         assert hog.poll() is None  # still spinning when the last budget came
     assert spread(result.budgets) <= 1.10, (result.budgets, result.rates, result.summaries)
     assert result.notes["clusters"]["0"]["mode"] == "measured"  # from the encryption rates they measured

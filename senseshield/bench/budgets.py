@@ -14,7 +14,6 @@ current one. :func:`cpu_hog` runs a busy-looping neighbour on one CPU. Used by
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -33,9 +32,8 @@ from senseshield.errors import ConfigError
 class Join:
     """One join of identical agents: budget per agent id (the coordinator's Assignments), the
     encryption rate every agent measured (``he_encryptions_per_s`` of the profile in its
-    Hello) and that figure's probe summary, and from ``report.json`` the coordinator's budget
-    notes (``budgets`` of the report: mode, pooled figures; empty when the fleet stopped before
-    the coordinator wrote it)."""
+    Hello) and that figure's probe summary, and the coordinator's budget notes (``budgets`` of
+    its report: mode, pooled figures; empty unless :func:`join` was asked for them)."""
 
     budgets: dict[str, float]
     rates: dict[str, float] = field(default_factory=dict)
@@ -56,11 +54,14 @@ def join(
     timeout: float = 120.0,
     profiles: dict[str, str] | None = None,
     wrap: Callable[[str, list[str]], list[str]] | None = None,
+    notes: bool = False,
 ) -> Join:
     """One join of ``agents`` agents measuring ``--profile auto`` (``profiles``: another
     ``--profile`` spec for some agent ids; ``wrap``: :class:`FleetOptions` ``wrap``, e.g. an
     agent in a cgroup), SenseCrypt with ``budget_mode``; waits for every agent's Assignment
-    (at most ``timeout`` seconds, else :class:`ConfigError`)."""
+    (at most ``timeout`` seconds, else :class:`ConfigError`). With ``notes`` it then lets the
+    one-round job end, for the coordinator's budget notes in its report (else they are empty:
+    the fleet stops as soon as every agent has its budget)."""
     from senseshield.job import Job
     from senseshield.runtime.fleet import Fleet, FleetOptions, agent_ids
     from senseshield.runtime.protocol.messages import Assignment, Hello, from_frame
@@ -88,6 +89,7 @@ def join(
             if len(budgets) >= agents:
                 done.set()
 
+    report: dict[str, Any] = {}
     with Fleet(config, options) as running:
         running.start()
         watcher = Link(running.url, client_id=f"budget-watch-{time.monotonic_ns()}", fleet=fleet,
@@ -99,6 +101,8 @@ def join(
             if not done.wait(timeout):
                 raise ConfigError(f"{len(budgets)} of {agents} agents got a budget within {timeout:g} s; "
                                   f"see {out / 'logs'}.")
+            if notes:
+                report = running.wait(timeout)
         finally:
             watcher.stop()
             running.stop(grace=0.0)
@@ -109,11 +113,7 @@ def join(
         summary = (profile.get("measurements") or {}).get("he_encryptions_per_s")
         if isinstance(summary, dict):
             summaries[agent] = summary
-    try:
-        notes = json.loads((out / "report.json").read_text()).get("budgets") or {}
-    except (OSError, ValueError):
-        notes = {}
-    return Join(dict(sorted(budgets.items())), rates, summaries, notes)
+    return Join(dict(sorted(budgets.items())), rates, summaries, report.get("budgets") or {})
 
 
 def join_budgets(agents: int, out: Path, **options: Any) -> dict[str, float]:
