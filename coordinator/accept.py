@@ -9,7 +9,8 @@ changes nothing) or returns an :class:`Outcome` the service applies. The checks,
 1. the round is one the job has reached (:class:`Late` if it is closed: the sender is
    noted as arriving late);
 2. the agent is in the job and the update names its cluster and the model's size
-   (:func:`~coordinator.rounds.check_facts`), and claims the sample weight of its hello;
+   (:func:`~coordinator.rounds.check_facts`), and claims the sample weight of its hello
+   (discounted for its staleness in a buffered job, :func:`~senseshield.rounds.update_weight`);
 3. the update decodes under the job's key;
 4. its receipt is the agent's own signed statement about it (:func:`~coordinator.rounds.check_receipt`);
 5. the agent was sampled in the round (:func:`cluster_round_of`), and a masked update uses
@@ -38,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from coordinator.rounds import ClusterRound, UpdateNote, check_facts, check_receipt, floor_refusal, note_of
 from senseshield.errors import ProtocolError
+from senseshield.rounds import update_weight
 from senseshield.runtime.identity import Trust
 from senseshield.runtime.protocol.messages import Decline, Metrics, RoundFailure, UpdateMessage, plain_part, update_from_message
 
@@ -99,9 +101,12 @@ def accept_update(state: JobState | None, msg: UpdateMessage, *, agent_id: str, 
         raise ProtocolError(f"Update of {agent_id!r} is for round {r}; the current round is {state.round}.")
     hello = check_facts(state.plan, state.agents, state.size, agent_id, "Update", cluster=msg.cluster, size=msg.size)
     strategy = state.strategy
-    if msg.n_samples != strategy.sample_weight(hello.n_samples):
+    tau = state.staleness_of(agent_id, r)
+    weight = update_weight(strategy, hello.n_samples, tau)
+    if msg.n_samples != weight:
+        stale = f" {tau} round(s) stale" if tau else ""
         raise ProtocolError(f"Update of {agent_id!r} claims {msg.n_samples} samples; it joined with {hello.n_samples}, "
-                            f"which {strategy.name} weighs {strategy.sample_weight(hello.n_samples)}.")
+                            f"which {strategy.name} weighs {weight}{stale}.")
     update = update_from_message(msg, public, client_id=agent_id, round=r, size=state.size)
     verifiable = public is not None and public.verifiable
     check_receipt(trust, msg.receipt, agent_id=agent_id, r=r, run_id=state.run_id, cluster=msg.cluster,

@@ -109,6 +109,8 @@ def agent_round_records(agent_rounds: dict[str, dict[int, dict]], metrics: dict[
             "metric": m.metric if m else None,
             "training": info.get("training", {}),
             "failed": info.get("failed", {}),  # phase (round, evaluation) -> the device's sentence
+            # a buffered job: the round the device trained in and the model round it started from
+            **{k: info[k] for k in ("trained_in", "model_round") if k in info},
         }
     return out
 

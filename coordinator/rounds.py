@@ -76,6 +76,12 @@ class ClusterRound:
     ring_bits: int = 64  # the masked scheme's ring of this round (Strategy.ring_bits of the members)
     sealed: dict | None = None  # positions left sealed (too few encryptors), engine.aggregation.aggregate_sealed
     held: tuple | None = None  # (refusal, arrival) while every attempt was refused and a later update may come
+    # buffered rounds (senseshield.engine.buffered): the round closes at ``buffer`` updates;
+    # ``carried``: members still training from an earlier round (agent -> [round it trained
+    # in, model round it started from]); ``carried_on``: members still training when it closed
+    buffer: int | None = None
+    carried: dict[str, list[int]] = field(default_factory=dict)
+    carried_on: list[str] = field(default_factory=list)
 
     def fold(self, agent: str, update, note: UpdateNote, *, make, keep: bool) -> None:  # noqa: ANN001
         """Fold ``agent``'s checked ``update`` (:mod:`coordinator.accept`) into the running
@@ -96,7 +102,9 @@ class ClusterRound:
         return {"members": self.members, "updates": sorted(self.updates), "straggled": self.straggled,
                 "failed": {a: self.failed[a] for a in self.straggled if a in self.failed and a not in self.offline},
                 "accepted": self.accepted, "reason": self.reason, "refused": self.refused,
-                "timings": self.timings, "timestamps": self.timestamps}
+                "timings": self.timings, "timestamps": self.timestamps,
+                **({"buffer": self.buffer, "carried": self.carried, "carried_on": self.carried_on}
+                   if self.buffer is not None else {})}
 
 
 def note_of(update, nbytes: int, report: dict, receipt: bytes,  # noqa: ANN001 - a ProtectedUpdate
@@ -217,7 +225,9 @@ def advance(clusters: dict[int, ClusterRound], *, r: int, now: float, round_dead
     round (the consensus of the proposals in, ``consensus``, is then what the proposers are
     sent, and they are the members expected to update); the updates at the deadline, or as
     soon as every expected member missing went offline or failed (the running aggregate is
-    then closed, or the round is done when none arrived or it does not close). Each missing
+    then closed, or the round is done when none arrived or it does not close), or in a buffered
+    job as soon as its buffer is full (the members still training are not straggling: they
+    carry on into the next round, ``carried_on``). Each other missing
     member is recorded as straggling (``straggling``, with ``online(agent)`` at that time).
     What a closed phase asks of the service goes to ``then`` at once (a :class:`Closed`)."""
     for k, cr in clusters.items():
@@ -235,7 +245,14 @@ def advance(clusters: dict[int, ClusterRound], *, r: int, now: float, round_dead
                 cr.phase = "updates"
         if cr.phase == "updates":
             missing = cr.expected - set(cr.updates)
-            if missing <= cr.offline | cr.failed.keys() or now >= cr.deadline:
+            full = cr.buffer is not None and len(cr.updates) >= cr.buffer
+            if missing <= cr.offline | cr.failed.keys() or now >= cr.deadline or full:
+                if full:  # buffered: who is still training carries on into the next round
+                    cr.carried_on = sorted(missing - cr.offline - cr.failed.keys())
+                    missing -= set(cr.carried_on)
+                    if cr.carried_on:
+                        log.info("round %d cluster %d: buffer of %d full; %s carry on into the next round", r, k,
+                                 cr.buffer, ", ".join(cr.carried_on))
                 straggle(cr, sorted(missing), "update", cr.deadline, r=r, k=k, straggling=straggling, online=online,
                          log=log)
                 closed = close_updates(cr, r=r, k=k, log=log)

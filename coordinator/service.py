@@ -433,6 +433,8 @@ class Coordinator(Service):
         except Late as late:
             self._late(late)
             raise
+        if msg.phase == "round":
+            self.state.idle(agent_id)  # a buffered job plans it afresh
         if self.metrics_server is not None:
             self.metrics_server.failure(agent_id, r, msg.phase)
         what = "its round" if msg.phase == "round" else "evaluating the model of the round"
@@ -552,12 +554,15 @@ class Coordinator(Service):
         except Late as late:
             self._late(late)
             self._ack(agent_id, "update", item.round, str(late))
+            s.idle(agent_id)
             raise
         except ProtocolError as exc:  # the device is told why; it does not send it again
             if s is not None and agent_id in s.agents:
                 self._ack(agent_id, "update", item.round, str(exc))
             raise
         k, cr, r = out.k, out.cr, item.round
+        if out.kind in (REFUSED, LATE, FOLD):
+            s.idle(agent_id)  # its work is over (a buffered job plans it afresh)
         self._ack(agent_id, "update", r, out.reason if out.kind == REFUSED else
                   f"round {r} closed before it arrived (late)" if out.kind == LATE else "")
         make = lambda: s.new_aggregate(k, r, self.keys.public)  # noqa: E731

@@ -35,6 +35,7 @@ from coordinator import budgets, roster
 from coordinator.roster import AgentInfo
 from coordinator.rounds import ClusterRound, round_tally
 from senseshield.accounting import Accountant, Epsilons
+from senseshield.engine.buffered import staleness
 from senseshield.engine.aggregation import StreamingAggregate
 from senseshield.he.base import job_key
 from senseshield.job import Job, effective_scheme, noise_multipliers, train_config
@@ -79,6 +80,8 @@ class JobState:
     sampler: np.random.Generator | None = None  # who is sampled each round (None: seeded from the job)
     user_accountant: Accountant = field(default_factory=Accountant)
     participations: dict[str, int] = field(default_factory=dict)  # user-DP rounds each agent was sampled in
+    # a buffered job: agents training now -> [round they train in, model round they started from]
+    busy: dict[str, list[int]] = field(default_factory=dict)
     # ---- what the rounds recorded -------------------------------------------------------
     records: list[dict] = field(default_factory=list)  # per closed round, with its RoundTally under "tally"
     metrics: dict[tuple[str, int], Metrics] = field(default_factory=dict)  # (agent, round) -> its evaluation
@@ -204,10 +207,13 @@ class JobState:
             self.sampler.bit_generator.state = flight["sampler"]
         before = self.sampler.bit_generator.state
         sampled = set(ids) if o.sample_rate >= 1.0 else {a for a in ids if self.sampler.random() < o.sample_rate}
+        if o.buffer is not None:  # buffered: who still trains is carried, not sampled afresh
+            self.busy = {a: w for a, w in self.busy.items() if a in online}
+            sampled = (sampled - self.busy.keys()) | self.busy.keys()
         self.round, self.clusters, self.notes = r, {}, []
         budgets.recalibrate(self, r, block_size=block_size, log=log)
         budgets.refresh_measured(self, r, block_size=block_size, log=log)
-        self.steps_of = budgets.local_steps(self, r, sorted(sampled & online), log=log)
+        self.steps_of = budgets.local_steps(self, r, sorted(sampled & online), log=log) if o.buffer is None else {}
         self.round_started = now
         restarted = flight.get("restarted_at") if flight is not None else None
         if restarted is not None:
@@ -239,6 +245,9 @@ class JobState:
                 continue
             cr = ClusterRound(members, now + self.round_deadline, "proposals" if negotiating else "updates",
                               ring_bits=self.strategy.ring_bits(self.agents[a].hello.n_samples for a in members))
+            if self.config.options.buffer is not None:
+                cr.buffer = min(self.config.options.buffer, len(members))
+                cr.carried = {a: list(self.busy[a]) for a in members if a in self.busy}
             if not negotiating:
                 cr.expected = set(members)
             self.clusters[k] = cr
@@ -247,18 +256,39 @@ class JobState:
     def plan_sent(self, agent: str, k: int, r: int, when: float) -> None:
         """``agent``'s plan of round ``r`` (cluster ``k``) went out at ``when``: its round record."""
         assert self.plan is not None
+        carried = self.clusters[k].carried.get(agent) if k in self.clusters else None
+        start = carried[1] if carried is not None else self.model_round[k]
         self.agent_rounds.setdefault(agent, {})[r] = {
             "cluster": k, "plan_sent": when, "budget": self.plan.budget_of[agent],
-            "steps": self.steps_of.get(agent, self.full_steps_of(agent)), "full_steps": self.full_steps_of(agent)}
+            "steps": self.steps_of.get(agent, self.full_steps_of(agent)), "full_steps": self.full_steps_of(agent),
+            **({"model_round": start, "trained_in": carried[0] if carried is not None else r}
+               if self.config.options.buffer is not None else {})}
+        if self.config.options.buffer is not None and carried is None:
+            self.busy[agent] = [r, start]
+
+    def idle(self, agent: str) -> None:
+        """``agent``'s work is over (its update arrived, late or not, or its round failed):
+        a buffered job samples it afresh from the next round."""
+        self.busy.pop(agent, None)
+
+    def staleness_of(self, agent: str, r: int) -> int:
+        """Rounds of staleness of ``agent``'s update of round ``r`` (0 unless the job is
+        buffered and its plan of round ``r`` started it from an older model)."""
+        record = self.agent_rounds.get(agent, {}).get(r, {})
+        if self.config.options.buffer is None or "model_round" not in record:
+            return 0
+        return staleness(r, record["model_round"])
 
     def round_plan(self, k: int, agent: str, *, block_size: int) -> RoundPlan:
         """``agent``'s plan for cluster ``k`` in the round under way (rebuilt exactly when re-sent)."""
         assert self.plan is not None
         cr = self.clusters[k]
         shared = self.strategy.planned_mask(self.plan, agent, sorted(cr.members), size=self.size, block_size=block_size)
+        carried = cr.carried.get(agent)  # buffered: still training from the model it started from
         return RoundPlan(
             cluster=k, encryption_budget=self.plan.budget_of[agent], deadline=cr.deadline, block_size=block_size,
-            size=self.size, model_round=self.model_round[k], negotiate=self.strategy.negotiates,
+            size=self.size, model_round=carried[1] if carried is not None else self.model_round[k],
+            negotiate=self.strategy.negotiates,
             participants=len(cr.members), noise_multiplier=self.sigma_user, record_noise=self.sigma_record.get(agent),
             local_steps=self.steps_of.get(agent), ring_bits=cr.ring_bits, has_shared_mask=shared is not None,
             shared_mask=pack_mask(shared) if shared is not None else np.zeros(0, np.uint8),
@@ -358,6 +388,7 @@ class JobState:
             "sampler": self.sampler.bit_generator.state,
             "user_accountant": self.user_accountant.history,
             "participations": self.participations,
+            "busy": self.busy,
             "records": [{**rec, "tally": asdict(rec["tally"]),
                          "clusters": {str(k): c for k, c in rec["clusters"].items()}} for rec in self.records],
             "metrics": [[a, r, m.model_dump(mode="json")] for (a, r), m in self.metrics.items()],
@@ -410,6 +441,7 @@ class JobState:
             sampler=sampler,
             user_accountant=Accountant([tuple(h) for h in raw["user_accountant"]]),
             participations=dict(raw["participations"]),
+            busy={a: list(w) for a, w in raw["busy"].items()},
             records=[{**rec, "tally": RoundTally(**rec["tally"]),
                       "clusters": {int(k): c for k, c in rec["clusters"].items()}} for rec in raw["records"]],
             metrics={(a, int(r)): Metrics(**m) for a, r, m in raw["metrics"]},

@@ -48,6 +48,7 @@ def join(
     kill_at_round: Annotated[Optional[int], typer.Option(help="Fault drill: SIGKILL this agent when round R's plan arrives.", hidden=True)] = None,
     fail_at_round: Annotated[Optional[int], typer.Option(help="Fault drill: this agent's training raises in round R.", hidden=True)] = None,
     lose_plan_at_round: Annotated[Optional[int], typer.Option(help="Fault drill: drop round R's first plan and say hello again, as after a broker restart that lost the plan.", hidden=True)] = None,
+    slowdown: Annotated[float, typer.Option(help="Fault drill: train F times slower than this machine does (after each round's training, wait F - 1 times as long), as a slower board would.", hidden=True, min=1.0)] = 1.0,
     dev_noise_seed: Annotated[Optional[int], typer.Option(help="Test only: replay this device's privacy noise from seed N (anyone who knows N can remove it); refused unless --insecure-dev (SENSESHIELD_DEVELOPMENT=1).")] = None,
 ) -> None:
     """Join a fleet and take its jobs: stays connected between jobs (SIGTERM ends it); with
@@ -107,7 +108,7 @@ def join(
         agent = EdgeAgent(
             broker, fleet=fleet, agent_id=name, identity=me, trust=trusted, bandwidth=device.bandwidth, cpu_speed=device.cpu_speed, profile=device.model_dump(mode="json"), data=spec, threads=threads,
             protocol=connection.protocol, kill_at_round=kill_at_round, fail_at_round=fail_at_round,
-            lose_plan_at_round=lose_plan_at_round, model_dir=model_dir, once=once,
+            lose_plan_at_round=lose_plan_at_round, slowdown=slowdown, model_dir=model_dir, once=once,
             device_class=device_class, labels=labels, require_he=require_he, allow_plaintext=allow_plaintext,
             min_he_ratio=min_he_ratio if min_he_ratio is not None else (device.min_he_ratio or 0.0), noise=noise,
             allow_unsigned_jobs=allow_unsigned_jobs, pad_log=identity_file.parent / file_name(name),

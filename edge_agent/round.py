@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from senseshield.device_noise import DeviceNoise
+from senseshield.engine.buffered import staleness
 from senseshield.he import PublicKey
 from senseshield.he.base import model_digest, round_context
 from senseshield.job import Job, train_config
@@ -146,7 +147,8 @@ class DeviceRound:
     def protect(self, local: Any, shared: np.ndarray | None, key: Any) -> Protected | None:
         """The update from ``local`` under the cluster's mask ``shared``: the plan's
         encryption budget (raised to this device's floor when the job encrypts), DP noise
-        from the device's noise, encrypted with ``key``; None (said in the log) when the
+        from the device's noise, encrypted with ``key``, weighted for its staleness in a
+        buffered job (the plan's round against the model round it names); None (said in the log) when the
         job's strategy encrypts less than the floor and its scheme needs the cluster's
         common mask (the update is not sent)."""
         plan, r, public, floor = self.plan, self.r, self.public, self.min_he_ratio
@@ -160,9 +162,11 @@ class DeviceRound:
             participants=plan.participants, noise_multiplier=plan.noise_multiplier,
             min_encrypted=floor if public is not None else 0.0,
         )
+        tau = staleness(r, plan.model_round) if self.config.options.buffer is not None else 0
         update, choice = protect_local(
             self.strategy, context, local, key, n_samples=self.data.n_train,
             rng=self.noise.generator("protect", round=r, index=self.index), min_encrypted=floor if public else 0.0,
+            staleness=tau,
         )
         if "own_blocks_added" in choice.info:
             blocks, given, after = choice.info["own_blocks_added"]

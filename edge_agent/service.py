@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from collections.abc import Generator
 from typing import TYPE_CHECKING
@@ -145,6 +145,9 @@ class RunState:
     evaluated: int = -1
     last_update: tuple[int, bytes] | None = None  # (round, frame) to re-send after a reconnect
     done_rounds: set[int] = field(default_factory=set)
+    sent_from: dict[tuple[int, int], int] = field(default_factory=dict)  # (cluster, model round) -> round sent in
+    kept: tuple | None = None  # buffered: (cluster, model round, start, local update) of its last masked work
+    warmed: bool = False  # it trained once in this job (the slowdown drill skips torch's warm-up)
     timings: dict[int, dict[str, float]] = field(default_factory=dict)
     hello: Hello | None = None
     vector: np.ndarray | None = None  # the bootstrap vector sent (again to a restarted coordinator)
@@ -182,6 +185,7 @@ class EdgeAgent(Service):
         kill_at_round: int | None = None,
         fail_at_round: int | None = None,
         lose_plan_at_round: int | None = None,
+        slowdown: float = 1.0,
         model_dir: Path | None = None,
         latency_repeats: int = 20,
         once: bool = False,
@@ -239,6 +243,7 @@ class EdgeAgent(Service):
         self.kill_at_round = kill_at_round  # fault drills: SIGKILL itself when this round's plan arrives
         self.fail_at_round = fail_at_round  # ... or its training raises in this round
         self.lose_plan_at_round = lose_plan_at_round  # ... or it loses this round's first plan
+        self.slowdown = slowdown  # ... or it trains this many times slower than the machine does
         self.bandwidth, self.cpu_speed = bandwidth, cpu_speed
         self.profile = profile or {}
         self.data_spec = data
@@ -666,14 +671,17 @@ class EdgeAgent(Service):
             if not self.update_repeat.armed and not self.plans and not self.plan_repeat.armed:
                 self._await_plan(plan.deadline - time.time())  # no update in flight: the next plan
 
-    def _failed(self, r: int, phase: str, exc: Exception) -> None:
+    def _failed(self, r: int, phase: str, exc: Exception, *, quiet: bool = False) -> None:
         """Round ``r``'s ``phase`` (``round`` or ``evaluation``) raised ``exc``: said in this
         agent's log and to the coordinator (:class:`RoundFailure`), which shows the operator
         the sentence; a user's mistake (ConfigError) is its own sentence, anything else
-        names its type (and its traceback goes to this log)."""
+        names its type (and its traceback goes to this log); ``quiet``: an expected one, logged
+        as information."""
         reason = failure_sentence(exc)
         what = "round" if phase == "round" else "evaluation of the model of round"
-        if isinstance(exc, (ConfigError, ProtocolError)):
+        if quiet:  # expected (a buffered job's crossed plan): said, not an error
+            self.log.info("%s %d: not taken: %s", what, r, reason)
+        elif isinstance(exc, (ConfigError, ProtocolError)):
             self.log.error("%s %d failed on this device: %s", what, r, reason)
         else:
             self.log.exception("%s %d failed on this device: %s", what, r, reason)
@@ -705,6 +713,9 @@ class EdgeAgent(Service):
             self.log.error("round %d of job %s: refusing the coordinator's plan: %s; the round is skipped", r,
                            run.run_id, refusal)
             return
+        reuse = self._crossed(r, plan)  # a buffered job's carried plan that crossed its update
+        if reuse is False:
+            return
         if self.kill_at_round == r:
             import os
             import signal
@@ -722,8 +733,8 @@ class EdgeAgent(Service):
         left = max(plan.deadline - time.time(), 1.0)
         waiting = (f"round {r}: the model of round {plan.model_round} of cluster {plan.cluster}, which this round "
                    "starts from (the key server publishes it once it has decrypted that round's aggregate)")
-        if not self.wait_until(lambda: self._global(plan.cluster, plan.model_round) is not None, left,
-                               waiting=waiting):
+        if reuse is None and not self.wait_until(lambda: self._global(plan.cluster, plan.model_round) is not None,
+                                                 left, waiting=waiting):
             self.log.warning("round %d: model %d of cluster %d never arrived; skipping the round", r, plan.model_round, plan.cluster)
             return
         tm["wait_model"] = time.time() - t_plan
@@ -735,14 +746,22 @@ class EdgeAgent(Service):
         # ready: plan and model both here (the agent may still have been busy with the last one)
         model_at = run.timings.get(plan.model_round, {}).get("model_received_at") if plan.model_round else None
         tm["ready_at"] = max(self.plan_arrived_at.get(r, t_plan), model_at or 0.0)
-        start = self._global(plan.cluster, plan.model_round)
+        start = self._global(plan.cluster, plan.model_round) if reuse is None else reuse[0]
         config, strategy = run.config, self.strategy
         if self.fail_at_round == r:
             raise RuntimeError(f"fault drill: training raised in round {r}")
         run.partial = plan.local_steps is not None
         device = DeviceRound(strategy, config, plan, r, run.index, self.agent_id, run.client, run.data, self.noise,
                              public=self.public, min_he_ratio=self.min_he_ratio)
-        local = device.train(run.model, start)
+        if reuse is not None:  # the work it sent too late, protected afresh for this round
+            local = reuse[1]
+        else:
+            t_train = time.perf_counter()
+            local = device.train(run.model, start)
+            if self.slowdown > 1.0 and self.stopping.wait(self.slowdown_s(r, time.perf_counter() - t_train)):
+                return  # stopped while it played a slower board
+            if config.options.buffer is not None:  # buffered: the newest round this work is carried into
+                r, plan, device, slot = self._carried(r, plan, device, slot)
         shared = plan.mask()
         if plan.negotiate:
             t = time.time()
@@ -789,12 +808,76 @@ class EdgeAgent(Service):
         self.link.publish(f"agents/{self.agent_id}/update", frame)
         t_upload = time.perf_counter() - t
         run.last_update = (r, frame)
+        if config.options.buffer is not None:  # what a carried plan that crosses it may send again
+            run.sent_from[(plan.cluster, plan.model_round)] = r
+            run.kept = (plan.cluster, plan.model_round, start, local) if not message.plaintext.size else None
         self.update_until = plan.deadline
         self.update_repeat.arm()  # until the coordinator acknowledges it, or the deadline
         run.done_rounds.add(r)
         tm.update({k: v for k, v in update.timings.items()})
         tm.update({"serialize": t_serialize, "receipt": t_receipt, "upload": t_upload, "uploaded_at": time.time(),
                    "bytes_up": float(len(frame))})
+
+    def slowdown_s(self, r: int, trained_s: float) -> float:
+        """The fault drill's wait after round ``r``'s training of ``trained_s`` s: ``slowdown``
+        - 1 times as long, from its second training of the job on (the first includes torch's
+        one-time warm-up, which a slower board does not repeat every round; ``r``: the round)."""
+        run = self.run
+        if run is None or not run.warmed:
+            if run is not None:
+                run.warmed = True
+            return 0.0
+        return (self.slowdown - 1.0) * trained_s
+
+    def _crossed(self, r: int, plan: RoundPlan):  # noqa: ANN202
+        """A buffered job: round ``r``'s plan starts from a model this device already sent its
+        work from, in a round that closed before the update arrived (the coordinator carried
+        it on before it heard of that update). None: not such a plan, the round goes on. If
+        the work travelled fully masked (no plaintext part), ``(start model, local update)``
+        to protect afresh for this round (new pads: the key server decrypts a device's work
+        from one model in one aggregate only, so the late copy can never be unmasked beside
+        it); otherwise False: the plan is declined (the coordinator plans it afresh)."""
+        run = self.run
+        sent = run.sent_from.get((plan.cluster, plan.model_round))
+        newest = run.models.get(plan.cluster, (0, None))[0]
+        if sent is None or plan.model_round >= newest:
+            return None
+        kept = run.kept
+        if kept is not None and kept[:2] == (plan.cluster, plan.model_round):
+            self.log.info("round %d: its work from model %d reached round %d after it closed; sent again, protected "
+                          "for round %d", r, plan.model_round, sent, r)
+            return kept[2], kept[3]
+        run.done_rounds.add(r)
+        self._failed(r, "round", ProtocolError(
+            f"this device sent its work from model {plan.model_round} of cluster {plan.cluster} in round {sent} "
+            f"(after that round closed); it starts afresh from model {newest} in a later round"), quiet=True)
+        return False
+
+    def _carried(self, r: int, plan: RoundPlan, device: DeviceRound, slot):  # noqa: ANN001, ANN202
+        """A buffered job: the round this device's work of round ``r`` goes to. Round ``r``
+        may have closed while it trained (its buffer filled); the coordinator then plans it
+        into later rounds from the same model (carried plans). The newest such plan that came
+        while it trained is taken: its round's pads, challenge and staleness (the plan's round
+        against its model round) protect the update, the rounds before it are answered by it.
+        ``slot``: round ``r``'s pad slot; returns (round, plan, device round, pad slot)."""
+        run = self.run
+        self.drain()  # the plans that came while it trained
+        later = [(q, p) for q, p in self.plans if q > r and p.cluster == plan.cluster and p.model_round == plan.model_round]
+        if not later:
+            return r, plan, device, slot
+        q, carried = max(later, key=lambda item: item[0])
+        refusal = plan_refusal(self.strategy, self.public, carried, run.data.n_train, noise=run.noise)
+        if refusal is not None:
+            self.log.error("round %d of job %s: refusing the coordinator's carried plan: %s; sending for round %d",
+                           q, run.run_id, refusal, r)
+            return r, plan, device, slot
+        self.plans = [(x, p) for x, p in self.plans if x > q]
+        run.done_rounds.update(x for x, _ in later if x <= q)
+        run.done_rounds.add(r)
+        self.log.info("round %d: trained from model %d, which round %d closed without; carried into round %d",
+                      r, plan.model_round, r, q)
+        run.timings.setdefault(q, {}).update(run.timings.get(r, {}))
+        return q, carried, replace(device, plan=carried, r=q), slot_of(self.fleet, run.run_id, q, self.agent_id)
 
     def _evaluate_new_model(self) -> None:
         """Apply and evaluate the newest model of the device's cluster, in steps of a few ms of

@@ -312,7 +312,7 @@ class KeyServer(Service):
                                                reason=f"refused: decryption failed ({type(exc).__name__})",
                                                timings={"verify": t_verify}))
             return
-        state.models[k] = (r, apply_mean(state.model(k)[1], mean, server_lr=state.job.options.server_lr))
+        state.release(r, k, apply_mean(state.model(k)[1], mean, server_lr=state.job.options.server_lr))
         state.spend(r, k, distinct, released=True)
         self.log.info("round %d cluster %d: %d verified contributors (%.3f s), decrypted in %.3f s", r, k,
                       len(distinct), t_verify, t_decrypt)

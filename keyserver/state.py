@@ -70,6 +70,8 @@ class KeyServerState:
     challenges: dict[int, Challenge] = field(default_factory=dict)  # round -> its sealed challenge
     boxes: dict[int, dict[str, bytes]] = field(default_factory=dict)  # round -> agent -> X25519 box key
     spent: dict[int, dict[str, int]] = field(default_factory=dict)  # round -> agent -> cluster decrypted in
+    # a buffered job: cluster -> round -> model_digest of the model it released that round
+    digests: dict[int, dict[int, str]] = field(default_factory=dict)
     # -- the run's context ---------------------------------------------------------------
     job: Job | None = field(default=None, metadata=RUN)
     initial: np.ndarray | None = field(default=None, metadata=RUN)
@@ -118,7 +120,8 @@ class KeyServerState:
                 "seeds": {str(r): seed.hex() for r, seed in self.seeds.items()},
                 "spent": {str(r): v for r, v in self.spent.items()},
                 "challenges": {str(r): c.model_dump(mode="json") for r, c in self.challenges.items()},
-                "boxes": {str(r): {a: b.hex() for a, b in v.items()} for r, v in self.boxes.items()}}
+                "boxes": {str(r): {a: b.hex() for a, b in v.items()} for r, v in self.boxes.items()},
+                "digests": {str(k): {str(r): d for r, d in v.items()} for k, v in self.digests.items()}}
         write_atomic(self.checkpoint_path,
                      npz_bytes(meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays))
 
@@ -142,6 +145,7 @@ class KeyServerState:
             self.spent = {int(r): v for r, v in meta.get("spent", {}).items()}
             self.challenges = {int(r): Challenge(**c) for r, c in meta.get("challenges", {}).items()}
             self.boxes = {int(r): {a: bytes.fromhex(b) for a, b in v.items()} for r, v in meta.get("boxes", {}).items()}
+            self.digests = {int(k): {int(r): d for r, d in v.items()} for k, v in meta.get("digests", {}).items()}
         return resumed
 
     def checkpoint_run(self) -> str | None:
@@ -209,6 +213,22 @@ class KeyServerState:
     def start_digest(self, k: int) -> str:
         """model_digest of cluster ``k``'s current model: what every contribution trained from."""
         return model_digest(self.model(k)[1])
+
+    def release(self, r: int, k: int, weights: np.ndarray) -> None:
+        """Cluster ``k``'s model of round ``r`` (a buffered job also keeps its digest: a
+        carried device trained from it)."""
+        self.models[k] = (r, weights)
+        if self.job is not None and self.job.options.buffer is not None:
+            self.digests.setdefault(k, {})[r] = model_digest(weights)
+
+    def start_digests(self, k: int) -> set[str]:
+        """The models a contribution to cluster ``k`` may have trained from: its current one;
+        in a buffered job also each model it had before in this run (the initial one included),
+        which a device carried from an earlier round started from."""
+        current = {self.start_digest(k)}
+        if self.job is None or self.job.options.buffer is None:
+            return current
+        return current | {model_digest(self.initial)} | set(self.digests.get(k, {}).values())
 
     def taken(self, r: int) -> dict[str, int]:
         """Round ``r``'s contributions spent or reserved: agent -> cluster."""

@@ -225,7 +225,8 @@ def verify(state: KeyServerState, rules: Rules, r: int, k: int, msg: AggregateRe
     server recomputes (:func:`check_plain_side`; decryption then uses its own), (the masked
     scheme) a box key for every contributor, and every encrypted contribution trained from
     the cluster's current model (the coordinator cannot have a round trained again from an
-    older model). ``prints`` receives each contributor's signed fingerprint (hex), ``plans``
+    older model; in a buffered job from a model the key server released to the cluster in
+    this job, :meth:`~keyserver.state.KeyServerState.start_digests`). ``prints`` receives each contributor's signed fingerprint (hex), ``plans``
     each contributor's signed plan digest (its masked pads' context), ``notes`` what the log
     says. The ledger entries (contributor -> "key|agent|starting model") are recorded once
     the aggregate is decrypted."""
@@ -319,11 +320,14 @@ def verify(state: KeyServerState, rules: Rules, r: int, k: int, msg: AggregateRe
         unsigned = sorted(a for a in names if not receipts[a].start_digest)
         if unsigned:
             return f"the receipts of {unsigned} do not sign the model they trained from", {}, {}
-        start = state.start_digest(k)
-        stale = sorted(a for a in names if receipts[a].start_digest != start)
+        start, allowed = state.start_digest(k), state.start_digests(k)
+        stale = sorted(a for a in names if receipts[a].start_digest not in allowed)
         if stale:
-            return (f"the receipts of {stale} sign a model they trained from that is not cluster {k}'s current "
-                    f"model (SHA-256 {start[:16]}...); a round trains from the cluster's latest model"), {}, {}
+            which = (f"cluster {k}'s current model" if len(allowed) == 1
+                     else f"a model the key server released to cluster {k} in this job")
+            return (f"the receipts of {stale} sign a model they trained from that is not {which} (current: "
+                    f"SHA-256 {start[:16]}...); a round trains from the cluster's latest model (a buffered job's "
+                    "carried devices from one released before)"), {}, {}
         # one (key, agent, starting model) enters one released sum, in this job too: fresh
         # cluster ids start from the initial model, and a device's update from one model is the
         # same in every round when its batch covers its data, so pairing it again would solve

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from senseshield.engine.buffered import staleness_weight
 from senseshield.engine.aggregation import ProtectedUpdate, protect_update
 from senseshield.engine.budgets import sigma_for_epsilon
 from senseshield.engine.clustering import noisy_mean, normalise_rows
@@ -309,6 +310,7 @@ def protect_local(
     n_samples: int,
     rng: NoiseSource | None = None,
     min_encrypted: float = 0.0,
+    staleness: int = 0,
 ) -> tuple[ProtectedUpdate, MaskChoice]:
     """Choose this round's mask, privatise what is sent, encrypt (Alg. 1 lines 9-10).
 
@@ -316,7 +318,9 @@ def protect_local(
     values that travel in plaintext), drawn from ``rng``: the device's secret ``protect``
     stream (``DeviceNoise.generator``); None draws from fresh OS entropy.
     ``choice.withheld`` marks positions never sent. The update's weight is the strategy's
-    :meth:`~Strategy.sample_weight` of ``n_samples`` (FedAvg: n_samples itself).
+    :meth:`~Strategy.sample_weight` of ``n_samples`` (FedAvg: n_samples itself), discounted
+    for ``staleness`` rounds in a buffered job (:func:`~senseshield.engine.buffered.staleness_weight`;
+    0: not at all).
     ``min_encrypted``: the device's own floor (``--min-he-ratio``); with a scheme that lets
     each client choose its blocks, a mask below it is topped up with the most sensitive
     blocks (:func:`~senseshield.engine.masks.top_up_mask`) and ``choice.info["topped_up"]``
@@ -344,12 +348,21 @@ def protect_local(
         client_id=context.client_id,
         round=context.round,
         cluster=context.cluster,
-        n_samples=strategy.sample_weight(n_samples),
+        n_samples=update_weight(strategy, n_samples, staleness),
         withheld=choice.withheld,
     )
     update.timings.update(local.timings)
     update.timings.update({"mask": t_mask, "noise": t_noise, "encrypt": time.perf_counter() - t})
     return update, choice
+
+
+def update_weight(strategy: Strategy, n_samples: int, staleness: int = 0) -> int:
+    """The weight an update of a device with ``n_samples`` carries: the strategy's sample
+    weight, discounted for ``staleness`` rounds when the job is buffered (``options.buffer``)."""
+    weight = strategy.sample_weight(n_samples)
+    if strategy.options.buffer is None or staleness == 0:
+        return weight
+    return staleness_weight(weight, staleness, exponent=strategy.options.staleness_exponent)
 
 
 def choice_report(choice: MaskChoice) -> dict:

@@ -33,6 +33,7 @@ from senseshield.results import (
     privacy_fields,
     weighted_metrics,
 )
+from senseshield.engine.buffered import staleness
 from senseshield.engine.work import full_steps
 from senseshield.rounds import (
     ClientState,
@@ -94,12 +95,33 @@ def bootstrap_reports(
     return reports
 
 
+Schedule = dict[int, dict[int, dict[str, tuple[int, int]]]]
+"""A buffered job's rounds: round -> cluster -> contributor -> (round trained in, model round started from)."""
+
+
+def buffered_schedule(report: dict) -> Schedule:
+    """The rounds of a buffered fleet job as its ``report.json`` records them: for each
+    round's cluster whose aggregate the key server accepted, its contributors with the round
+    each trained in and the model round it started from (``agents[].rounds``)."""
+    rounds_of = {a["id"]: a.get("rounds", {}) for a in report["agents"]}
+    out: Schedule = {}
+    for record in report["server"]:
+        for k, cluster in record["clusters"].items():
+            if not cluster.get("accepted"):
+                continue
+            r = int(record["round"])
+            out.setdefault(r, {})[int(k)] = {
+                a: (int(rounds_of[a][str(r)]["trained_in"]), int(rounds_of[a][str(r)]["model_round"]))
+                for a in cluster["updates"]}
+    return out
+
+
 Observer = Callable[[int, int, "list[ProtectedUpdate]", np.ndarray, "dict[str, np.ndarray]"], None]
 
 
 def run_simulation(
     config: Job, progress: Progress | None = None, *, trace: bool = False, devices: Sequence[LocalData] | None = None,
-    noise_seed: int | None = None, observe: Observer | None = None,
+    noise_seed: int | None = None, observe: Observer | None = None, schedule: Schedule | None = None,
 ) -> RunResult:
     """Run ``config.rounds`` rounds of ``config.strategy`` and return the results.
 
@@ -114,7 +136,13 @@ def run_simulation(
     ``observe(round, cluster, updates, mean, truth)``: called after every cluster's aggregate
     with what the coordinator sees (the protected updates and the published mean update) and
     what only the experimenter knows (``truth``: each client's update before protection), for
-    attack experiments written apart from this package)."""
+    attack experiments written apart from this package).
+    ``schedule``: a buffered job's rounds as a fleet ran them (:func:`buffered_schedule` of its
+    report): round -> cluster -> each contributor's (round it trained in, model round it
+    started from); each round then aggregates exactly these contributors, each trained from
+    its cluster's model of that round with its training round's seeds and weighted for its
+    staleness (:mod:`senseshield.engine.buffered`), so the simulator replays the fleet's
+    model. Without it, a buffered job's simulation is synchronous (every device keeps up)."""
     started = time.perf_counter()
     noise = DeviceNoise(noise_seed)
     np.random.seed(config.seed % 2**32)
@@ -158,6 +186,7 @@ def run_simulation(
     block_size = public_key.block_size if public_key is not None else 1
     plan: FleetPlan = strategy.plan_fleet(reports, size=layout.size, block_size=block_size)
     globals_ = {k: initial.copy() for k in plan.clusters}
+    history = {k: {0: initial.copy()} for k in plan.clusters}  # cluster -> round -> its model then
     by_id = {c.id: c for c in clients}
     train = train_config(config)
 
@@ -179,6 +208,10 @@ def run_simulation(
         )
         for k in plan.clusters:
             members = [by_id[cid] for cid in plan.members(k) if cid in sampled]
+            replay = None
+            if schedule is not None:  # the fleet's contributors, each from its own start
+                replay = schedule.get(r, {}).get(k, {})
+                members = [by_id[cid] for cid in sorted(replay)]
             if not members:
                 continue
             steps = plan_local_steps({c.id: c.data.n_train for c in members}, train,
@@ -191,11 +224,11 @@ def run_simulation(
                 c.id: local_update(
                     strategy,
                     model,
-                    merge_personal(globals_[k], c.state),
+                    merge_personal(globals_[k] if replay is None else history[k][replay[c.id][1]], c.state),
                     c.data,
                     train=train,
-                    seed=client_seed(config.seed, r, c.index),
-                    round=r,
+                    seed=client_seed(config.seed, r if replay is None else replay[c.id][0], c.index),
+                    round=r if replay is None else replay[c.id][0],
                     state=c.state,
                     noise_multiplier=sigma_record.get(c.id),
                     noise=noise,
@@ -227,6 +260,7 @@ def run_simulation(
                 update, choice = protect_local(
                     strategy, context, local[client.id], key, n_samples=client.data.n_train,
                     rng=noise.generator("protect", round=r, index=client.index),
+                    staleness=staleness(r, replay[client.id][1]) if replay is not None else 0,
                 )
                 keep_personal(client.state, local[client.id], choice.withheld)
                 round_masks[client.id] = mask_digest(update.mask, update.withheld)
@@ -252,6 +286,7 @@ def run_simulation(
             if observe is not None:
                 observe(r, k, updates, mean, {c.id: local[c.id].delta for c in members})
             globals_[k] = apply_mean(globals_[k], mean, server_lr=config.options.server_lr)
+            history[k][r] = globals_[k]
             round_models[k] = globals_[k]
             tally.bytes_down += len(members) * layout.size * 4
         if recorder is not None:

@@ -27,6 +27,7 @@ from senseshield.he import SCHEMES
 from senseshield.he.base import model_digest, round_context
 from senseshield.he.fingerprint import SEED_BYTES
 from senseshield.job import Job
+from senseshield.strategies import StrategyOptions
 from senseshield.runtime.identity import Identity, Trust
 from senseshield.runtime.protocol.messages import (
     AggregateResult,
@@ -219,3 +220,18 @@ def test_two_bad_fingerprints_are_refused_at_the_check_and_both_named_by_the_att
     named = passed.excluded  # their later genuine updates in place
     assert sorted(named) == ["b", "d"] and "replaced by its later update (and b too) passed" in named["d"]
     assert at_fault(failed[(R, 0)], {}, R).keys() == {"a", "b", "c", "d"}  # an attempt that passed without any
+
+
+def test_a_buffered_job_takes_work_from_a_model_it_released_before_and_no_other(world):
+    """A carried device trained from an earlier model of its cluster: a buffered job's key
+    server accepts any model it released to the cluster in the job (or the initial one), a
+    synchronous job's only the current one, and neither a model it never released."""
+    msg = _request(world, [_part(world, a) for a in "abc"])  # the receipts sign INITIAL
+    buffered = JOB.model_copy(update={"options": StrategyOptions(buffer=2)})
+    moved = {0: (0, INITIAL + 1)}  # the cluster's model has moved on since they started
+    assert isinstance(_decide(world, msg, job=buffered, models=moved), Accept)
+    assert isinstance(_decide(world, msg, job=buffered, models=moved, initial=INITIAL + 2,
+                              digests={0: {1: model_digest(INITIAL)}}), Accept)  # released in round 1
+    for over in (dict(job=JOB, models=moved), dict(job=buffered, models=moved, initial=INITIAL + 2)):
+        decision = _decide(world, msg, **over)
+        assert isinstance(decision, Refuse) and "sign a model they trained from that is not" in decision.reason, decision

@@ -114,6 +114,20 @@ class StrategyOptions(BaseModel):
             "as trained; measured unstable at 10x step ratios (docs: partial work)."
         ),
     )
+    buffer: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Buffered rounds (FedBuff): a cluster's round closes as soon as this many updates are in, and a "
+            "device still training is carried into the next round, its update weighted by staleness (see "
+            "staleness_exponent); None: synchronous rounds (each waits for every planned device or its deadline)."
+        ),
+    )
+    staleness_exponent: float = Field(
+        0.5,
+        ge=0.0,
+        description="Buffered rounds: an update tau rounds stale weighs n_i x (1 + tau)^-a for this a (0: no discount).",
+    )
     # ---- hybrid HE + DP strategies (docs/hybrid.md) ----
     tau: float = Field(0.1, description="Fisher threshold of the local masks (SelectiveShield eq. 14), in [0, 1].")
     rho: float = Field(0.5, description="Consensus threshold of the encrypted zone (SelectiveShield eq. 16), in [0, 1].")
@@ -240,6 +254,16 @@ class StrategyOptions(BaseModel):
     @model_validator(mode="after")
     def _ratio(self) -> "StrategyOptions":
         parse_ratio(self.rho_syn, self.rho_tot)
+        if self.buffer is not None and self.buffer < self.min_encryptors:
+            raise ConfigError(
+                f"buffer={self.buffer} is not allowed with min_encryptors={self.min_encryptors}; the key server "
+                "unmasks no sum of fewer contributors, so a buffer needs at least min_encryptors updates."
+            )
+        if self.buffer is not None and self.straggle_limit is not None:
+            raise ConfigError(
+                f"buffer={self.buffer} with straggle_limit={self.straggle_limit!r} is not allowed; buffered rounds "
+                "carry a slow device into later rounds instead of cutting its work (unset one of them)."
+            )
         if self.masks == "nested" and self.cluster_epsilon is not None:
             raise ConfigError(
                 f"masks='nested' with cluster_epsilon={self.cluster_epsilon!r} is not allowed; nested masks "
@@ -478,6 +502,13 @@ class Strategy(ABC):
     def __init__(self, options: StrategyOptions | None = None) -> None:
         self.options = options or StrategyOptions()
         self.fleet_context = FleetContext()
+        if self.options.buffer is not None and (self.negotiates or self.dp_level is not None):
+            why = "negotiates one mask per round among its members" if self.negotiates else \
+                f"accounts {self.dp_level}-level DP per round"
+            raise ConfigError(
+                f"buffer={self.options.buffer} is not allowed with strategy {self.name!r}, which {why}; buffered "
+                "rounds run with strategies that do neither (e.g. masked, sensecrypt, paillier-full, plaintext)."
+            )
 
     @property
     def score_name(self) -> str:
