@@ -37,20 +37,8 @@ from senseshield.bench.budgets import join_budgets, spread
 from senseshield.job import Job
 from senseshield.runtime.fleet import FleetOptions, agent_ids, fleet_up
 from senseshield.strategies.base import StrategyOptions
-from senseshield.trials.emulation import _cpu_cgroup_mount, in_cgroup, set_cpu_quota
-
-
-def quota_group(share: float, period_us: int = 100_000) -> Path:
-    """A cgroup with ``share`` of one CPU per ``period_us`` (the kernel's default 100 ms; the
-    trials use 10 ms, ``senseshield.trials.emulation.CPU_PERIOD_US``)."""
-    found = _cpu_cgroup_mount()
-    if os.geteuid() != 0 or found is None:
-        sys.exit("bench_straggle needs root and a cpu cgroup controller (cgroup v1 cpu or v2 cpu.max).")
-    version, root = found
-    group = root / f"senseshield-straggle-{os.getpid()}"
-    group.mkdir(exist_ok=True)
-    set_cpu_quota(group, version, share, period_us=period_us)
-    return group
+from senseshield.errors import ConfigError
+from senseshield.trials.emulation import _remove_cgroup, in_cgroup, quota_group
 
 
 def run(agents: int, rounds: int, slow: str, group: Path, limit: float | None, out: Path, epochs: int | None = None,
@@ -140,7 +128,10 @@ def main() -> None:
     slow = agent_ids(args.agents)[-1]
     result["slow_agent"] = slow
     if not args.skip_fleet:
-        group = quota_group(args.quota, args.period_us)
+        try:
+            group = quota_group(args.quota, period_us=args.period_us, name="straggle")
+        except ConfigError as exc:
+            sys.exit(f"bench_straggle: {exc}")
         try:
             for limit in (None, 2.0):
                 with tempfile.TemporaryDirectory() as tmp:
@@ -157,10 +148,7 @@ def main() -> None:
                 print(f"  budget per round {budgets}", flush=True)
                 print(f"  median phases (s) {r['phases']}", flush=True)
         finally:
-            for pid in (group / "cgroup.procs").read_text().split():
-                subprocess.run(["kill", "-9", pid], check=False)
-            time.sleep(0.5)
-            group.rmdir()
+            _remove_cgroup(group)
     for hogs in () if args.skip_identical else (0, 2):
         x = identical(3, hogs)
         result["identical"].append(x)

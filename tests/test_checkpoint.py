@@ -53,6 +53,7 @@ def full_state() -> JobState:
         bootstrap_seconds=1.5, sigma_user=0.9, sigma_record={"a0": 1.2}, completed=1, model_round={0: 1, 1: 0},
         in_flight={"round": 2, "started_at": 1e9}, sampler=sampler, user_accountant=accountant,
         participations={"a0": 1},
+        busy={"a1": [2, 1]},
         records=[{"round": 1, "tally": tally, "seconds": 2.5, "joined": [], "left": ["a2"],
                   "clusters": {0: {"accepted": True, "updates": ["a0"], "timings": {"decrypt": 0.1}}}}],
         metrics={("a0", 1): Metrics(cluster=0, metric=0.75, n_test=40, timings={"train": 0.5},

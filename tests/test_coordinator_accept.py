@@ -159,3 +159,22 @@ def test_a_devices_failure_metrics_vector_and_decline(ids):
     assert not accept_decline(s, Decline(run_id=RUN, reason="no data"), agent_id="a8")
     with pytest.raises(ProtocolError, match="which takes part in it"):
         accept_decline(s, Decline(run_id=RUN, reason="x"), agent_id="a0")
+
+
+def test_a_carried_update_of_a_buffered_job_claims_its_staleness_discount(ids, trust):
+    """Round 3 of a buffered job: a0 was carried from model 0 (two rounds stale), so its 100
+    samples weigh round(100 / sqrt(3)) = 58; its full weight is refused, as is a discount the
+    plan did not give a1 (which starts from the latest model)."""
+    from senseshield.strategies import StrategyOptions
+
+    s = state(r=3)
+    s.config = s.config.model_copy(update={"options": StrategyOptions(buffer=2)})
+    s.__dict__.pop("strategy", None)  # the cached strategy follows the job's options
+    s.agent_rounds = {"a0": {3: {"cluster": 0, "model_round": 0, "trained_in": 1}},
+                      "a1": {3: {"cluster": 0, "model_round": 2, "trained_in": 3}}}
+    assert s.staleness_of("a0", 3) == 2 and s.staleness_of("a1", 3) == 0
+    assert accept(s, update(ids, r=3, n=58), trust, r=3).kind == FOLD
+    with pytest.raises(ProtocolError, match=r"claims 100 samples; it joined with 100, which plaintext weighs 58 2 round"):
+        accept(s, update(ids, r=3, n=100), trust, r=3)
+    with pytest.raises(ProtocolError, match=r"claims 58 samples; .* weighs 100\."):
+        accept(s, update(ids, "a1", r=3, n=58), trust, agent="a1", r=3)

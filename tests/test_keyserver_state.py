@@ -43,6 +43,7 @@ def _full(key_dir) -> KeyServerState:  # noqa: ANN001
         challenges={1: Challenge(run_id=RUN, box_key="Ym94", sealed={"a": "c2VhbGVk", "b": "c2VhbGVk"})},
         boxes={1: {"a": b"\x01" * 32, "b": b"\x02" * 32}},
         spent={1: {"a": 0, "b": 0}, 2: {"c": 3}},
+        digests={0: {1: "d" * 64, 2: "e" * 64}},
         job=JOB, initial=INITIAL, pending={(3, 0): object()}, reserved={3: {"a": 0}},
         entries={(3, 0): {"a": "key1|a|x"}}, attempts={(2, 3): {"h"}}, failed={(2, 3): [{"c": "ff"}]},
     )

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from senseshield.errors import ConfigError
+
 if TYPE_CHECKING:
     from senseshield.trials.trial import AgentPlan
 
@@ -299,6 +301,21 @@ def set_cpu_quota(group: Path, version: str, share: float, *, period_us: int = C
         (group / "cpu.cfs_period_us").write_text(str(period))
         (group / "cpu.cfs_quota_us").write_text(str(quota))
     return quota, period
+
+
+def quota_group(share: float, *, period_us: int = 100_000, name: str = "bench") -> Path:
+    """A new cgroup ``senseshield-NAME-<pid>`` holding ``share`` of one CPU per ``period_us``
+    (default: the kernel's 100 ms; the trials use 10 ms, :data:`CPU_PERIOD_US`), for a
+    process made that much slower (:func:`in_cgroup`; :func:`_remove_cgroup` removes it).
+    ConfigError without root and a writable cpu cgroup controller."""
+    found = _cpu_cgroup_mount()
+    if os.geteuid() != 0 or found is None:
+        raise ConfigError("A CPU quota needs root and a cpu cgroup controller (cgroup v1 cpu or v2 cpu.max).")
+    version, root = found
+    group = root / f"senseshield-{name}-{os.getpid()}"
+    group.mkdir(exist_ok=True)
+    set_cpu_quota(group, version, share, period_us=period_us)
+    return group
 
 
 def in_cgroup(group: Path, argv: list[str]) -> list[str]:
