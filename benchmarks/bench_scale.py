@@ -1,7 +1,8 @@
 """Scale: N agents per round against a real key server, coordinator and Mosquitto (issue 15).
 
 The key server and the coordinator are the real services as OS processes (``Fleet`` without
-its agent processes). A load generator in this process plays N agents over one MQTT link,
+its agent processes). A load generator plays N agents over one MQTT link per broker (in this
+process, or spread over ``--loadgen-processes`` forked processes, each with its own links),
 speaking the real protocol: every frame signed by that agent's own identity (listed in the
 fleet's trust file), hello, bootstrap vector, proposal, update with a signed receipt whose
 fingerprint answers the round's sealed challenge, metrics. Their updates are real: a few
@@ -32,6 +33,7 @@ per round.
     python benchmarks/bench_scale.py [--agents 10,100,1000] [--strategies plaintext,masked,sensecrypt]
         [--rounds 4] [--repeats 2] [--model mlp] [--key-bits 2048] [--out benchmarks/results/scale.json] [--quick]
         [--max-queued N]  (the broker's max_queued_messages; default: sized for the largest N)
+        [--loadgen-processes P]  (the agents spread over P load-generator processes; default 1)
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -112,12 +115,15 @@ class ScaleFleet(Fleet):
 
 
 class LoadGenerator:
-    """N agents over one MQTT link (see the module docstring)."""
+    """N agents over one MQTT link per broker (see the module docstring); ``part`` = (w, W):
+    this generator plays every W-th agent from the w-th (one of W processes, :func:`generate`)."""
 
-    def __init__(self, fleet: ScaleFleet) -> None:
+    def __init__(self, fleet: ScaleFleet, part: tuple[int, int] = (0, 1)) -> None:
         self.fleet = fleet
         self.name = fleet.options.fleet
-        self.agents = agent_ids(fleet.options.agents)
+        self.all_agents = agent_ids(fleet.options.agents)  # their indices, templates and sample counts
+        self.agents = self.all_agents[part[0]::part[1]]
+        self.part = part
         self.ids = {a: fleet.identities[a][0] for a in self.agents}
         self.trust = fleet.trust
         self.inbox: queue.Queue = queue.Queue()
@@ -131,7 +137,8 @@ class LoadGenerator:
         self.links = {}
         for j, url in enumerate(urls):
             mine = {a for a, u in self.broker_of.items() if u == url}
-            link = Link(url, client_id=f"loadgen-{j}", fleet=self.name, protocol=fleet.mqtt, receive_maximum=65535,
+            name = f"loadgen-{j}" if part[1] == 1 else f"loadgen-{part[0]}-{j}"
+            link = Link(url, client_id=name, fleet=self.name, protocol=fleet.mqtt, receive_maximum=65535,
                         on_frame=lambda topic, frame, mine=mine, first=(j == 0): self._on_frame(topic, frame, mine, first))
             for suffix in ("fleet/config", "fleet/control", "keys/public", "keyserver/challenges", "agents/+/inbox",
                            "clusters/+/model"):
@@ -188,7 +195,7 @@ class LoadGenerator:
         return frame
 
     def _hello(self, agent: str, wait: bool = True) -> None:
-        i = self.agents.index(agent)
+        i = self.all_agents.index(agent)
         t = self.template(agent)
         bandwidth, cpu = PROFILES[(i // TEMPLATES) % len(PROFILES)]
         self.send(agent, f"agents/{agent}/hello", Hello(
@@ -239,7 +246,7 @@ class LoadGenerator:
             try:
                 suffix, frame, msg = self.inbox.get(timeout=0.5)
             except queue.Empty:
-                if self.fleet.processes["coordinator"].poll() is not None:
+                if not running(self.fleet.processes["coordinator"]):
                     break
                 continue
             try:
@@ -322,13 +329,13 @@ class LoadGenerator:
             self._join()
 
     def template(self, agent: str) -> int:
-        return self.agents.index(agent) % TEMPLATES
+        return self.all_agents.index(agent) % TEMPLATES
 
     def samples(self, t: int) -> int:
         """An agent's sample count: its share of its template's shard, as if the dataset were
         split N ways (the packed key's head-room, max_total_weight = 65,536 samples per
         cluster aggregate, would refuse 1,000 agents claiming the template's ~480 each)."""
-        return max(1, self.data[t].n_train * TEMPLATES // len(self.agents))
+        return max(1, self.data[t].n_train * TEMPLATES // len(self.all_agents))
 
     def _prepare(self, msg: FleetConfig) -> None:
         """The run's templates: data, one real round-1 training each, bootstrap vectors."""
@@ -418,6 +425,87 @@ class LoadGenerator:
                           Metrics(cluster=cluster, metric=accuracy, n_test=len(data.y_test)), r)
 
 
+FORKED = False  # True in a forked load-generator process (generate)
+
+
+def running(proc) -> bool:  # noqa: ANN001 - a subprocess.Popen
+    """Whether a fleet process still runs; from a forked load-generator process, which cannot
+    wait for it (not its child), from /proc (an exited one stays a zombie until reaped)."""
+    if not FORKED:
+        return proc.poll() is None
+    try:
+        return Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+@dataclass
+class Generated:
+    """What the load generator's processes sent, together: each round's senders, bytes, the
+    errors, re-sends and CPU seconds."""
+
+    sent_updates: dict[int, set[str]]
+    bytes_sent: int
+    errors: list[str]
+    repeats: dict[str, int]
+    cpu_s: float
+
+
+def _generate_part(fleet: ScaleFleet, part: tuple[int, int], timeout: float, around_join, out) -> None:  # noqa: ANN001
+    """One load-generator process (forked): its agents to the job's end, then what it sent."""
+    global FORKED
+    FORKED = True
+    load = LoadGenerator(fleet, part)
+    if around_join is not None:
+        load.around_join = around_join
+    cpu = time.process_time()
+    try:
+        load.run(timeout)
+    except Exception as exc:  # noqa: BLE001 - said in the summary
+        load.errors.append(f"process {part[0]}: {type(exc).__name__}: {exc}")
+    out.put(Generated(load.sent_updates, load.bytes_sent, load.errors, load.repeats, time.process_time() - cpu))
+
+
+def generate(fleet: ScaleFleet, timeout: float, *, processes: int = 1, around_join=None) -> Generated:  # noqa: ANN001
+    """Play the fleet's N agents from ``processes`` load-generator processes (1: this one),
+    each with its own MQTT links, every W-th agent each, to the job's end."""
+    if processes == 1:
+        load = LoadGenerator(fleet)
+        if around_join is not None:
+            load.around_join = around_join
+        cpu = time.process_time()
+        load.run(timeout)
+        return Generated(load.sent_updates, load.bytes_sent, load.errors, load.repeats, time.process_time() - cpu)
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")  # the fleet (identities, trust, processes) as it is
+    out = ctx.Queue()
+    workers = [ctx.Process(target=_generate_part, args=(fleet, (w, processes), timeout, around_join, out), daemon=True)
+               for w in range(processes)]
+    for w in workers:
+        w.start()
+    parts = []
+    end = time.monotonic() + timeout + 60
+    while len(parts) < processes and time.monotonic() < end:
+        try:
+            parts.append(out.get(timeout=1.0))
+        except queue.Empty:
+            if not any(w.is_alive() for w in workers) and out.empty():
+                break
+    for w in workers:
+        w.join(5)
+        if w.is_alive():
+            w.kill()
+    sent: dict[int, set[str]] = {}
+    for p in parts:
+        for r, agents in p.sent_updates.items():
+            sent.setdefault(r, set()).update(agents)
+    missing = [f"{processes - len(parts)} of {processes} load-generator processes said nothing"] if len(parts) < processes else []
+    return Generated(sent, sum(p.bytes_sent for p in parts), missing + [e for p in parts for e in p.errors],
+                     {k: sum(p.repeats.get(k, 0) for p in parts) for k in ("hello", "plan", "update")},
+                     sum(p.cpu_s for p in parts))
+
+
 UPSTREAM = {"hello", "bootstrap", "proposal", "update", "metrics", "status", "failure", "decline", "partial"}
 """The last part of the topics devices and site aggregators publish toward the servers (the
 services' own status is counted too: a few bytes)."""
@@ -482,10 +570,11 @@ class Sampler:
 def run_scale(agents: int, strategy: str, *, rounds: int = 3, key_bits: int = 2048, out: Path,
               broker_url: str, timeout: float = 3600.0, model: str = "linear", repeat: int = 0,
               broker: MosquittoProcess | None = None, sites: int = 0,
-              around_join: Callable[[ScaleFleet], AbstractContextManager] | None = None) -> dict:
+              around_join: Callable[[ScaleFleet], AbstractContextManager] | None = None, processes: int = 1) -> dict:
     """One (N, strategy) point; returns its summary (see the module docstring). ``broker``:
     the Mosquitto behind ``broker_url``, whose log says whom it dropped messages for;
-    ``around_join(fleet)``: a context manager the agents' burst of hellos runs in."""
+    ``around_join(fleet)``: a context manager the agents' burst of hellos runs in;
+    ``processes``: load-generator processes (:func:`generate`)."""
     drops_before = len(broker.dropped()) if broker is not None else 0
     config = Job(strategy=strategy, rounds=rounds, dataset="digits", model=model, partition=f"categories:{TEMPLATES}",
                  key_bits=key_bits, scheme=None if strategy in ("plaintext", "masked") else "packed-paillier",
@@ -497,12 +586,8 @@ def run_scale(agents: int, strategy: str, *, rounds: int = 3, key_bits: int = 20
     with ScaleFleet(config, options) as fleet:
         fleet.start()
         sampler = Sampler(fleet)
-        load = LoadGenerator(fleet)
-        if around_join is not None:
-            load.around_join = lambda: around_join(fleet)
-        loadgen_cpu = time.process_time()
-        load.run(timeout)
-        loadgen_cpu = time.process_time() - loadgen_cpu
+        load = generate(fleet, timeout, processes=processes,
+                        around_join=(lambda: around_join(fleet)) if around_join is not None else None)
         sampler.stop()  # before the services exit: their last CPU reading
         report = fleet.wait(60)
     rounds_ = report["rounds"][1:] or report["rounds"]
@@ -529,7 +614,8 @@ def run_scale(agents: int, strategy: str, *, rounds: int = 3, key_bits: int = 20
         **{f"{p}_s": (float(np.mean(v)) if v else 0.0) for p, v in per_cluster.items()},
         "coordinator_cpu_s": sampler.cpu["coordinator"],
         "keyserver_cpu_s": sampler.cpu["keyserver"],
-        "loadgen_cpu_s": loadgen_cpu,
+        "loadgen_cpu_s": load.cpu_s,
+        "loadgen_processes": processes,
         "coordinator_peak_rss_mb": sampler.peak["coordinator"] / 1e6,
         "keyserver_peak_rss_mb": sampler.peak["keyserver"] / 1e6,
         "sites": sites,
@@ -565,7 +651,12 @@ def main() -> None:
     parser.add_argument("--max-queued", type=int, default=None,
                         help="the broker's max_queued_messages per client (default: sized for the largest N, "
                              "senseshield.runtime.broker.queue_limits); a small one shows the devices re-sending")
+    parser.add_argument("--loadgen-processes", type=int, default=1,
+                        help="processes the load generator spreads the agents over (each with its own MQTT links; "
+                             "with --sites K, K processes give each site its own)")
     args = parser.parse_args()
+    if args.loadgen_processes < 1:
+        parser.error(f"--loadgen-processes {args.loadgen_processes} is not allowed; give 1 or more")
     counts = [6, 20] if args.quick else [int(x) for x in args.agents.split(",")]
     rounds, key_bits, repeats = (2, 1024, 1) if args.quick else (args.rounds, args.key_bits, args.repeats)
     runs = []
@@ -579,7 +670,8 @@ def main() -> None:
                         for strategy in args.strategies.split(","):
                             row = run_scale(n, strategy, rounds=rounds, key_bits=key_bits,
                                             out=Path(tmp) / f"{strategy}-{n}-{sites}-{rep}", broker_url=broker.url,
-                                            model=args.model, repeat=rep, broker=broker, sites=sites)
+                                            model=args.model, repeat=rep, broker=broker, sites=sites,
+                                            processes=args.loadgen_processes)
                             row["repeat"] = rep
                             runs.append(row)
                             print(json.dumps(row), flush=True)

@@ -15,14 +15,17 @@ import pytest
 from bench_scale import markdown_table, run_scale  # noqa: E402
 
 
-@pytest.mark.parametrize("strategy", ["sensecrypt", pytest.param("masked", marks=pytest.mark.slow),
-                                      pytest.param("plaintext", marks=pytest.mark.slow)])
-def test_six_generated_agents_are_all_counted_in_verified_aggregates(mosquitto, tmp_path, strategy):
+@pytest.mark.parametrize("strategy, processes", [("sensecrypt", 2), pytest.param("masked", 1, marks=pytest.mark.slow),
+                                                 pytest.param("plaintext", 1, marks=pytest.mark.slow)])
+def test_six_generated_agents_are_all_counted_in_verified_aggregates(mosquitto, tmp_path, strategy, processes):
+    """Six agents from one load-generator process, or from two (three agents each, their own
+    links): every update counted."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # 1024-bit test key
         row = run_scale(6, strategy, rounds=2, key_bits=1024, out=tmp_path / "run", broker_url=mosquitto.url,
-                        timeout=120)
-    assert row["every_update_counted"] and row["updates_sent"] == 12 and not row["loadgen_errors"]
+                        timeout=120, processes=processes)
+    assert row["every_update_counted"] and row["updates_sent"] == 12 and not row["loadgen_errors"], row
+    assert row["loadgen_processes"] == processes and row["loadgen_cpu_s"] > 0
     assert row["clusters"] >= 1
     if strategy == "sensecrypt":  # the key server really verified and decrypted
         assert 0 < row["he_ratio"] < 1 and row["decrypt_s"] > 0 and row["verify_s"] > 0
