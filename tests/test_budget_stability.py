@@ -13,6 +13,7 @@ from senseshield.bench.budgets import cpu_hog, join, join_budgets, spread
 from tests.test_measured_rates import _cpu_cgroup  # one check of the cgroup controller
 
 
+@pytest.mark.slow  # ~15 s; the same beside a CPU hog stays in the default suite
 def test_identical_measuring_agents_get_budgets_within_ten_percent(mosquitto, tmp_path):
     budgets = join_budgets(3, tmp_path, broker=mosquitto.url, fleet="stable", timeout=60)
     assert sorted(budgets) == ["c000", "c001", "c002"]

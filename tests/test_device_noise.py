@@ -190,6 +190,7 @@ def test_the_draws_of_different_purposes_rounds_and_devices_are_independent():
         noise.generator("training", round=1, index=0)
 
 
+@pytest.mark.slow  # ~17 s; the in-process tests above show the same without a fleet (make test-slow)
 def test_a_fleets_coordinator_cannot_replay_the_agents_noise(mosquitto, tmp_path):
     """Real agent processes on a real broker: the coordinator's view (every update frame)
     replayed with the old draws; the clean clipped update comes from the oracle, the same

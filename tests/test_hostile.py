@@ -386,6 +386,7 @@ FUZZ_CONFIGS = [
 ]
 
 
+@pytest.mark.slow  # ~41 s; hostile frames stay in the default suite through the forged-keys and bad-update tests
 @pytest.mark.parametrize("config", FUZZ_CONFIGS[:1], ids=lambda c: c.strategy)
 def test_fuzzed_fleet_ends_like_the_simulator(mosquitto, tmp_path, config):
     """The short fuzz of the default suite: ~1,500 hostile frames, two large payloads, on the
@@ -655,6 +656,7 @@ def test_forged_keys_models_configs_and_impersonated_updates_are_rejected(mosqui
     assert [r["accuracy"] for r in report["rounds"]] == pytest.approx([r.accuracy for r in sim.rounds], abs=1e-9)
 
 
+@pytest.mark.slow  # ~12 s (make test-slow: the default suite stays under 8 min on 2 cores)
 def test_a_participating_device_never_appears_under_declined(mosquitto, tmp_path):
     """Issue 23: a device that took part in the job sends (signed with its own key) a decline
     of that job mid-run, as a buggy or compromised device can; the coordinator rejects it

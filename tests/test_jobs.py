@@ -114,6 +114,7 @@ def test_a_device_that_joins_mid_job_takes_part_from_the_next_round(mosquitto, t
     assert any("c003 admitted to cluster" in line for line in record["events"])
 
 
+@pytest.mark.slow  # ~16 s; a device lost mid-round stays in the default suite (test_fleet faults)
 def test_a_device_that_leaves_and_returns(mosquitto, tmp_path):
     """An agent stopped (SIGTERM: its status goes offline) after round 2 is not sampled
     while it is gone and takes part again once it is back (a new process, same id and data).

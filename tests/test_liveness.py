@@ -23,6 +23,7 @@ from senseshield.runtime.transport import Link
 from tests.test_fleet import wait_for
 
 
+@pytest.mark.slow  # ~18 s (make test-slow: the default suite stays under 8 min on 2 cores)
 def test_a_key_server_restart_costs_less_than_one_round(mosquitto, tmp_path):
     """Round 2: the key server is SIGKILLed before the round's aggregate request, which is
     lost; round 3: it is SIGKILLed right after applying the round, before answering (fault

@@ -98,6 +98,7 @@ class Tmpfs:
         subprocess.run(["umount", "-l", str(self.path)], check=False)
 
 
+@pytest.mark.slow  # ~18 s (make test-slow: the default suite stays under 8 min on 2 cores)
 def test_a_full_out_disk_stops_the_coordinator_with_one_sentence_and_the_job_resumes(mosquitto, tmp_path):
     """--out on a tmpfs with room for round 1's model only: round 2's model cannot be
     written. Before issue 23 the coordinator logged tracebacks, went on with rounds unsaved,
