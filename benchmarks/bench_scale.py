@@ -51,7 +51,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from typing import NamedTuple
 from pathlib import Path
 
 import numpy as np
@@ -439,8 +439,7 @@ def running(proc) -> bool:  # noqa: ANN001 - a subprocess.Popen
         return False
 
 
-@dataclass
-class Generated:
+class Generated(NamedTuple):
     """What the load generator's processes sent, together: each round's senders, bytes, the
     errors, re-sends and CPU seconds."""
 

@@ -29,6 +29,7 @@ a thin position.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -309,10 +310,16 @@ class ExactSum:
             self.slices[i] += part
 
     def value(self) -> np.ndarray:
-        total = np.zeros(self.size, dtype=np.float64)
-        for i in sorted(self.slices, reverse=True):  # low to high: a fixed order
-            total += self.slices[i]
-        return total
+        """The sums, each correctly rounded once: the slices' sums are exact, and adding them
+        in float64 would round at every step (a large slice cancelling another drops a small
+        one's bits), so each position's slices are added by ``math.fsum``."""
+        parts = [self.slices[i] for i in sorted(self.slices)]
+        if not parts:
+            return np.zeros(self.size, dtype=np.float64)
+        if len(parts) == 1:
+            return parts[0].copy()
+        rows = np.stack(parts, axis=1).tolist()
+        return np.fromiter((math.fsum(row) for row in rows), dtype=np.float64, count=self.size)
 
 
 class StreamingAggregate:

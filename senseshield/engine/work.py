@@ -86,7 +86,7 @@ def step_seconds(train_s, steps, *, k: int = 5) -> tuple[float, float] | None:  
     n = np.array([p[1] for p in pairs])
     if np.unique(n).size >= 2:
         slope, intercept = np.polyfit(n, t, 1)
-        if slope > 0:
+        if slope > 1e-9 * float(np.max(t)) / float(np.max(n)):  # not a flat line's rounding noise (unit-free)
             fixed = float(min(max(intercept, 0.0), t.min()))
             per_step = float(np.sum((t - fixed) * n) / np.sum(n * n))  # least squares through (0, fixed)
             per_step = max(per_step, 0.5 * float(np.min(t / n)))
