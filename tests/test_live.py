@@ -77,8 +77,12 @@ class Terminal:
         env = dict(os.environ, TERM="xterm-256color", LANG="C.UTF-8", PYTHONPATH=str(ROOT))
         for name in ("COLUMNS", "LINES", "NO_COLOR", "FORCE_COLOR", "TERM_PROGRAM"):
             env.pop(name, None)
+        # a shell starts a foreground command with Ctrl-C's default action, even when this test
+        # runs in the background (a non-interactive shell's background jobs ignore SIGINT, and
+        # a program inherits that: Python would then never raise KeyboardInterrupt)
         self.proc = subprocess.Popen(["setsid", "--ctty", *argv], stdin=slave, stdout=slave, stderr=slave,
-                                     env=env, close_fds=True)
+                                     env=env, close_fds=True,
+                                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         os.close(slave)
         self.raw = b""
 
