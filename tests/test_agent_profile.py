@@ -266,6 +266,7 @@ def test_profile_command_refuses_bad_options_in_one_sentence():
     assert "error:" in result.stderr and "does not apply to scheme 'ckks'" in result.stderr
 
 
+@pytest.mark.slow  # ~10 s (make test-slow: the default suite stays under 8 min on 2 cores)
 def test_profile_with_the_fleets_model_adds_inference_latency(tmp_path):
     from senseshield.inference import export_onnx
     from senseshield.models import build_model

@@ -314,6 +314,7 @@ def test_capture_replays_hybrid_strategies_noise_and_withheld_zones():
     assert label_metrics(clean.y, run_attack("ilrg", clean.view).counts, 10)["lnacc"] == 1.0
 
 
+@pytest.mark.slow  # ~11 s (make test-slow: the default suite stays under 8 min on 2 cores)
 def test_label_search_recovers_a_digit_whose_output_layer_is_hidden(setting):
     """With the output layer hidden the analytic label is a guess and Inverting Gradients
     starts from it; trying every label (``inverting-search``) finds the true one by the

@@ -106,6 +106,7 @@ def test_a_coordinator_refuses_a_revoked_trust_file_after_seeing_a_newer_one(mos
     assert "Traceback" not in again.stdout + again.stderr
 
 
+@pytest.mark.slow  # ~11 s; the floor itself is checked without a broker (tests/test_agent_round.py)
 def test_an_agent_with_a_floor_declines_a_plaintext_job(mosquitto, tmp_path):
     """c001 joins with --min-he-ratio 0.2 (as Ansible's profiles set it) and nothing else: it
     declines the plaintext job in one sentence, seen by `job submit --follow` and in the
