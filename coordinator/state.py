@@ -342,10 +342,11 @@ class JobState:
 
     def final_metrics_wanted(self) -> set[str]:
         """The devices online whose cluster got a model in the job's last round: their
-        metrics of it are waited for (a moment) before the job ends."""
+        metrics of it are waited for (a moment) before the job ends; not a buffered job's
+        devices still training (their work will not count: they evaluate once it is done)."""
         last = self.config.rounds
         updated = {k for k, r in self.model_round.items() if r == last}
-        return {a for a, k in self.plan.cluster_of.items() if k in updated and self.online(a)}
+        return {a for a, k in self.plan.cluster_of.items() if k in updated and self.online(a) and a not in self.busy}
 
     def user_epsilons(self, *, records: list | None = None, pld: bool = False) -> Epsilons:
         """The run's epsilons so far (:func:`coordinator.report.user_epsilons`)."""
