@@ -220,6 +220,17 @@ def round_records(state: JobState) -> list[RoundRecord]:
     return out
 
 
+def report_json(result: FleetReport) -> dict[str, Any]:
+    """``result`` as report.json's object, in field order. Its two per-device lists
+    (``agents``, ``server``) are JSON already and go in as they are: dumping them again would
+    copy the largest part of a large fleet's report once more."""
+    large = ("agents", "server")
+    small = result.model_dump(mode="json", exclude=set(large))
+    ordered = {name: getattr(result, name) if name in large else small.pop(name)
+               for name in type(result).model_fields if name in large or name in small}
+    return {**ordered, **small}
+
+
 def report(state: JobState, *, fleet: str, key_id: str | None = None, rejected: Any = (),
            rejected_total: int = 0) -> FleetReport:
     """The job's report: the simulator's fields plus per-agent phase timings and straggling

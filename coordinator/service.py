@@ -22,7 +22,6 @@ so a run gives the simulator's result for the same config and seed.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -40,7 +39,7 @@ from coordinator.drill import Drill
 from coordinator.jobs import JobBook, JobRecord
 from coordinator.keylink import KeyLink
 from coordinator.metrics import METRICS_PORT_ENV, CoordinatorMetrics  # noqa: F401 (re-exported)
-from coordinator.report import FleetReport, report, round_failure, round_line, straggling_now  # noqa: F401
+from coordinator.report import FleetReport, report, report_json, round_failure, round_line, straggling_now  # noqa: F401
 from coordinator.rounds import Closed, advance, check_facts
 from coordinator.sites import accept_partial, fold_partial
 from coordinator.stall import STALL_S, StallWatch, progress_mark, waiting_for
@@ -49,7 +48,7 @@ from coordinator.store import MemoryStore, SqliteStore, Store
 from senseshield.errors import ConfigError, ProtocolError
 from senseshield.job import Job, check_job, initial_model, job_from_dict, job_shape
 from senseshield.results import metric_line
-from senseshield.runtime.files import npy_bytes, write_atomic
+from senseshield.runtime.files import npy_bytes, write_atomic, write_json_atomic
 from senseshield.runtime.identity import Identity, Trust
 from senseshield.runtime.metrics import metrics_port as live_port
 from senseshield.runtime.protocol.envelope import DEFAULT_MAX_FRAME_BYTES
@@ -859,7 +858,7 @@ class Coordinator(Service):
             result = report(s, fleet=self.fleet, key_id=self.keys.key_id, rejected=self.rejected,
                             rejected_total=self.rejected_total).model_copy(update={"state": end, "reason": reason})
             if self.job_out is not None:
-                write_atomic(self.job_out / "report.json", json.dumps(result.model_dump(mode="json"), indent=2), mode=0o644)
+                write_json_atomic(self.job_out / "report.json", report_json(result), indent=2, mode=0o644)
                 self.book.set(record, out=str(self.job_out))
         final = result.final_metric if result is not None else None
         self.book.set(record, state=end, reason=reason, metric=final if final is not None else record.metric,
@@ -868,7 +867,8 @@ class Coordinator(Service):
         if end != "running":
             where = f"; report {self.job_out / 'report.json'}" if self.job_out is not None and result is not None else ""
             self._event(f"job {record.id} {end}" + (f": {reason}" if reason else "")
-                        + (f"; {metric_line(result.model_dump())}" if result is not None and result.rounds else "") + where)
+                        + (f"; {metric_line({k: getattr(result, k) for k in ('metric_name', 'final_metric', 'final_accuracy')})}"
+                           if result is not None and result.rounds else "") + where)
             self.store.clear_state()
         self.cancelled.discard(record.id)
         self.job = None

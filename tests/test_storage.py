@@ -17,7 +17,7 @@ import pytest
 from coordinator.store import SqliteStore
 from senseshield.errors import STORAGE_EXIT, StorageError
 from senseshield.job import Job
-from senseshield.runtime.files import write_atomic
+from senseshield.runtime.files import write_atomic, write_json_atomic
 from senseshield.runtime.fleet import Fleet, FleetOptions
 from senseshield.simulation import run_simulation
 from tests.test_fleet import keyserver_models, wait_for
@@ -40,6 +40,20 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary_one(tmp_path, monke
     (tmp_path / "models").write_text("")
     with pytest.raises(StorageError, match="Not a directory"):
         write_atomic(tmp_path / "models" / "round-1" / "cluster-0.npy", b"x")
+
+
+def test_json_streamed_into_the_file_is_what_one_string_would_be_and_fails_alike(tmp_path, monkeypatch):
+    """write_json_atomic encodes piece by piece into the temporary file: the same bytes as
+    json.dumps, the same mode rule, and a failed write leaves the old file alone."""
+    obj = {"agents": [{"id": f"c{i:03d}", "rounds": {"1": {"phases": {"train": 0.5 + i}}}} for i in range(50)],
+           "text": "é ✓", "none": None}
+    path = write_json_atomic(tmp_path / "report.json", obj, indent=2, mode=0o644)
+    assert path.read_bytes() == json.dumps(obj, indent=2).encode()
+    assert path.stat().st_mode & 0o777 == 0o644 & ~_umask()
+    monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    with pytest.raises(StorageError, match="No space left on device"):
+        write_json_atomic(path, {"new": 1})
+    assert json.loads(path.read_text()) == obj and os.listdir(tmp_path) == ["report.json"]
 
 
 def test_a_new_file_is_private_unless_its_caller_makes_it_public(tmp_path):

@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import secrets
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, BinaryIO
 
 from senseshield.errors import StorageError
 
@@ -35,8 +38,25 @@ def write_atomic(path: str | Path, data: bytes | str, *, mode: int = 0o600) -> P
     ledger, a coordinator's checkpoint); ``0o644`` only for a file meant to be read by others.
     The file is created anew, so the old file's mode is not kept. :class:`StorageError` if
     anything fails; then ``path`` is as it was and no temporary file is left."""
-    path = Path(path)
     raw = data.encode() if isinstance(data, str) else bytes(data)
+    return _replace(Path(path), lambda fh: fh.write(raw), mode)
+
+
+def write_json_atomic(path: str | Path, obj: Any, *, indent: int | None = None, mode: int = 0o600) -> Path:  # noqa: ANN401
+    """:func:`write_atomic` of ``obj`` as JSON, encoded straight into the file piece by piece
+    (a large report is never one string in memory beside its objects)."""
+
+    def write(fh: BinaryIO) -> None:
+        text = io.TextIOWrapper(fh, encoding="utf-8", write_through=False)
+        json.dump(obj, text, indent=indent)
+        text.flush()
+        text.detach()
+
+    return _replace(Path(path), write, mode)
+
+
+def _replace(path: Path, write: Callable[[BinaryIO], Any], mode: int) -> Path:
+    """The file ``path`` replaced by what ``write`` writes (see :func:`write_atomic`)."""
     tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
     created = False
     try:
@@ -44,7 +64,7 @@ def write_atomic(path: str | Path, data: bytes | str, *, mode: int = 0o600) -> P
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), mode)
         created = True
         with os.fdopen(fd, "wb") as fh:
-            fh.write(raw)
+            write(fh)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
