@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_agent.probes import cpu_name
+from senseshield.bench.machine import cpu_model
 from senseshield.errors import ConfigError
 from senseshield.job import Job, initial_model, train_config
 from senseshield.runtime.fleet import FleetOptions, agent_ids, fleet_up
@@ -126,7 +126,7 @@ def main() -> None:
     held = held_out(Job(strategy="masked", model="mlp", dataset="digits", partition="iid", clients=args.agents,
                         rounds=args.rounds, seed=0))
     slow = agent_ids(args.agents)[-1]
-    result: dict = {"machine": f"{cpu_name()}, {os.cpu_count()} vCPUs, {platform.system()}",
+    result: dict = {"machine": f"{cpu_model()}, {os.cpu_count()} vCPUs, {platform.system()}",
                     "date": time.strftime("%Y-%m-%d"), "agents": args.agents, "slow_agent": slow, "quota": args.quota,
                     "epochs": args.epochs, "model": "mlp", "dataset": "digits", "strategy": "masked", "runs": []}
     try:

@@ -425,14 +425,10 @@ class LoadGenerator:
                           Metrics(cluster=cluster, metric=accuracy, n_test=len(data.y_test)), r)
 
 
-FORKED = False  # True in a forked load-generator process (generate)
-
-
 def running(proc) -> bool:  # noqa: ANN001 - a subprocess.Popen
-    """Whether a fleet process still runs; from a forked load-generator process, which cannot
-    wait for it (not its child), from /proc (an exited one stays a zombie until reaped)."""
-    if not FORKED:
-        return proc.poll() is None
+    """Whether a fleet process still runs, read from /proc (as the Sampler reads its CPU): a
+    forked load-generator process cannot wait for it (not its child), and an exited one is a
+    zombie until it is reaped."""
     try:
         return Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     except (OSError, IndexError):
@@ -450,36 +446,34 @@ class Generated(NamedTuple):
     cpu_s: float
 
 
-def _generate_part(fleet: ScaleFleet, part: tuple[int, int], timeout: float, around_join, out) -> None:  # noqa: ANN001
-    """One load-generator process (forked): its agents to the job's end, then what it sent."""
-    global FORKED
-    FORKED = True
+def _play(fleet: ScaleFleet, part: tuple[int, int], timeout: float, around_join) -> Generated:  # noqa: ANN001
+    """One load generator's agents (``part``, see :class:`LoadGenerator`) to the job's end."""
     load = LoadGenerator(fleet, part)
     if around_join is not None:
         load.around_join = around_join
     cpu = time.process_time()
+    load.run(timeout)
+    return Generated(load.sent_updates, load.bytes_sent, load.errors, load.repeats, time.process_time() - cpu)
+
+
+def _play_forked(fleet: ScaleFleet, part: tuple[int, int], timeout: float, around_join, out) -> None:  # noqa: ANN001
+    """:func:`_play` in a forked process; what it sent (or why it stopped) goes to ``out``."""
     try:
-        load.run(timeout)
+        out.put(_play(fleet, part, timeout, around_join))
     except Exception as exc:  # noqa: BLE001 - said in the summary
-        load.errors.append(f"process {part[0]}: {type(exc).__name__}: {exc}")
-    out.put(Generated(load.sent_updates, load.bytes_sent, load.errors, load.repeats, time.process_time() - cpu))
+        out.put(Generated({}, 0, [f"process {part[0]}: {type(exc).__name__}: {exc}"], {}, 0.0))
 
 
 def generate(fleet: ScaleFleet, timeout: float, *, processes: int = 1, around_join=None) -> Generated:  # noqa: ANN001
     """Play the fleet's N agents from ``processes`` load-generator processes (1: this one),
     each with its own MQTT links, every W-th agent each, to the job's end."""
     if processes == 1:
-        load = LoadGenerator(fleet)
-        if around_join is not None:
-            load.around_join = around_join
-        cpu = time.process_time()
-        load.run(timeout)
-        return Generated(load.sent_updates, load.bytes_sent, load.errors, load.repeats, time.process_time() - cpu)
+        return _play(fleet, (0, 1), timeout, around_join)
     import multiprocessing
 
     ctx = multiprocessing.get_context("fork")  # the fleet (identities, trust, processes) as it is
     out = ctx.Queue()
-    workers = [ctx.Process(target=_generate_part, args=(fleet, (w, processes), timeout, around_join, out), daemon=True)
+    workers = [ctx.Process(target=_play_forked, args=(fleet, (w, processes), timeout, around_join, out), daemon=True)
                for w in range(processes)]
     for w in workers:
         w.start()

@@ -209,7 +209,7 @@ class JobState:
         sampled = set(ids) if o.sample_rate >= 1.0 else {a for a in ids if self.sampler.random() < o.sample_rate}
         if o.buffer is not None:  # buffered: who still trains is carried, not sampled afresh
             self.busy = {a: w for a, w in self.busy.items() if a in online}
-            sampled = (sampled - self.busy.keys()) | self.busy.keys()
+            sampled |= self.busy.keys()
         self.round, self.clusters, self.notes = r, {}, []
         budgets.recalibrate(self, r, block_size=block_size, log=log)
         budgets.refresh_measured(self, r, block_size=block_size, log=log)
@@ -272,12 +272,10 @@ class JobState:
         self.busy.pop(agent, None)
 
     def staleness_of(self, agent: str, r: int) -> int:
-        """Rounds of staleness of ``agent``'s update of round ``r`` (0 unless the job is
-        buffered and its plan of round ``r`` started it from an older model)."""
+        """Rounds of staleness of ``agent``'s update of round ``r`` (a buffered job's plan
+        records the model round it started from; 0 otherwise)."""
         record = self.agent_rounds.get(agent, {}).get(r, {})
-        if self.config.options.buffer is None or "model_round" not in record:
-            return 0
-        return staleness(r, record["model_round"])
+        return staleness(r, record["model_round"]) if "model_round" in record else 0
 
     def round_plan(self, k: int, agent: str, *, block_size: int) -> RoundPlan:
         """``agent``'s plan for cluster ``k`` in the round under way (rebuilt exactly when re-sent)."""

@@ -162,11 +162,10 @@ class DeviceRound:
             participants=plan.participants, noise_multiplier=plan.noise_multiplier,
             min_encrypted=floor if public is not None else 0.0,
         )
-        tau = staleness(r, plan.model_round) if self.config.options.buffer is not None else 0
         update, choice = protect_local(
             self.strategy, context, local, key, n_samples=self.data.n_train,
             rng=self.noise.generator("protect", round=r, index=self.index), min_encrypted=floor if public else 0.0,
-            staleness=tau,
+            staleness=staleness(r, plan.model_round),  # counts in a buffered job only (update_weight)
         )
         if "own_blocks_added" in choice.info:
             blocks, given, after = choice.info["own_blocks_added"]

@@ -118,6 +118,10 @@ def failure_sentence(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+ROUND_START = ("plan_frame_sent_at", "plan_received_at", "wait_model", "ready_at")
+"""A round's timings taken before its training (a carried round's work takes them along)."""
+
+
 class AgentExit(Exception):
     """The agent stops: ``code`` 0 (run done) or 3 (refused by the coordinator)."""
 
@@ -145,8 +149,9 @@ class RunState:
     evaluated: int = -1
     last_update: tuple[int, bytes] | None = None  # (round, frame) to re-send after a reconnect
     done_rounds: set[int] = field(default_factory=set)
-    sent_from: dict[tuple[int, int], int] = field(default_factory=dict)  # (cluster, model round) -> round sent in
-    kept: tuple | None = None  # buffered: (cluster, model round, start, local update) of its last masked work
+    # a buffered job: the last work sent, (cluster, model round, round sent in, start model,
+    # local update or None when it had a plaintext part), for a carried plan that crosses it
+    last_work: tuple | None = None
     warmed: bool = False  # it trained once in this job (the slowdown drill skips torch's warm-up)
     timings: dict[int, dict[str, float]] = field(default_factory=dict)
     hello: Hello | None = None
@@ -758,10 +763,11 @@ class EdgeAgent(Service):
         else:
             t_train = time.perf_counter()
             local = device.train(run.model, start)
-            if self.slowdown > 1.0 and self.stopping.wait(self.slowdown_s(r, time.perf_counter() - t_train)):
+            if self.slowdown > 1.0 and self.stopping.wait(self._slowdown_s(time.perf_counter() - t_train)):
                 return  # stopped while it played a slower board
             if config.options.buffer is not None:  # buffered: the newest round this work is carried into
                 r, plan, device, slot = self._carried(r, plan, device, slot)
+                tm = run.timings.setdefault(r, {})
         shared = plan.mask()
         if plan.negotiate:
             t = time.time()
@@ -809,8 +815,7 @@ class EdgeAgent(Service):
         t_upload = time.perf_counter() - t
         run.last_update = (r, frame)
         if config.options.buffer is not None:  # what a carried plan that crosses it may send again
-            run.sent_from[(plan.cluster, plan.model_round)] = r
-            run.kept = (plan.cluster, plan.model_round, start, local) if not message.plaintext.size else None
+            run.last_work = (plan.cluster, plan.model_round, r, start, None if message.plaintext.size else local)
         self.update_until = plan.deadline
         self.update_repeat.arm()  # until the coordinator acknowledges it, or the deadline
         run.done_rounds.add(r)
@@ -818,16 +823,12 @@ class EdgeAgent(Service):
         tm.update({"serialize": t_serialize, "receipt": t_receipt, "upload": t_upload, "uploaded_at": time.time(),
                    "bytes_up": float(len(frame))})
 
-    def slowdown_s(self, r: int, trained_s: float) -> float:
-        """The fault drill's wait after round ``r``'s training of ``trained_s`` s: ``slowdown``
-        - 1 times as long, from its second training of the job on (the first includes torch's
-        one-time warm-up, which a slower board does not repeat every round; ``r``: the round)."""
-        run = self.run
-        if run is None or not run.warmed:
-            if run is not None:
-                run.warmed = True
-            return 0.0
-        return (self.slowdown - 1.0) * trained_s
+    def _slowdown_s(self, trained_s: float) -> float:
+        """The fault drill's wait after a training of ``trained_s`` s: ``slowdown`` - 1 times as
+        long, from the job's second training on (the first includes torch's one-time warm-up,
+        which a slower board does not repeat every round)."""
+        warmed, self.run.warmed = self.run.warmed, True
+        return (self.slowdown - 1.0) * trained_s if warmed else 0.0
 
     def _crossed(self, r: int, plan: RoundPlan):  # noqa: ANN202
         """A buffered job: round ``r``'s plan starts from a model this device already sent its
@@ -838,15 +839,14 @@ class EdgeAgent(Service):
         from one model in one aggregate only, so the late copy can never be unmasked beside
         it); otherwise False: the plan is declined (the coordinator plans it afresh)."""
         run = self.run
-        sent = run.sent_from.get((plan.cluster, plan.model_round))
         newest = run.models.get(plan.cluster, (0, None))[0]
-        if sent is None or plan.model_round >= newest:
+        if run.last_work is None or run.last_work[:2] != (plan.cluster, plan.model_round) or plan.model_round >= newest:
             return None
-        kept = run.kept
-        if kept is not None and kept[:2] == (plan.cluster, plan.model_round):
+        _, _, sent, start, local = run.last_work
+        if local is not None:
             self.log.info("round %d: its work from model %d reached round %d after it closed; sent again, protected "
                           "for round %d", r, plan.model_round, sent, r)
-            return kept[2], kept[3]
+            return start, local
         run.done_rounds.add(r)
         self._failed(r, "round", ProtocolError(
             f"this device sent its work from model {plan.model_round} of cluster {plan.cluster} in round {sent} "
@@ -876,7 +876,9 @@ class EdgeAgent(Service):
         run.done_rounds.add(r)
         self.log.info("round %d: trained from model %d, which round %d closed without; carried into round %d",
                       r, plan.model_round, r, q)
-        run.timings.setdefault(q, {}).update(run.timings.get(r, {}))
+        # the round's start goes with its work (round r's model arrival stays round r's)
+        started = run.timings.get(r, {})
+        run.timings.setdefault(q, {}).update({k: started.pop(k) for k in ROUND_START if k in started})
         return q, carried, replace(device, plan=carried, r=q), slot_of(self.fleet, run.run_id, q, self.agent_id)
 
     def _evaluate_new_model(self) -> None:

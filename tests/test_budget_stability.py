@@ -4,7 +4,6 @@ the default budget mode: measured). Each test is one join, ~20-30 s on a 2-vCPU 
 
 from __future__ import annotations
 
-import os
 import re
 
 import pytest
@@ -40,13 +39,10 @@ def test_an_agent_with_half_a_cpu_gets_a_visibly_smaller_budget(mosquitto, tmp_p
     """c002 runs inside a 50 % cgroup CPU quota from its start (the trials' way of making a
     device 2x slower): it measures half the others' encryption rate and gets about half their
     budget, while the two identical others stay equal."""
-    from senseshield.trials.emulation import _remove_cgroup, in_cgroup, set_cpu_quota
+    from senseshield.trials.emulation import _remove_cgroup, in_cgroup, quota_group
 
-    version, root = _cpu_cgroup()
-    group = root / f"senseshield-test-half-{os.getpid()}"
-    group.mkdir()
+    group = quota_group(0.5, name="test-half")
     try:
-        set_cpu_quota(group, version, 0.5, period_us=100_000)
         result = join(3, tmp_path, broker=mosquitto.url, fleet="stable-half", timeout=60,
                       wrap=lambda name, argv: in_cgroup(group, argv) if name == "c002" else argv)
     finally:

@@ -141,13 +141,10 @@ def test_a_device_under_a_cpu_quota_gets_a_smaller_budget_and_fewer_local_steps(
     from senseshield.job import Job
     from senseshield.runtime.fleet import FleetOptions, agent_ids, fleet_up
     from senseshield.strategies.base import StrategyOptions
-    from senseshield.trials.emulation import in_cgroup, set_cpu_quota
+    from senseshield.trials.emulation import in_cgroup, quota_group
 
-    version, root = _cpu_cgroup()
-    group = root / f"senseshield-test-steps-{os.getpid()}"
-    group.mkdir()
+    group = quota_group(0.05, name="test-steps")
     try:
-        set_cpu_quota(group, version, 0.05, period_us=100_000)
         job = Job(strategy="sensecrypt", model="mlp", dataset="digits", partition="iid", clients=3, rounds=5,
                   key_bits=1024, seed=0, options=StrategyOptions(straggle_limit=2.0))
         options = FleetOptions(agents=3, out=tmp_path, round_deadline=300, join_timeout=600,

@@ -309,8 +309,8 @@ def quota_group(share: float, *, period_us: int = 100_000, name: str = "bench") 
     process made that much slower (:func:`in_cgroup`; :func:`_remove_cgroup` removes it).
     ConfigError without root and a writable cpu cgroup controller."""
     found = _cpu_cgroup_mount()
-    if os.geteuid() != 0 or found is None:
-        raise ConfigError("A CPU quota needs root and a cpu cgroup controller (cgroup v1 cpu or v2 cpu.max).")
+    if os.geteuid() != 0 or found is None or not os.access(found[1], os.W_OK):
+        raise ConfigError("A CPU quota needs root and a writable cpu cgroup controller (cgroup v1 cpu or v2 cpu.max).")
     version, root = found
     group = root / f"senseshield-{name}-{os.getpid()}"
     group.mkdir(exist_ok=True)
