@@ -65,6 +65,7 @@ from senseshield.bench.machine import cpu_model as _cpu_model  # noqa: E402
 from senseshield.he import SCHEMES  # noqa: E402
 from senseshield.he.base import model_digest, round_context  # noqa: E402
 from senseshield.job import Job, announced_run, build_job_model, train_config  # noqa: E402
+from senseshield.processes import running  # noqa: E402
 from senseshield.device_noise import DeviceNoise  # noqa: E402
 from senseshield.rounds import choice_report, client_bootstrap, client_seed, local_update, protect_local  # noqa: E402
 from senseshield.runtime.broker import MosquittoProcess  # noqa: E402
@@ -246,7 +247,8 @@ class LoadGenerator:
             try:
                 suffix, frame, msg = self.inbox.get(timeout=0.5)
             except queue.Empty:
-                if not running(self.fleet.processes["coordinator"]):
+                # not poll(): a forked load-generator process cannot wait for it (not its child)
+                if not running(self.fleet.processes["coordinator"].pid):
                     break
                 continue
             try:
@@ -423,16 +425,6 @@ class LoadGenerator:
             if self.cluster_of.get((agent, r)) == cluster:
                 self.send(agent, f"agents/{agent}/metrics",
                           Metrics(cluster=cluster, metric=accuracy, n_test=len(data.y_test)), r)
-
-
-def running(proc) -> bool:  # noqa: ANN001 - a subprocess.Popen
-    """Whether a fleet process still runs, read from /proc (as the Sampler reads its CPU): a
-    forked load-generator process cannot wait for it (not its child), and an exited one is a
-    zombie until it is reaped."""
-    try:
-        return Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
 
 
 class Generated(NamedTuple):

@@ -713,25 +713,12 @@ def _init_worker(private: bytes, owner: int) -> None:
     server stopped with ``os._exit`` runs no clean-up, and a worker must not outlive it)."""
     import threading
 
+    from senseshield.processes import running
+
     _WORKER_KEY[:] = [private]
 
-    def gone() -> bool:  # exited (a zombie not yet reaped counts as exited)
-        try:
-            with open(f"/proc/{owner}/stat", "rb") as stat:
-                return stat.read().rsplit(b")", 1)[1].split()[0] == b"Z"
-        except FileNotFoundError:
-            return True
-        except OSError:  # no /proc: ask the kernel
-            try:
-                os.kill(owner, 0)
-            except ProcessLookupError:
-                return True
-            except PermissionError:
-                pass
-            return False
-
     def watch() -> None:
-        while not gone():
+        while running(owner):
             time.sleep(1.0)
         os._exit(0)
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from senseshield.errors import ConfigError
+from senseshield.processes import running
 
 if TYPE_CHECKING:
     from senseshield.trials.trial import AgentPlan
@@ -142,16 +143,6 @@ def probe(emulate: bool = True) -> Capabilities:
 
 
 # ---- the emulation --------------------------------------------------------------------------
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _free_subnet() -> str:
@@ -394,7 +385,7 @@ def cleanup_stale(say: Say | None = None) -> list[str]:
     for item in leftovers():
         kind, name = item.split(" ", 1)
         match = re.search(r"(\d+)", Path(name).name)
-        if match is None or _pid_alive(int(match.group(1))):
+        if match is None or running(int(match.group(1))):
             continue
         if kind == "netns":
             _kill_netns_pids(name)
