@@ -186,7 +186,8 @@ def run_simulation(
     block_size = public_key.block_size if public_key is not None else 1
     plan: FleetPlan = strategy.plan_fleet(reports, size=layout.size, block_size=block_size)
     globals_ = {k: initial.copy() for k in plan.clusters}
-    history = {k: {0: initial.copy()} for k in plan.clusters}  # cluster -> round -> its model then
+    # a replayed buffered run: cluster -> round -> its model then (what a carried device started from)
+    history = {k: {0: initial.copy()} for k in plan.clusters} if schedule is not None else {}
     by_id = {c.id: c for c in clients}
     train = train_config(config)
 
@@ -286,7 +287,8 @@ def run_simulation(
             if observe is not None:
                 observe(r, k, updates, mean, {c.id: local[c.id].delta for c in members})
             globals_[k] = apply_mean(globals_[k], mean, server_lr=config.options.server_lr)
-            history[k][r] = globals_[k]
+            if schedule is not None:
+                history[k][r] = globals_[k]
             round_models[k] = globals_[k]
             tally.bytes_down += len(members) * layout.size * 4
         if recorder is not None:
