@@ -639,13 +639,18 @@ def main() -> None:
     parser.add_argument("--loadgen-processes", type=int, default=1,
                         help="processes the load generator spreads the agents over (each with its own MQTT links; "
                              "with --sites K, K processes give each site its own)")
+    parser.add_argument("--keep", type=Path, default=None, metavar="DIR",
+                        help="write every run's fleet (its services' logs, report.json) under DIR and keep it "
+                             "(default: a temporary directory, removed at the end)")
     args = parser.parse_args()
     if args.loadgen_processes < 1:
         parser.error(f"--loadgen-processes {args.loadgen_processes} is not allowed; give 1 or more")
     counts = [6, 20] if args.quick else [int(x) for x in args.agents.split(",")]
     rounds, key_bits, repeats = (2, 1024, 1) if args.quick else (args.rounds, args.key_bits, args.repeats)
     runs = []
-    with tempfile.TemporaryDirectory() as tmp:
+    if args.keep is not None:
+        args.keep.mkdir(parents=True, exist_ok=True)
+    with nullcontext(str(args.keep)) if args.keep is not None else tempfile.TemporaryDirectory() as tmp:
         broker = MosquittoProcess(Path(tmp) / "broker", fleet_size=max(counts),
                                   max_queued_messages=args.max_queued).start()
         try:

@@ -59,6 +59,35 @@ def test_a_fan_out_without_waiting_for_each_acknowledgement_still_delivers_every
     tx.stop(), rx.stop()
 
 
+def test_a_slow_receiver_keeps_what_waits_in_a_file_and_loses_nothing(mosquitto):
+    """Frames arrive while the receiver is busy: the link takes them off the network at once,
+    holds at most its memory budget of them in memory (the rest in its temporary file) and
+    hands every one over, in order, once the receiver goes on."""
+    busy, got = __import__("threading").Event(), []
+
+    def slow(t, f):
+        busy.wait(30)
+        got.append(f.fields["k"])
+
+    rx = Link(mosquitto.url, client_id="rx-slow", fleet="lab", on_frame=slow, memory_bytes=64 << 10)
+    rx.subscribe("t/#")
+    rx.start()
+    tx = Link(mosquitto.url, client_id="tx", fleet="lab", on_frame=lambda t, f: None)
+    tx.start()
+    for i in range(200):
+        assert tx.publish(f"t/{i}", frame(k=i, n=4096), wait=False)  # 16 KiB each
+    deadline = time.monotonic() + 30
+    while rx.pending_bytes < 199 * 16384 and time.monotonic() < deadline:  # the first one is being handled
+        time.sleep(0.05)
+    assert rx.pending_bytes >= 199 * 16384 and rx._inbound.spilled_total > 0
+    busy.set()
+    while len(got) < 200 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert got == list(range(200))
+    assert rx.pending_memory_peak <= 64 << 10 and rx.dropped_inbound == 0
+    tx.stop(), rx.stop()
+
+
 def test_large_frames_are_chunked_under_the_broker_limit(tmp_path):
     broker = Mosquitto(tmp_path, message_size_limit=100_000)
     broker.start()

@@ -6,7 +6,11 @@ decodes each message (every envelope, signature and schema check of
 :mod:`senseshield.runtime.protocol`, so a bad frame is rejected before it is queued) and
 queues typed messages. The service's own thread takes them in order and calls the handler
 registered for the message class, so handlers never race and long work (training,
-decryption) never blocks the network thread's keepalives.
+decryption) never blocks the network thread's keepalives. The decoded messages waiting for
+the service's thread hold at most :data:`DECODED_BYTES` of payload (one message more if it
+alone is larger): beyond that the decoder waits, and what arrives meanwhile waits
+undecoded in the link's queue, which keeps all but its first few MB in a temporary file.
+However many devices send at once, what waits costs the process a bounded amount of memory.
 
 A handler that raises :class:`ProtocolError`, :class:`ConfigError` or
 :class:`KeyMismatchError` rejects that one message: the reason is logged and kept in
@@ -70,6 +74,10 @@ GOODBYE_S = 0.5
 
 WAIT_NOTE_S = 2.0
 """A wait that lasts longer than this is said in the log, once (:class:`WaitNote`)."""
+
+DECODED_BYTES = 8 << 20
+"""Most payload bytes of decoded messages waiting for the service's thread (the decoder waits
+beyond: see the module docstring)."""
 
 
 class WaitNote:
@@ -228,6 +236,10 @@ class Service:
         # SimpleQueue: its put is reentrant, so the signal handler may put while the service's
         # thread is inside get (queue.Queue's lock is not: a SIGTERM there deadlocked the service)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        # payload bytes of the decoded messages in _queue, and the decoder's wait for room
+        self._queued_bytes = 0
+        self._room = threading.Condition(threading.Lock())
+        self.queued_peak = 0  # the most payload bytes ever waiting there
         self._handlers: dict[type[Message], Callable[[Inbound], None]] = {}
         self.stopping = threading.Event()
         self.stop_signal: int | None = None  # the SIGTERM/SIGINT that stopped it (see leave)
@@ -336,6 +348,9 @@ class Service:
             self.log.info("%s: reconnected to the broker; re-sending state", self.name)
             self.guard("reconnect", self.on_reconnect)
             return True
+        with self._room:
+            self._queued_bytes -= item.nbytes
+            self._room.notify()
         peer = self.peers.get(item.suffix)
         handler = self._handlers.get(type(item.message))
         if peer is not None and isinstance(item.message, Status):
@@ -440,7 +455,18 @@ class Service:
         check_frame(self.trust, frame)
         message = from_frame(frame)
         suffix = full_topic.removeprefix(f"{PREFIX}/{self.fleet}/")
-        self._queue.put(Inbound(suffix, frame, message, self.link.received_at or time.time()))
+        item = Inbound(suffix, frame, message, self.link.received_at or time.time())
+        size = item.nbytes
+        with self._room:  # room for it (one message is always let in): the service's thread makes it
+            while self._queued_bytes and self._queued_bytes + size > DECODED_BYTES and not self._closing():
+                self._room.wait(0.1)
+            self._queued_bytes += size
+            self.queued_peak = max(self.queued_peak, self._queued_bytes)
+        self._queue.put(item)
+
+    def _closing(self) -> bool:
+        """Whether the service is stopping or its link stopped (a decoder waiting for room gives up)."""
+        return self.stopping.is_set() or self.link.closed
 
 
 def leave(service: Service, code: int = 0) -> None:

@@ -12,10 +12,14 @@ or network loss; subscriptions are renewed on every (re)connect.
 Draining: paho's network thread only appends each arriving message to the link's inbound
 queue (and acknowledges it to the broker), so the broker's queue toward this client drains
 at network speed however slow the process is at handling what arrives; the link's own
-decoder thread reassembles, decodes and calls ``on_frame``. The inbound queue holds at most
-``max_pending_bytes`` (:data:`DEFAULT_MAX_PENDING_BYTES`); a message beyond that is dropped,
-counted as a rejection and logged (at most once every :data:`DROP_NOTE_S` s), never waited
-for: a sender that heard no answer sends again (see docs/protocol.md, "Re-sending").
+decoder thread reassembles, decodes and calls ``on_frame``. The inbound queue is a
+:class:`~senseshield.runtime.backlog.Backlog`: it holds ``memory_bytes``
+(:data:`DEFAULT_MEMORY_BYTES`) in memory and the rest in a temporary file, so what waits
+does not grow the process with the fleet. It holds at most ``max_pending_bytes``
+(:data:`DEFAULT_MAX_PENDING_BYTES`) in all; a message beyond that (or one the file cannot
+take) is dropped, counted as a rejection and logged (at most once every :data:`DROP_NOTE_S`
+s), never waited for: a sender that heard no answer sends again (see docs/protocol.md,
+"Re-sending").
 
 Waiting: :meth:`Link.publish` waits for the broker's acknowledgement in short slices and
 gives up at once when the link's ``stopping`` event is set (a service being stopped), as
@@ -32,7 +36,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import ssl
 import threading
 import time
@@ -45,6 +48,7 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 
 from senseshield.errors import ConfigError, ProtocolError
+from senseshield.runtime.backlog import Backlog
 from senseshield.runtime.protocol import CHUNK_SCHEMA, Frame, Reassembler, decode_frame, split_frame
 from senseshield.runtime.protocol.envelope import DEFAULT_MAX_FRAME_BYTES
 
@@ -53,12 +57,13 @@ PROTOCOLS = {"5": mqtt.MQTTv5, "3.1.1": mqtt.MQTTv311}  # MQTT version -> paho c
 DEFAULT_CHUNK_BYTES = 1 << 20  # well under every broker's default message limit
 DEFAULT_PORTS = {"mqtt": 1883, "mqtts": 8883}  # URL scheme -> default port (mqtts: TLS)
 DEFAULT_MAX_PENDING_BYTES = 1 << 30  # inbound messages received but not yet decoded (1 GiB)
+DEFAULT_MEMORY_BYTES = 8 << 20  # of those, held in memory (the rest wait in a temporary file)
 DEFAULT_MAX_INFLIGHT = 1000  # outgoing QoS 1 messages awaiting the broker's PUBACK at once
 DROP_NOTE_S = 10.0  # an overflowing inbound queue is said in the log at most this often
 WAIT_SLICE_S = 0.05  # waits (connect, PUBACK) look at the stopping event this often
 
 log = logging.getLogger("senseshield.runtime.transport")
-_RECONNECTED = object()  # in the inbound queue: the link is connected again
+MESSAGE, RECONNECTED = 0, 1  # kinds of inbound entries: a message; the link is connected again
 FrameHandler = Callable[[str, Frame], None]
 
 
@@ -152,6 +157,7 @@ class Link:
         username: str | None = None,
         password: str | None = None,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
+        memory_bytes: int = DEFAULT_MEMORY_BYTES,
         max_inflight: int = DEFAULT_MAX_INFLIGHT,
         stopping: threading.Event | None = None,
         receive_maximum: int | None = None,
@@ -159,7 +165,8 @@ class Link:
         """``protocol``: the MQTT version, "5" (default) or "3.1.1" (e.g. the embedded broker).
 
         ``max_pending_bytes``: most bytes of received messages waiting for the decoder thread
-        (beyond: dropped and counted); ``max_inflight``: most outgoing QoS 1 messages sent and
+        (beyond: dropped and counted); ``memory_bytes``: how many of them wait in memory (the
+        rest in a temporary file); ``max_inflight``: most outgoing QoS 1 messages sent and
         not yet acknowledged by the broker (paho queues the rest); ``stopping``: an event that,
         once set, ends every wait of this link at once (a service's stop); ``receive_maximum``
         (MQTT 5): how many QoS 1 messages the broker may have in flight toward this link at once
@@ -207,10 +214,10 @@ class Link:
         self._reassembly_lock = threading.Lock()  # the decoder adds, the service's thread expires
         self.stopping = stopping if stopping is not None else threading.Event()
         self.max_pending_bytes = max_pending_bytes
-        # network thread -> decoder thread: (topic, payload); None ends the decoder
-        self._inbound: queue.SimpleQueue = queue.SimpleQueue()
-        self._pending_bytes = 0  # payload bytes in _inbound (under _lock)
-        self.pending_peak = 0  # the most bytes ever waiting there
+        # network thread -> decoder thread (closed: the decoder ends)
+        self.memory_bytes = memory_bytes
+        self._inbound = Backlog(memory_bytes)
+        self.pending_peak = 0  # the most bytes ever waiting there (memory and file)
         self.dropped_inbound = 0  # messages dropped because the inbound queue was full
         self._drop_noted = 0.0  # monotonic time of the latest log line about drops
         self._decoder: threading.Thread | None = None
@@ -326,20 +333,32 @@ class Link:
             log.warning("%s: the network thread did not end within %g s; not waiting for it", self.client_id, timeout)
         decoder, self._decoder = self._decoder, None
         if decoder is not None:
-            self._inbound.put(None)
+            self._inbound.close()
             if decoder is not threading.current_thread():
                 decoder.join(timeout)  # a daemon thread: a handler busy beyond that is not waited for
 
     def _start_decoder(self) -> None:
         if self._decoder is not None and self._decoder.is_alive():
             return
+        if self._inbound.closed:  # stopped before: a fresh queue
+            self._inbound = Backlog(self.memory_bytes)
         self._decoder = threading.Thread(target=self._decode_loop, name=f"link-decoder-{self.client_id}", daemon=True)
         self._decoder.start()
 
     @property
     def pending_bytes(self) -> int:
-        """Bytes of received messages not yet decoded (the inbound queue)."""
-        return self._pending_bytes
+        """Bytes of received messages not yet decoded (the inbound queue, memory and file)."""
+        return self._inbound.pending_bytes
+
+    @property
+    def closed(self) -> bool:
+        """Whether the link was stopped (its inbound queue closed)."""
+        return self._inbound.closed
+
+    @property
+    def pending_memory_peak(self) -> int:
+        """The most bytes of received messages ever held in memory at once (not yet decoded)."""
+        return self._inbound.memory_peak
 
     @property
     def connected(self) -> bool:
@@ -464,7 +483,7 @@ class Link:
                 retained = list(self._retained.items())
             for suffix, frame in retained:
                 client.publish(topic(self.fleet, suffix), frame, qos=1, retain=True)
-            self._inbound.put(_RECONNECTED)  # after what arrived over the previous connection
+            self._inbound.put(RECONNECTED)  # after what arrived over the previous connection
         self._ever_connected = True
 
     def _on_connect_fail(self, client, userdata) -> None:  # noqa: ANN001
@@ -484,18 +503,18 @@ class Link:
         payload = message.payload
         if not payload:  # a cleared retained message
             return
-        size = len(payload)
-        with self._lock:
-            full = self._pending_bytes + size > self.max_pending_bytes and self._pending_bytes > 0
-            if not full:
-                self._pending_bytes += size
-                self.pending_peak = max(self.pending_peak, self._pending_bytes)
-        if full:
+        size, waiting = len(payload), self._inbound.pending_bytes
+        if waiting + size > self.max_pending_bytes and waiting > 0:
             self._drop_inbound(message.topic, size)
             return
-        self._inbound.put((message.topic, payload, time.time()))
+        try:
+            self._inbound.put(MESSAGE, message.topic, payload, time.time())
+        except OSError as exc:  # the temporary file cannot take it (disk full)
+            self._drop_inbound(message.topic, size, why=f"its temporary file cannot take more ({exc.strerror or exc})")
+            return
+        self.pending_peak = max(self.pending_peak, waiting + size)
 
-    def _drop_inbound(self, where: str, size: int) -> None:
+    def _drop_inbound(self, where: str, size: int, why: str = "") -> None:
         with self._lock:
             self.dropped_inbound += 1
             now = time.monotonic()
@@ -503,28 +522,27 @@ class Link:
             if say:
                 self._drop_noted = now
         if say:
-            log.warning("%s: inbound queue full (%d bytes waiting, limit %d): dropped a message of %d bytes on %s "
+            log.warning("%s: inbound queue full (%d bytes waiting, limit %d%s): dropped a message of %d bytes on %s "
                         "(%d dropped so far; its sender re-sends what is not answered)", self.client_id,
-                        self._pending_bytes, self.max_pending_bytes, size, where, self.dropped_inbound)
+                        self._inbound.pending_bytes, self.max_pending_bytes, f"; {why}" if why else "", size, where,
+                        self.dropped_inbound)
         self.note_rejection(where, "inbound queue full")
 
     def _decode_loop(self) -> None:
         """The decoder thread: reassemble and decode what the network thread queued, in
         order, and hand each frame to ``on_frame``; never raises."""
         while True:
-            item = self._inbound.get()
-            if item is None:
+            entry = self._inbound.get()
+            if entry is None:  # closed
                 return
-            if item is _RECONNECTED:
+            if entry.kind == RECONNECTED:
                 if self.on_reconnect is not None:
                     try:
                         self.on_reconnect()
                     except Exception:  # noqa: BLE001
                         log.exception("%s: reconnect hook failed", self.client_id)
                 continue
-            full_topic, payload, self.received_at = item
-            with self._lock:
-                self._pending_bytes -= len(payload)
+            full_topic, payload, self.received_at = entry.topic, entry.payload, entry.when
             try:
                 self._handle(full_topic, payload)
             except Exception:  # noqa: BLE001 - the decoder must survive anything
