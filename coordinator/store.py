@@ -11,6 +11,9 @@ state, clear it when the job ends. Two implementations keep the same contract
 * :class:`SqliteStore`: one SQLite file, ``--state-dir/coordinator-<fleet>.sqlite`` (mode
   0600: the state holds the fleet plan and every agent's hello). Every save is one
   transaction (the old row or the new one, never a part), made durable before it returns.
+  A state is encoded piece by piece into a temporary file and copied into its row a MB at a
+  time (:func:`~senseshield.runtime.files.json_pieces`): a large fleet's checkpoint is never
+  one string in the coordinator's memory.
 
 A store that cannot write says so as :class:`~senseshield.errors.StorageError` (one sentence
 naming the file and the reason; the coordinator stops with exit 74 and resumes from what was
@@ -28,6 +31,7 @@ import json
 import logging
 import os
 import sqlite3
+import tempfile
 import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict
@@ -37,6 +41,7 @@ from typing import Any
 from coordinator.jobs import JobRecord
 from coordinator.state import JobState
 from senseshield.errors import ConfigError, StorageError
+from senseshield.runtime.files import json_pieces, write_pieces
 
 
 def unreadable(where: object, run_id: str | None, exc: Exception) -> ConfigError:
@@ -48,7 +53,7 @@ def unreadable(where: object, run_id: str | None, exc: Exception) -> ConfigError
                        f"{job} anew.")
 
 
-def decode_state(text: str, where: object, run_id: str) -> JobState | None:
+def decode_state(text: str | bytes, where: object, run_id: str) -> JobState | None:
     """The state of job ``run_id`` in ``text`` (JSON of :meth:`JobState.to_json`); None if it is
     another job's; ConfigError (:func:`unreadable`) if it cannot be read."""
     try:
@@ -167,9 +172,26 @@ class SqliteStore(Store):
             (record.id, text)))
 
     def save_state(self, state: JobState) -> None:
-        text = json.dumps(state.to_json())
-        self._write(lambda db: db.execute("INSERT OR REPLACE INTO state (slot, run_id, state) VALUES (0, ?, ?)",
-                                          (state.run_id, text)))
+        try:
+            spool = tempfile.TemporaryFile(prefix="senseshield-checkpoint-", dir=self.path.parent)
+        except OSError as exc:
+            raise self._cannot_write(exc) from None
+        with spool:
+            try:
+                size = write_pieces(json_pieces(state.to_json(), depth=3), spool)
+                spool.seek(0)
+            except OSError as exc:
+                raise self._cannot_write(exc) from None
+
+            def change(db: sqlite3.Connection) -> None:
+                # the row first (zeroblob: its size), then its bytes a MB at a time
+                db.execute("INSERT OR REPLACE INTO state (slot, run_id, state) VALUES (0, ?, zeroblob(?))",
+                           (state.run_id, size))
+                with db.blobopen("state", "state", 0) as blob:
+                    while chunk := spool.read(1 << 20):
+                        blob.write(chunk)
+
+            self._write(change)
 
     def load_state(self, run_id: str) -> JobState | None:
         try:
@@ -196,7 +218,7 @@ class SqliteStore(Store):
                 if self.db.in_transaction:
                     self.db.execute("ROLLBACK")
                 raise
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, OSError) as exc:  # OSError: a checkpoint's spool file
             raise self._cannot_write(exc) from None
 
     def _read(self, query: Any, what: str) -> Any:  # noqa: ANN401

@@ -5,6 +5,7 @@ small tmpfs, which needs root; the unit tests below run everywhere)."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -13,11 +14,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from coordinator.store import SqliteStore
 from senseshield.errors import STORAGE_EXIT, StorageError
 from senseshield.job import Job
-from senseshield.runtime.files import write_atomic, write_json_atomic
+from senseshield.runtime.files import json_pieces, write_atomic, write_json_atomic, write_pieces
 from senseshield.runtime.fleet import Fleet, FleetOptions
 from senseshield.simulation import run_simulation
 from tests.test_fleet import keyserver_models, wait_for
@@ -54,6 +57,22 @@ def test_json_streamed_into_the_file_is_what_one_string_would_be_and_fails_alike
     with pytest.raises(StorageError, match="No space left on device"):
         write_json_atomic(path, {"new": 1})
     assert json.loads(path.read_text()) == obj and os.listdir(tmp_path) == ["report.json"]
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+        st.text(max_size=4) | st.integers() | st.booleans() | st.none(), inner, max_size=4),
+    max_leaves=30)
+
+
+@settings(max_examples=200, deadline=None)
+@given(obj=json_values, depth=st.integers(0, 4))
+def test_json_in_pieces_is_what_json_dumps_writes(obj, depth):
+    assert "".join(json_pieces(obj, depth=depth)) == json.dumps(obj)
+    out = io.BytesIO()
+    assert write_pieces(json_pieces(obj, depth=depth), out, batch=7) == len(json.dumps(obj).encode())
+    assert out.getvalue() == json.dumps(obj).encode()
 
 
 def test_a_new_file_is_private_unless_its_caller_makes_it_public(tmp_path):

@@ -96,6 +96,16 @@ def test_the_sqlite_store_survives_a_reopen_and_is_private(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["coordinator-f1.sqlite"]  # one file between saves
 
 
+def test_the_sqlite_checkpoint_is_the_state_as_json_written_piece_by_piece(tmp_path):
+    store = SqliteStore.open(tmp_path, "f1")
+    state = full_state()
+    store.save_state(state)
+    (raw,) = store.db.execute("SELECT state FROM state").fetchone()
+    assert raw == json.dumps(state.to_json()).encode()  # the same bytes as one string would be
+    assert os.listdir(tmp_path) == ["coordinator-f1.sqlite"]  # its spool file is gone
+    store.close()
+
+
 def test_a_full_database_is_a_storage_error_naming_the_file_and_the_old_state_stays(tmp_path):
     store = SqliteStore.open(tmp_path, "f1")
     store.save_state(full_state())

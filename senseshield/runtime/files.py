@@ -24,7 +24,7 @@ import io
 import json
 import os
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -53,6 +53,43 @@ def write_json_atomic(path: str | Path, obj: Any, *, indent: int | None = None, 
         text.detach()
 
     return _replace(Path(path), write, mode)
+
+
+def json_pieces(obj: Any, *, depth: int = 2) -> Iterator[str]:  # noqa: ANN401
+    """``obj`` as compact JSON (``json.dumps``'s separators), in pieces: the dicts and lists of
+    its first ``depth`` levels piece by piece, each value below them in one piece encoded by
+    the C encoder. A large state (a fleet's per-device records) is then never one string in
+    memory, nor the pure-Python encoder's millions of tokens."""
+    if depth > 0 and isinstance(obj, dict):
+        yield "{"
+        for i, (key, value) in enumerate(obj.items()):
+            yield f"{', ' if i else ''}{json.dumps({key: 0})[1:-4]}: "  # the key as json.dumps writes it
+            yield from json_pieces(value, depth=depth - 1)
+        yield "}"
+    elif depth > 0 and isinstance(obj, (list, tuple)):
+        yield "["
+        for i, value in enumerate(obj):
+            if i:
+                yield ", "
+            yield from json_pieces(value, depth=depth - 1)
+        yield "]"
+    else:
+        yield json.dumps(obj)
+
+
+def write_pieces(pieces: Iterable[str], fh: BinaryIO, *, batch: int = 1 << 20) -> int:
+    """Write ``pieces`` (str) to ``fh`` as UTF-8, about ``batch`` characters at a time;
+    returns the bytes written."""
+    written, held, size = 0, [], 0
+    for piece in pieces:
+        held.append(piece)
+        size += len(piece)
+        if size >= batch:
+            written += fh.write("".join(held).encode())
+            held, size = [], 0
+    if held:
+        written += fh.write("".join(held).encode())
+    return written
 
 
 def _replace(path: Path, write: Callable[[BinaryIO], Any], mode: int) -> Path:
