@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from coordinator import roster
-from coordinator.report import agent_round_records, clock_offset
+from coordinator.report import agent_round_records, clock_offsets
 from senseshield.engine.work import device_work, full_steps, recent_median
 from senseshield.job import train_config
 from senseshield.rounds import plan_local_steps
@@ -35,10 +35,10 @@ def full_steps_of(state: JobState, agent: str) -> int:
     return full_steps(state.agents[agent].hello.n_samples, batch_size=c.batch_size, epochs=c.local_epochs)
 
 
-def rounds_of(state: JobState, agent: str) -> dict[str, dict]:
-    """report.json ``agents[].rounds`` of ``agent`` so far (on the coordinator's clock)."""
-    return agent_round_records(state.agent_rounds, state.metrics, agent,
-                               clock_offset(state.metrics, state.uplink_delays, agent))
+def rounds_of(state: JobState, agent: str, offsets: dict[str, float]) -> dict[str, dict]:
+    """report.json ``agents[].rounds`` of ``agent`` so far (on the coordinator's clock: its
+    offset in ``offsets``, :func:`coordinator.report.clock_offsets`)."""
+    return agent_round_records(state.agent_rounds, state.metrics, agent, offsets.get(agent, 0.0))
 
 
 def local_steps(state: JobState, r: int, ids: list[str], *, log: logging.Logger) -> dict[str, int]:
@@ -57,8 +57,9 @@ def local_steps(state: JobState, r: int, ids: list[str], *, log: logging.Logger)
     if not ids or state.strategy.round_plan(r).dpsgd:
         return {}
     per_step, other = {}, {}
+    offsets = clock_offsets(state.metrics, state.uplink_delays)
     for a in ids:
-        records = rounds_of(state, a)
+        records = rounds_of(state, a, offsets)
         work = device_work([(rr, x["agent_timings"], x.get("steps"), (records.get(str(rr)) or {}).get("busy_s"))
                             for rr, x in sorted(state.agent_rounds.get(a, {}).items()) if x.get("agent_timings")])
         per_step[a], other[a] = (None, 0.0) if work is None else work
@@ -98,13 +99,14 @@ def recalibrate(state: JobState, r: int, *, block_size: int, log: logging.Logger
     if plan is None or state.config.options.budget_mode != "calibrated" or r < 3:
         return
     reports, observed = [], {}
+    offsets = clock_offsets(state.metrics, state.uplink_delays)
     for a in sorted(plan.cluster_of):
         info = state.agents.get(a)
         if info is None:
             continue
         base = RoundCosts.from_profile(info.hello.profile)
         rates, fixed = [], []
-        for rr, rec in rounds_of(state, a).items():
+        for rr, rec in rounds_of(state, a, offsets).items():
             raw = state.agent_rounds[a].get(int(rr), {})
             tm, f = raw.get("agent_timings") or {}, raw.get("he_ratio")
             if int(rr) < 2 or not tm or f is None:

@@ -63,18 +63,24 @@ class FleetReport(RunResult):
     rejected_total: int = 0
 
 
+def clock_offsets(metrics: dict[tuple[str, int], Metrics], uplink_delays: dict[str, list[float]]) -> dict[str, float]:
+    """Each agent's estimated (agent clock - coordinator clock) in seconds, NTP style: half
+    the difference of its smallest downlink sample (round plan: received on the agent - sent
+    here) and its smallest uplink sample (hello/metrics: received here - sent there); agents
+    without samples both ways (e.g. every process on one machine's clock) are left out
+    (0.0). One pass over the metrics, however many agents."""
+    down: dict[str, float] = {}
+    for (a, _), m in metrics.items():
+        t = m.timings
+        if "plan_received_at" in t and "plan_frame_sent_at" in t:
+            sample = t["plan_received_at"] - t["plan_frame_sent_at"]
+            down[a] = min(down.get(a, sample), sample)
+    return {a: round((d - min(uplink_delays[a])) / 2.0, 6) for a, d in down.items() if uplink_delays.get(a)}
+
+
 def clock_offset(metrics: dict[tuple[str, int], Metrics], uplink_delays: dict[str, list[float]], agent_id: str) -> float:
-    """Estimated (agent clock - coordinator clock) in seconds, NTP style: half the
-    difference of the smallest downlink sample (round plan: received on the agent - sent
-    here) and the smallest uplink sample (hello/metrics: received here - sent there).
-    0.0 without samples both ways (e.g. every process on one machine's clock)."""
-    down = [m.timings["plan_received_at"] - m.timings["plan_frame_sent_at"]
-            for (a, _), m in metrics.items()
-            if a == agent_id and "plan_received_at" in m.timings and "plan_frame_sent_at" in m.timings]
-    up = uplink_delays.get(agent_id, [])
-    if not down or not up:
-        return 0.0
-    return round((min(down) - min(up)) / 2.0, 6)
+    """``agent_id``'s :func:`clock_offsets` figure (0.0: none)."""
+    return clock_offsets(metrics, uplink_delays).get(agent_id, 0.0)
 
 
 def agent_round_records(agent_rounds: dict[str, dict[int, dict]], metrics: dict[tuple[str, int], Metrics],
@@ -171,11 +177,10 @@ def failures(agent_rounds: dict[str, dict[int, dict]]) -> list[dict]:
     return sorted(out, key=lambda f: (f["round"], f["agent"], f["phase"]))
 
 
-def agent_rounds_of(state: JobState, agent_id: str) -> dict[str, dict]:
+def agent_rounds_of(state: JobState, agent_id: str, offsets: dict[str, float]) -> dict[str, dict]:
     """report.json ``agents[].rounds`` of ``agent_id``, on the coordinator's clock (its
-    estimated :func:`clock_offset`)."""
-    return agent_round_records(state.agent_rounds, state.metrics, agent_id,
-                               clock_offset(state.metrics, state.uplink_delays, agent_id))
+    estimated offset in ``offsets``, :func:`clock_offsets`)."""
+    return agent_round_records(state.agent_rounds, state.metrics, agent_id, offsets.get(agent_id, 0.0))
 
 
 def straggling_now(state: JobState) -> tuple[dict, float | None] | None:
@@ -183,7 +188,8 @@ def straggling_now(state: JobState) -> tuple[dict, float | None] | None:
     ratio so far (None before any): what the Prometheus endpoint shows."""
     from senseshield.trials.report import straggling_summary
 
-    agents = [{"id": a, "rounds": agent_rounds_of(state, a)} for a in sorted(state.plan.cluster_of)]
+    offsets = clock_offsets(state.metrics, state.uplink_delays)
+    agents = [{"id": a, "rounds": agent_rounds_of(state, a, offsets)} for a in sorted(state.plan.cluster_of)]
     summary = straggling_summary(agents)
     return (summary["rounds"][-1], summary["median_ratio"]) if summary["rounds"] else None
 
@@ -249,6 +255,7 @@ def report(state: JobState, *, fleet: str, key_id: str | None = None, rejected: 
         latest[a] = m
     clients = []
     agents = []
+    offsets = clock_offsets(state.metrics, state.uplink_delays)
     for a in sorted(plan.cluster_of):
         hello = state.agents[a].hello if a in state.agents else None
         ratios = [v["he_ratio"] for v in state.agent_rounds.get(a, {}).values() if "he_ratio" in v]
@@ -262,7 +269,7 @@ def report(state: JobState, *, fleet: str, key_id: str | None = None, rejected: 
             n_train=hello.n_samples if hello else 0, n_test=latest[a].n_test if a in latest else 0,
             bandwidth=hello.bandwidth if hello else 0.0, cpu_speed=hello.cpu_speed if hello else 0.0,
         ))
-        offset = clock_offset(state.metrics, state.uplink_delays, a)
+        offset = offsets.get(a, 0.0)
         agents.append({"id": a, "profile": hello.profile if hello else {}, "online": online(state.agents, a),
                        "clock_offset_s": offset,
                        "inference": latest[a].inference if a in latest else {},

@@ -75,7 +75,7 @@ GOODBYE_S = 0.5
 WAIT_NOTE_S = 2.0
 """A wait that lasts longer than this is said in the log, once (:class:`WaitNote`)."""
 
-DECODED_BYTES = 8 << 20
+DECODED_BYTES = 2 << 20
 """Most payload bytes of decoded messages waiting for the service's thread (the decoder waits
 beyond: see the module docstring)."""
 
