@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from coordinator import budgets, roster
+from coordinator.history import DeviceRounds, MetricsBook
 from coordinator.roster import AgentInfo
 from coordinator.rounds import ClusterRound, round_tally
 from senseshield.accounting import Accountant, Epsilons
@@ -84,8 +85,10 @@ class JobState:
     busy: dict[str, list[int]] = field(default_factory=dict)
     # ---- what the rounds recorded -------------------------------------------------------
     records: list[dict] = field(default_factory=list)  # per closed round, with its RoundTally under "tally"
-    metrics: dict[tuple[str, int], Metrics] = field(default_factory=dict)  # (agent, round) -> its evaluation
-    agent_rounds: dict[str, dict[int, dict]] = field(default_factory=dict)  # agent -> round -> timings etc.
+    # (agent, round) -> its evaluation, and agent -> round -> its round record (timings etc.);
+    # rounds two rounds old are kept packed (coordinator.history)
+    metrics: MetricsBook = field(default_factory=MetricsBook)
+    agent_rounds: dict[str, DeviceRounds] = field(default_factory=dict)
     straggling: list[dict] = field(default_factory=list)  # agents a round closed without
     uplink_delays: dict[str, list[float]] = field(default_factory=dict)  # received - sent_at of small frames
     # ---- this process -------------------------------------------------------------------
@@ -211,6 +214,7 @@ class JobState:
             self.busy = {a: w for a, w in self.busy.items() if a in online}
             sampled |= self.busy.keys()
         self.round, self.clusters, self.notes = r, {}, []
+        self.settle(r - 1)
         budgets.recalibrate(self, r, block_size=block_size, log=log)
         budgets.refresh_measured(self, r, block_size=block_size, log=log)
         self.steps_of = budgets.local_steps(self, r, sorted(sampled & online), log=log) if o.buffer is None else {}
@@ -228,6 +232,17 @@ class JobState:
         if offline:  # known gone (last will): not sampled until they are back
             self.notes.append(f"round {r}: {', '.join(offline)} offline, not sampled")
         self.sampled = sampled & online
+
+    def settle(self, before: int) -> None:
+        """Pack the devices' round records and evaluations of the rounds before ``before``
+        (:mod:`coordinator.history`: their late updates and metrics are in)."""
+        if not isinstance(self.metrics, MetricsBook):
+            self.metrics = MetricsBook(self.metrics)
+        self.metrics.settle(before)
+        for a, rounds in self.agent_rounds.items():
+            if not isinstance(rounds, DeviceRounds):
+                rounds = self.agent_rounds[a] = DeviceRounds(rounds)
+            rounds.settle(before)
 
     def open_clusters(self, *, now: float) -> RoundOpen:
         """The round's cluster rounds (the sampled members of each cluster, the deadline) and
@@ -258,7 +273,7 @@ class JobState:
         assert self.plan is not None
         carried = self.clusters[k].carried.get(agent) if k in self.clusters else None
         start = carried[1] if carried is not None else self.model_round[k]
-        self.agent_rounds.setdefault(agent, {})[r] = {
+        self.agent_rounds.setdefault(agent, DeviceRounds())[r] = {
             "cluster": k, "plan_sent": when, "budget": self.plan.budget_of[agent],
             "steps": self.steps_of.get(agent, self.full_steps_of(agent)), "full_steps": self.full_steps_of(agent),
             **({"model_round": start, "trained_in": carried[0] if carried is not None else r}
@@ -354,8 +369,11 @@ class JobState:
                              records=records, pld=pld)
 
     # ---- saving -------------------------------------------------------------------------
-    def to_json(self) -> dict[str, Any]:
-        """Every kept field (:data:`KEPT`) as JSON (keys of rounds and clusters are strings)."""
+    def to_json(self, *, lazy: bool = False) -> dict[str, Any]:
+        """Every kept field (:data:`KEPT`) as JSON (keys of rounds and clusters are strings).
+        ``lazy``: the devices' round records and evaluations as mappings and a generator that
+        decode one at a time (for :func:`senseshield.runtime.files.json_pieces`, which writes
+        int keys as strings), not as one object holding them all."""
         plan = self.plan
         out = {
             "run_id": self.run_id,
@@ -390,8 +408,10 @@ class JobState:
             "busy": self.busy,
             "records": [{**rec, "tally": asdict(rec["tally"]),
                          "clusters": {str(k): c for k, c in rec["clusters"].items()}} for rec in self.records],
-            "metrics": [[a, r, m.model_dump(mode="json")] for (a, r), m in self.metrics.items()],
-            "agent_rounds": {a: {str(r): v for r, v in rounds.items()} for a, rounds in self.agent_rounds.items()},
+            "metrics": ([a, r, m.model_dump(mode="json")] for (a, r), m in self.metrics.items()) if lazy else
+                       [[a, r, m.model_dump(mode="json")] for (a, r), m in self.metrics.items()],
+            "agent_rounds": self.agent_rounds if lazy else
+                            {a: {str(r): v for r, v in rounds.items()} for a, rounds in self.agent_rounds.items()},
             "straggling": self.straggling,
             "uplink_delays": self.uplink_delays,
         }
@@ -443,8 +463,9 @@ class JobState:
             busy={a: list(w) for a, w in raw["busy"].items()},
             records=[{**rec, "tally": RoundTally(**rec["tally"]),
                       "clusters": {int(k): c for k, c in rec["clusters"].items()}} for rec in raw["records"]],
-            metrics={(a, int(r)): Metrics(**m) for a, r, m in raw["metrics"]},
-            agent_rounds={a: {int(r): v for r, v in rounds.items()} for a, rounds in raw["agent_rounds"].items()},
+            metrics=MetricsBook({(a, int(r)): Metrics(**m) for a, r, m in raw["metrics"]}),
+            agent_rounds={a: DeviceRounds({int(r): v for r, v in rounds.items()})
+                          for a, rounds in raw["agent_rounds"].items()},
             straggling=list(raw["straggling"]),
             uplink_delays={a: list(v) for a, v in raw["uplink_delays"].items()},
         )

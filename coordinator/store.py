@@ -178,7 +178,7 @@ class SqliteStore(Store):
             raise self._cannot_write(exc) from None
         with spool:
             try:
-                size = write_pieces(json_pieces(state.to_json(), depth=3), spool)
+                size = write_pieces(json_pieces(state.to_json(lazy=True), depth=3), spool)
                 spool.seek(0)
             except OSError as exc:
                 raise self._cannot_write(exc) from None

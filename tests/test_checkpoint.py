@@ -6,6 +6,7 @@ saved state only for the same job and configuration. No broker: the state is bui
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 import json
 import logging
 
@@ -80,8 +81,8 @@ def same(a, b) -> bool:  # noqa: ANN001
         return isinstance(b, Job) and a.model_dump(mode="json") == b.model_dump(mode="json")
     if dataclasses.is_dataclass(a) and not isinstance(a, type):
         return type(a) is type(b) and all(same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, Mapping):  # a dict, or the packed history's mappings
+        return isinstance(b, Mapping) and set(a.keys()) == set(b.keys()) and all(same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
         return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
     return type(a) is type(b) and a == b

@@ -24,7 +24,7 @@ import io
 import json
 import os
 import secrets
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -59,14 +59,16 @@ def json_pieces(obj: Any, *, depth: int = 2) -> Iterator[str]:  # noqa: ANN401
     """``obj`` as compact JSON (``json.dumps``'s separators), in pieces: the dicts and lists of
     its first ``depth`` levels piece by piece, each value below them in one piece encoded by
     the C encoder. A large state (a fleet's per-device records) is then never one string in
-    memory, nor the pure-Python encoder's millions of tokens."""
-    if depth > 0 and isinstance(obj, dict):
+    memory, nor the pure-Python encoder's millions of tokens. Within those levels any mapping
+    is written as an object and any iterator (a generator) as an array, read as they are
+    written: a state may hand its largest parts over lazily."""
+    if depth > 0 and isinstance(obj, Mapping):
         yield "{"
         for i, (key, value) in enumerate(obj.items()):
             yield f"{', ' if i else ''}{json.dumps({key: 0})[1:-4]}: "  # the key as json.dumps writes it
             yield from json_pieces(value, depth=depth - 1)
         yield "}"
-    elif depth > 0 and isinstance(obj, (list, tuple)):
+    elif depth > 0 and isinstance(obj, (list, tuple, Iterator)):
         yield "["
         for i, value in enumerate(obj):
             if i:
