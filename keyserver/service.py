@@ -348,6 +348,7 @@ class KeyServer(Service):
         if state.plans and r < max(state.plans):
             raise ProtocolError(f"Round plan {r} comes after round {max(state.plans)}; rounds only move forward.")
         state.serve_job(f"first round opened at {time.strftime('%Y-%m-%d %H:%M:%S')}")  # saved with the round
+        state.forget_before(r - 1)  # the round before stays: its verdict may still be under way
         state.plans[r] = plan
         state.seeds[r] = os.urandom(SEED_BYTES)
         context = f"{self.fleet}/{state.run_id}/{r}".encode()

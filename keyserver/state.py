@@ -230,6 +230,16 @@ class KeyServerState:
             return current
         return current | {model_digest(self.initial)} | set(self.digests.get(k, {}).values())
 
+    def forget_before(self, r: int) -> None:
+        """Drop the pinned plans, challenge seeds, sealed challenges, box keys and spent
+        contributions of the rounds before ``r``: what the key server keeps of a run then
+        does not grow with its rounds. Those rounds are over: a request for one is stale (its
+        cluster has a later model) or refused (no plan), a plan for one comes after a later
+        round's, and what was decrypted stays barred by the ledger."""
+        for kept in (self.plans, self.seeds, self.challenges, self.boxes, self.spent):
+            for old in [rr for rr in kept if rr < r]:
+                del kept[old]
+
     def taken(self, r: int) -> dict[str, int]:
         """Round ``r``'s contributions spent or reserved: agent -> cluster."""
         return {**self.spent.get(r, {}), **self.reserved.get(r, {})}

@@ -232,6 +232,8 @@ def verify(state: KeyServerState, rules: Rules, r: int, k: int, msg: AggregateRe
     the aggregate is decrypted."""
     ciphertext = aggregate.ciphertext
     plan = state.plans.get(r)
+    if plan is None and state.plans and r < min(state.plans):
+        return f"round {r} is over (round {max(state.plans)} is open); nothing of it is decrypted", {}, {}
     if plan is None:
         return f"round {r} was never opened (no round plan); nothing of it is decrypted", {}, {}
     if k not in plan:

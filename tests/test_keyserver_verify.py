@@ -118,6 +118,8 @@ def test_each_refusal_names_what_is_wrong(world):
     entry = f"{world[0].public_key.key_id}|a|{model_digest(INITIAL)}"
     cases = {
         "round 1 was never opened": dict(plans={}),
+        # a round the key server forgot (two later rounds were opened): over, nothing decrypted
+        "round 1 is over (round 3 is open); nothing of it is decrypted": dict(plans={2: {0: ["a"]}, 3: {0: ["a"]}}),
         "cluster 0 is not in round 1's plan": dict(plans={R: {1: ["a"]}}),
         "and is not a member of cluster 0": dict(plans={R: {0: ["a", "b"]}}),
         "the contributions of ['b'] in round 1 were already decrypted in cluster 1's": dict(spent={R: {"b": 1}}),
@@ -158,6 +160,13 @@ def test_each_refusal_names_what_is_wrong(world):
     decision = _decide(world, later, r=JOB.rounds + 1)
     assert decision == Refuse(f"round {JOB.rounds + 1} was never opened (no round plan); nothing of it is decrypted",
                               attempt=decision.attempt)
+
+
+def test_the_key_server_keeps_the_two_latest_rounds_only(world):
+    state = _state(world, plans={r: {0: ["a"]} for r in (1, 2, 3)}, seeds={r: b"s" for r in (1, 2, 3)},
+                   boxes={r: {"a": b"box"} for r in (1, 2, 3)}, spent={r: {"a": 0} for r in (1, 2, 3)})
+    state.forget_before(2)
+    assert (set(state.plans), set(state.seeds), set(state.boxes), set(state.spent)) == ({2, 3},) * 4
 
 
 def test_what_is_not_the_key_servers_to_judge_gets_no_verdict(world):

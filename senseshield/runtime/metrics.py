@@ -29,7 +29,7 @@ REFUSAL_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("mask", ("mask",)),
     ("weights", ("weigh",)),
     ("box_key", ("box key",)),
-    ("plan", ("never opened", "plan")),
+    ("plan", ("never opened", "is over", "plan")),
     ("receipt", ("receipt", "contributor list", "signed for cluster")),
     ("deadline", ("no update arrived",)),
     ("aggregation", ("aggregation failed",)),
