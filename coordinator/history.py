@@ -4,9 +4,10 @@ fraction of the memory its objects would take.
 The job's state keeps, for the whole job, every device's round record (plan, budget,
 timings, what its update showed) and every evaluation it reported (:class:`Metrics`): the
 report and the budgets read them. As Python objects that is a few kilobytes per device and
-round, which at 10,000 devices is tens of MB a round. Once a round is settled (two rounds
-old: its late updates and metrics are in), its records are kept as compact JSON bytes
-instead, about a sixth of the size, and decoded when read.
+round, which at 10,000 devices is tens of MB a round. Once a round is closed (the next one
+opens), its records are kept as compact JSON bytes instead, about a sixth of the size, and
+decoded when read; what still arrives of it (a device's late metrics, an evaluation failure)
+is kept as it comes and packed at the next round's opening.
 
 * :class:`DeviceRounds`, one device's round records (round -> record), a mutable mapping.
   Reading a settled round with ``rounds[r]`` unpacks it for good (a late evaluation failure

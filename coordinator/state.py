@@ -86,7 +86,7 @@ class JobState:
     # ---- what the rounds recorded -------------------------------------------------------
     records: list[dict] = field(default_factory=list)  # per closed round, with its RoundTally under "tally"
     # (agent, round) -> its evaluation, and agent -> round -> its round record (timings etc.);
-    # rounds two rounds old are kept packed (coordinator.history)
+    # closed rounds are kept packed (coordinator.history)
     metrics: MetricsBook = field(default_factory=MetricsBook)
     agent_rounds: dict[str, DeviceRounds] = field(default_factory=dict)
     straggling: list[dict] = field(default_factory=list)  # agents a round closed without
@@ -214,7 +214,7 @@ class JobState:
             self.busy = {a: w for a, w in self.busy.items() if a in online}
             sampled |= self.busy.keys()
         self.round, self.clusters, self.notes = r, {}, []
-        self.settle(r - 1)
+        self.settle(r)
         budgets.recalibrate(self, r, block_size=block_size, log=log)
         budgets.refresh_measured(self, r, block_size=block_size, log=log)
         self.steps_of = budgets.local_steps(self, r, sorted(sampled & online), log=log) if o.buffer is None else {}
@@ -235,7 +235,7 @@ class JobState:
 
     def settle(self, before: int) -> None:
         """Pack the devices' round records and evaluations of the rounds before ``before``
-        (:mod:`coordinator.history`: their late updates and metrics are in)."""
+        (:mod:`coordinator.history`; a round opening packs every closed one)."""
         if not isinstance(self.metrics, MetricsBook):
             self.metrics = MetricsBook(self.metrics)
         self.metrics.settle(before)

@@ -275,7 +275,11 @@ def test_honest_aggregates_pass_and_each_attack_is_refused_with_its_reason(harne
     harness.open_round(4, plan)
     result = harness.verdict(4, harness.request(4, 0, [harness.contribution(x, 4, 0) for x in "abc"]))
     assert result.accepted, result.reason
-    assert harness.server.state.spent == {1: {"d": 1, "e": 1}, 4: {"a": 0, "b": 0, "c": 0}}
+    # the key server keeps the two latest rounds only: round 1's spending is forgotten (its
+    # decrypted contributions stay barred by the ledger)
+    assert harness.server.state.spent == {4: {"a": 0, "b": 0, "c": 0}}
+    assert set(harness.server.state.plans) == {3, 4}
+    assert sum(where.startswith(f"{harness.server.state.run_id}/1/") for where in harness.server.state.ledger.values()) == 2
     assert harness.thread.is_alive()
 
 

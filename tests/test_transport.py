@@ -59,6 +59,21 @@ def test_a_fan_out_without_waiting_for_each_acknowledgement_still_delivers_every
     tx.stop(), rx.stop()
 
 
+def test_a_fan_out_keeps_a_bounded_number_of_messages_waiting_for_the_broker(mosquitto):
+    """``wait=False`` publishes: past twice ``max_inflight`` unacknowledged messages the link
+    waits for the oldest, so a fan-out to a whole fleet does not sit in memory at once."""
+    rx, inbox = listener(mosquitto.url)
+    tx = Link(mosquitto.url, client_id="tx-bounded", fleet="lab", on_frame=lambda t, f: None, max_inflight=5)
+    tx.start()
+    most = 0
+    for i in range(400):
+        assert tx.publish(f"t/{i}", frame(k=i), wait=False)
+        most = max(most, len(tx._unacknowledged))
+    assert most <= 10 + 1
+    assert [inbox.get(timeout=30)[1].fields["k"] for _ in range(400)] == list(range(400))
+    tx.stop(), rx.stop()
+
+
 def test_a_slow_receiver_keeps_what_waits_in_a_file_and_loses_nothing(mosquitto):
     """Frames arrive while the receiver is busy: the link takes them off the network at once,
     holds at most its memory budget of them in memory (the rest in its temporary file) and

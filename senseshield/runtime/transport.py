@@ -228,6 +228,8 @@ class Link:
         )
         self._client.reconnect_delay_set(min_delay=1, max_delay=10)
         self._client.max_inflight_messages_set(max_inflight)
+        self.max_inflight = max_inflight
+        self._unacknowledged: deque = deque()  # fan-out messages not yet acknowledged (oldest first)
         if will is not None:
             self._client.will_set(topic(fleet, will[0]), will[1], qos=1, retain=True)
         self._client.on_connect = self._on_connect
@@ -411,6 +413,7 @@ class Link:
                 self._retained[suffix] = frame
         infos = [self._client.publish(topic(self.fleet, suffix), p, qos=1, retain=retain) for p in parts]
         if not wait:
+            self._bound_unacknowledged(infos)
             return True
         try:
             return self._wait_published(infos, timeout)
@@ -419,6 +422,23 @@ class Link:
             # reconnect; the services also re-send their state then (on_reconnect)
             log.warning("%s: publish to %s deferred (%s)", self.client_id, suffix, exc)
             return False
+
+    def _bound_unacknowledged(self, infos: list) -> None:
+        """A fan-out (``wait=False``) keeps at most ``max_inflight`` x 2 messages queued in
+        paho (each a few KB with its packet): past that it waits for the oldest one's PUBACK,
+        so a round's plans to 10,000 devices do not sit in memory at once. Not while the link
+        is down (paho keeps them for the reconnect) or stopping."""
+        pending = self._unacknowledged
+        pending.extend(infos)
+        while pending and pending[0].is_published():
+            pending.popleft()
+        while len(pending) > 2 * self.max_inflight and self._connected.is_set() and not self.stopping.is_set():
+            try:
+                pending[0].wait_for_publish(WAIT_SLICE_S)
+            except (RuntimeError, ValueError):  # sent while the link was down: paho keeps it
+                return
+            while pending and pending[0].is_published():
+                pending.popleft()
 
     def _wait_published(self, infos: list, timeout: float) -> bool:
         """Wait for the broker's PUBACK of every message, in slices: False once ``timeout``
