@@ -47,6 +47,7 @@ from coordinator.state import JobState, take_up
 from coordinator.store import MemoryStore, SqliteStore, Store
 from senseshield.errors import ConfigError, ProtocolError
 from senseshield.job import Job, check_job, initial_model, job_from_dict, job_shape
+from senseshield.processes import release_memory
 from senseshield.results import metric_line
 from senseshield.runtime.files import npy_bytes, write_atomic, write_json_atomic
 from senseshield.runtime.identity import Identity, Trust
@@ -298,6 +299,7 @@ class Coordinator(Service):
         """Save the job's state (once its fleet is planned: before, a restart bootstraps anew)."""
         if self.state is not None and self.state.plan is not None:
             self.store.save_state(self.state)
+            release_memory()  # a round's notes, receipts and the checkpoint's encoding are gone
 
     # ---- registry -----------------------------------------------------------------------
     def _on_key(self, item: Inbound) -> None:

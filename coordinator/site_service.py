@@ -24,6 +24,7 @@ from senseshield.errors import ProtocolError
 from senseshield.he import SCHEMES
 from senseshield.he.base import job_key
 from senseshield.job import announced_run
+from senseshield.processes import release_memory
 from senseshield.runtime.identity import Identity, Trust
 from senseshield.runtime.protocol.envelope import DEFAULT_MAX_FRAME_BYTES
 from senseshield.runtime.protocol.messages import (
@@ -219,6 +220,7 @@ class SiteAggregator(Service):
                 sr.sent.append(frame)
                 self.link.publish(f"sites/{self.site}/partial", frame)
                 self.partials_sent += 1
+                release_memory()  # the partial's notes and receipts went out
                 self.log.info("round %d cluster %d: sent the partial sum of %d update(s) (%s)", r, k, len(notes),
                               "every member in" if not sr.waiting(self.offline) else "the deadline is near")
 

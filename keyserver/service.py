@@ -56,6 +56,7 @@ from senseshield.runtime.protocol.messages import (
     FleetConfig,
     PublicKeyAnnouncement,
 )
+from senseshield.processes import release_memory
 from senseshield.rounds import apply_mean
 from senseshield.runtime.identity import Identity, Trust
 from senseshield.runtime.files import write_atomic
@@ -378,6 +379,7 @@ class KeyServer(Service):
         decrypted contribution missing from the ledger), then publish both."""
         self.state.results[(r, k)] = result
         self.state.save()
+        release_memory()  # the request's receipts and the checkpoint's encoding are gone
         if self.metrics is not None:
             self.metrics.ledger(len(self.state.ledger))
             self.metrics.verdict(k, result.accepted, result.reason, result.timings)

@@ -23,3 +23,26 @@ def running(pid: int) -> bool:
     except PermissionError:  # someone else's process
         return True
     return True
+
+
+def release_memory() -> bool:
+    """Hand the heap's free pages back to the kernel (glibc's ``malloc_trim``): after a round's
+    large messages were handled, what they freed no longer counts in the process's RSS and
+    the next round's start from there, not from the last peak. False where there is no glibc
+    (nothing happens)."""
+    global _TRIM
+    if _TRIM is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _TRIM = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _TRIM = False
+    if not _TRIM:
+        return False
+    _TRIM(0)
+    return True
+
+
+_TRIM = None  # glibc's malloc_trim once looked up (False: none here)
