@@ -1,4 +1,4 @@
-"""Scale: N agents per round against a real key server, coordinator and Mosquitto (issue 15).
+"""Scale: N agents per round against a real key server, coordinator and Mosquitto.
 
 The key server and the coordinator are the real services as OS processes (``Fleet`` without
 its agent processes). A load generator plays N agents over one MQTT link per broker (in this
@@ -34,6 +34,7 @@ per round.
         [--rounds 4] [--repeats 2] [--model mlp] [--key-bits 2048] [--out benchmarks/results/scale.json] [--quick]
         [--max-queued N]  (the broker's max_queued_messages; default: sized for the largest N)
         [--loadgen-processes P]  (the agents spread over P load-generator processes; default 1)
+        [--keep DIR]  (keep every run's fleet directory: the services' logs, report.json)
 """
 
 from __future__ import annotations
