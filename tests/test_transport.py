@@ -72,6 +72,13 @@ def test_a_fan_out_keeps_a_bounded_number_of_messages_waiting_for_the_broker(mos
     assert most <= 10 + 1
     assert [inbox.get(timeout=30)[1].fields["k"] for _ in range(400)] == list(range(400))
     tx.stop(), rx.stop()
+    # messages published while the link is down never raise or block a fan-out (paho keeps them)
+    down = Link(mosquitto.url, client_id="tx-down", fleet="lab", on_frame=lambda t, f: None, max_inflight=1)
+    down.start()
+    down._client.disconnect()
+    for i in range(5):
+        down.publish(f"t/down/{i}", frame(k=i), wait=False)
+    down.stop()
 
 
 def test_a_slow_receiver_keeps_what_waits_in_a_file_and_loses_nothing(mosquitto):

@@ -130,6 +130,16 @@ def _reason(exc: Exception) -> str:
     return str(getattr(exc, "reason", None) or exc).strip() or exc.__class__.__name__
 
 
+def _settled(info) -> bool:  # noqa: ANN001 - a paho MQTTMessageInfo
+    """Whether a message handed to paho needs no more waiting for: acknowledged by the broker,
+    or published while the link was down (paho raises for those; it sends them again after the
+    reconnect, and the services re-send their state then)."""
+    try:
+        return info.is_published()
+    except (RuntimeError, ValueError):
+        return True
+
+
 def topic(fleet: str, suffix: str) -> str:
     """Full topic of ``suffix`` in ``fleet``'s tree (``ss/v1/<fleet>/<suffix>``)."""
     if not fleet or any(c in fleet for c in "/+#"):
@@ -430,14 +440,14 @@ class Link:
         is down (paho keeps them for the reconnect) or stopping."""
         pending = self._unacknowledged
         pending.extend(infos)
-        while pending and pending[0].is_published():
+        while pending and _settled(pending[0]):
             pending.popleft()
         while len(pending) > 2 * self.max_inflight and self._connected.is_set() and not self.stopping.is_set():
             try:
                 pending[0].wait_for_publish(WAIT_SLICE_S)
-            except (RuntimeError, ValueError):  # sent while the link was down: paho keeps it
-                return
-            while pending and pending[0].is_published():
+            except (RuntimeError, ValueError):
+                pass  # settled below
+            while pending and _settled(pending[0]):
                 pending.popleft()
 
     def _wait_published(self, infos: list, timeout: float) -> bool:
