@@ -125,8 +125,9 @@ def latest_training(rounds: dict[int, dict], r: int | None = None) -> dict[str, 
     """The ``training_*`` metrics an agent's round records (``agent_rounds[agent]``) hold of its
     latest update delivered in round ``r`` or before (None: in any round); {} if none."""
     for rr in sorted((rr for rr in rounds if r is None or int(rr) <= r), key=int, reverse=True):
-        if rounds[rr].get("training"):
-            return dict(rounds[rr]["training"])
+        record = rounds.get(rr) or {}  # get: a packed round is read, not unpacked for good
+        if record.get("training"):
+            return dict(record["training"])
     return {}
 
 

@@ -82,3 +82,12 @@ def test_a_checkpoint_of_settled_rounds_is_the_json_of_unsettled_ones(tmp_path):
     back = store.load_state("j-1")
     assert json.dumps(back.to_json()) == text
     store.close()
+
+
+def test_the_report_reads_packed_rounds_without_unpacking_them():
+    from coordinator.report import latest_training
+
+    rounds = DeviceRounds({1: {"training": {"training_loss": 2.0}}, 2: {"cluster": 0}})
+    rounds.settle(3)
+    assert latest_training(rounds) == {"training_loss": 2.0} and latest_training(rounds, 1) == {"training_loss": 2.0}
+    assert not rounds.live and len(rounds.packed) == 2  # still packed
