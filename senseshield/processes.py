@@ -1,5 +1,7 @@
-"""Whether an OS process runs, asked of the kernel in one place (pad workers watching the key
-server that started them, trials finding stale runs, benchmarks watching their services)."""
+"""What a process asks of the kernel, in one place: whether an OS process runs (pad workers
+watching the key server that started them, trials finding stale runs, benchmarks watching
+their services), and handing freed heap pages back (:func:`release_memory`, the services
+after a round's large messages)."""
 
 from __future__ import annotations
 
