@@ -78,10 +78,6 @@ def clock_offsets(metrics: dict[tuple[str, int], Metrics], uplink_delays: dict[s
     return {a: round((d - min(uplink_delays[a])) / 2.0, 6) for a, d in down.items() if uplink_delays.get(a)}
 
 
-def clock_offset(metrics: dict[tuple[str, int], Metrics], uplink_delays: dict[str, list[float]], agent_id: str) -> float:
-    """``agent_id``'s :func:`clock_offsets` figure (0.0: none)."""
-    return clock_offsets(metrics, uplink_delays).get(agent_id, 0.0)
-
 
 def agent_round_records(agent_rounds: dict[str, dict[int, dict]], metrics: dict[tuple[str, int], Metrics],
                         agent_id: str, offset: float) -> dict[str, dict]:

@@ -41,14 +41,13 @@ class Entry(NamedTuple):
 
 class Backlog:
     """A FIFO of :class:`Entry` holding at most ``memory_bytes`` of payloads in memory (one
-    entry more if it alone is larger), the rest in a temporary file in ``directory`` (None:
-    the system's). See the module docstring."""
+    entry more if it alone is larger), the rest in a temporary file (in ``$TMPDIR``). See the
+    module docstring."""
 
-    def __init__(self, memory_bytes: int, *, directory: str | None = None) -> None:
+    def __init__(self, memory_bytes: int) -> None:
         if memory_bytes < 0:
             raise ValueError(f"memory_bytes={memory_bytes} is not allowed; give 0 or more.")
         self.memory_bytes = memory_bytes
-        self.directory = directory
         self._lock = threading.Lock()
         self._ready = threading.Condition(self._lock)
         self._memory: deque[Entry] = deque()
@@ -127,7 +126,7 @@ class Backlog:
     # ---- the file (under the lock) ------------------------------------------------------
     def _spill(self, entry: Entry) -> None:
         if self._fd is None:
-            handle = tempfile.TemporaryFile(prefix="senseshield-backlog-", dir=self.directory)
+            handle = tempfile.TemporaryFile(prefix="senseshield-backlog-")
             self._fd = os.dup(handle.fileno())
             handle.close()
         topic = entry.topic.encode()

@@ -53,6 +53,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import TypeVar
 
@@ -177,9 +178,9 @@ class Inbound:
     def sender(self) -> str:
         return self.frame.sender
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
-        """Payload bytes of the message (its binary sections)."""
+        """Payload bytes of the message (its binary sections; summed once)."""
         return sum(len(v) if isinstance(v, bytes) else v.nbytes for v in self.frame.sections.values())
 
 
