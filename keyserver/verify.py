@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -43,9 +44,9 @@ from senseshield.runtime.protocol.messages import (
     Receipt,
     aggregate_from_message,
     from_frame,
+    iter_frames,
     pack_mask,
     parse_plain_part,
-    unpack_frames,
 )
 
 FINGERPRINT_MISMATCH = "the aggregate is not the product of the signed contributions"
@@ -70,6 +71,32 @@ def at_fault(failed: list[dict[str, str]], passed: dict[str, str], r: int) -> di
             out[a] = (f"its round {r} update does not match the fingerprint it signed: the aggregate with it "
                       f"failed the key server's check, the same aggregate with it {fate}{also} passed")
     return out
+
+
+class Signed(NamedTuple):
+    """What the checks read of one contributor's verified :class:`Receipt` (its signature,
+    run, round and cluster already checked). A request names every contributor of a
+    cluster, so the key server keeps this much of each, not the receipt and its frame; the
+    digests most contributors share (the mask, the plan, the model they trained from, the
+    key) are held once (:func:`signed_receipt`)."""
+
+    n_samples: int
+    key_id: str
+    mask_digest: str
+    fingerprint: bytes
+    start_digest: str
+    shares: int
+    plan_digest: str
+    plain_digest: str
+
+
+def signed_receipt(receipt: Receipt, common: dict[str, str]) -> Signed:
+    """:class:`Signed` of ``receipt``; ``common`` (one per request) holds each shared digest
+    once."""
+    def once(text: str) -> str:
+        return common.setdefault(text, text)
+    return Signed(receipt.n_samples, once(receipt.key_id), once(receipt.mask_digest), receipt.fingerprint,
+                  once(receipt.start_digest), receipt.shares, once(receipt.plan_digest), receipt.plain_digest)
 
 
 @dataclass(frozen=True)
@@ -156,7 +183,10 @@ def decide(state: KeyServerState, rules: Rules, sender: str, r: int, msg: Aggreg
     if state.job is None or msg.run_id != state.run_id:
         return Reject(f"Aggregate for run {msg.run_id!r}; the current run is {state.run_id!r}.")
     k = msg.cluster
-    attempt = hashlib.sha256(msg.receipts + b"|" + msg.ciphertext).hexdigest()
+    attempt = hashlib.sha256(msg.receipts)
+    attempt.update(b"|")
+    attempt.update(msg.ciphertext)
+    attempt = attempt.hexdigest()
     if (r, k) in state.results:
         warning = _no_new_attempt(state, r, k, attempt)
         if warning is not None:
@@ -238,8 +268,9 @@ def verify(state: KeyServerState, rules: Rules, r: int, k: int, msg: AggregateRe
         return f"round {r} was never opened (no round plan); nothing of it is decrypted", {}, {}
     if k not in plan:
         return f"cluster {k} is not in round {r}'s plan (clusters {sorted(plan)})", {}, {}
-    receipts: dict[str, Receipt] = {}
-    for raw in unpack_frames(msg.receipts):
+    receipts: dict[str, Signed] = {}
+    common: dict[str, str] = {}
+    for raw in iter_frames(msg.receipts):
         frame = decode_frame(raw)
         check_frame(rules.trust, frame)  # signed by the agent it names, with its pinned key
         receipt = from_frame(frame)
@@ -251,7 +282,7 @@ def verify(state: KeyServerState, rules: Rules, r: int, k: int, msg: AggregateRe
             return f"{frame.sender!r} signed for cluster {receipt.cluster}, and is not a member of cluster {k}", {}, {}
         if frame.sender in receipts:
             return f"two receipts of {frame.sender!r}", {}, {}
-        receipts[frame.sender] = receipt
+        receipts[frame.sender] = signed_receipt(receipt, common)
     names = sorted(receipts)
     if sorted(set(msg.contributors)) != names or len(msg.contributors) != len(names):
         return (f"the contributor list {sorted(msg.contributors)} is not the signed receipts' "
@@ -361,7 +392,7 @@ def _bars(run_id: str, released: frozenset[tuple[int, int]], where: str) -> bool
 
 
 def check_encryptors(state: KeyServerState, rules: Rules, msg: AggregateRequest, aggregate: EncryptedAggregate,
-                     receipts: dict[str, Receipt], notes: list[str]) -> str | None:
+                     receipts: dict[str, Signed], notes: list[str]) -> str | None:
     """Never a sum of fewer than k (per-client-mask schemes): count the encryptors of every
     union position from the contributors' masks, each checked against its signed receipt;
     positions fewer than k encrypted stay sealed (``aggregate.thin_mask``), and an
@@ -403,7 +434,7 @@ def check_encryptors(state: KeyServerState, rules: Rules, msg: AggregateRequest,
 
 
 def check_plain_side(state: KeyServerState, rules: Rules, msg: AggregateRequest, aggregate: EncryptedAggregate,
-                     receipts: dict[str, Receipt]) -> str | None:
+                     receipts: dict[str, Signed]) -> str | None:
     """What a verifiable aggregate adds in plaintext, recomputed from its contributors'
     plaintext parts (each checked against the digest its receipt signs), their signed masks
     and sample counts (:func:`~senseshield.engine.aggregation.recompute_plain_side`): an
@@ -422,7 +453,7 @@ def check_plain_side(state: KeyServerState, rules: Rules, msg: AggregateRequest,
 
 
 def _recompute(state: KeyServerState, rules: Rules, msg: AggregateRequest, aggregate: EncryptedAggregate,
-               receipts: dict[str, Receipt]):  # noqa: ANN202
+               receipts: dict[str, Signed]):  # noqa: ANN202
     """``(PlainSide, None)`` from the contributors' signed plaintext parts and masks, or
     ``(None, reason)``."""
     public = state.public

@@ -22,6 +22,7 @@ message that exists is internally consistent; :func:`update_from_message` and
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
 from typing import Annotated, Any, ClassVar
 
 import numpy as np
@@ -795,16 +796,21 @@ def pack_frames(frames: list[bytes]) -> bytes:
 
 def unpack_frames(data: bytes, *, limit: int = 1 << 16) -> list[bytes]:
     """Inverse of :func:`pack_frames`; :class:`ProtocolError` on a malformed list."""
-    out, i = [], 0
+    return list(iter_frames(data, limit=limit))
+
+
+def iter_frames(data: bytes, *, limit: int = 1 << 16) -> Iterator[bytes]:
+    """:func:`unpack_frames` one frame at a time: a reader that keeps what it needs of each
+    holds no copy of the whole list. :class:`ProtocolError` when it reaches a malformed part."""
+    i = 0
     while i < len(data):
         if i + 4 > len(data):
             raise ProtocolError("A frame list ends inside a length prefix.")
         size = int.from_bytes(data[i : i + 4], "big")
         if size > limit or i + 4 + size > len(data):
             raise ProtocolError(f"A frame list holds a frame of {size:,} bytes that does not fit.")
-        out.append(data[i + 4 : i + 4 + size])
+        yield data[i + 4 : i + 4 + size]
         i += 4 + size
-    return out
 
 
 def plain_part(withheld: np.ndarray, plaintext: np.ndarray) -> bytes:
