@@ -21,6 +21,7 @@ from keyserver.verify import (
     Rules,
     at_fault,
     decide,
+    signed_receipt,
 )
 from senseshield.engine.aggregation import aggregate_updates, protect_update
 from senseshield.he import SCHEMES
@@ -29,8 +30,10 @@ from senseshield.he.fingerprint import SEED_BYTES
 from senseshield.job import Job
 from senseshield.strategies import StrategyOptions
 from senseshield.runtime.identity import Identity, Trust
+from senseshield.runtime.protocol.envelope import decode_frame
 from senseshield.runtime.protocol.messages import (
     AggregateResult,
+    from_frame,
     Receipt,
     aggregate_to_message,
     pack_frames,
@@ -110,6 +113,22 @@ def test_an_honest_aggregate_is_accepted_with_the_plan_of_what_to_unmask(world):
     assert decision.aggregate.ciphertext is not None and decision.aggregate.round == R
     # the state is read, never changed
     assert not state.reserved and not state.spent and not state.results and not state.entries
+
+
+def test_what_is_kept_of_each_receipt_is_what_it_signs_with_shared_digests_held_once(world):
+    """A request names every contributor of a cluster: the key server keeps the fields its
+    checks read of each verified receipt, the digests most of them share as one object."""
+    common: dict[str, str] = {}
+    kept = []
+    for a in "abcd":
+        _, raw = _part(world, a)
+        receipt = from_frame(decode_frame(raw))
+        signed = signed_receipt(receipt, common)
+        assert signed._asdict() == {f: getattr(receipt, f) for f in signed._fields}
+        kept.append(signed)
+    for f in ("key_id", "mask_digest", "start_digest", "plan_digest"):
+        assert all(getattr(s, f) is getattr(kept[0], f) for s in kept)
+    assert len({s.fingerprint for s in kept}) == 4  # what is its own stays its own
 
 
 def test_each_refusal_names_what_is_wrong(world):

@@ -45,6 +45,13 @@ def test_round_trip_keeps_every_section_and_field(arrays_, blob, round_, fields)
         got = frame.sections[name]
         assert got.shape == value.shape and got.dtype == value.dtype
         np.testing.assert_array_equal(got, value)
+    # a sender's check of its own frame: the same sections, as views of the frame's bytes
+    viewed = decode_frame(data, views=True)
+    assert bytes(viewed.sections["_blob"]) == blob and isinstance(viewed.sections["_blob"], memoryview)
+    for name, value in arrays_.items():
+        got = viewed.sections[name]
+        assert got.shape == value.shape and got.dtype == value.dtype and not got.flags.owndata
+        np.testing.assert_array_equal(got, value)
 
 
 def _frame(**sections) -> bytes:
@@ -79,8 +86,9 @@ def _with_header(data: bytes, mutate) -> bytes:
 def test_malformed_frames_are_rejected_with_a_reason(make, reason):
     good = _frame(x=np.arange(3, dtype=np.float32))
     decode_frame(good)
-    with pytest.raises(ProtocolError, match=re.escape(reason)):
-        decode_frame(make(good))
+    for views in (False, True):
+        with pytest.raises(ProtocolError, match=re.escape(reason)):
+            decode_frame(make(good), views=views)
 
 
 def test_non_finite_floats_and_bad_booleans_are_rejected():
@@ -89,6 +97,9 @@ def test_non_finite_floats_and_bad_booleans_are_rejected():
     data = _frame(m=np.array([True, False]))
     with pytest.raises(ProtocolError, match="boolean"):
         decode_frame(data[:-1] + b"\x02")
+    with pytest.raises(ProtocolError, match="NaN or inf"):
+        decode_frame(_frame(x=np.array([1.0, np.nan])), views=True)
+    assert decode_frame(data, views=True).sections["m"].tolist() == [True, False]
 
 
 def test_size_limit_is_enforced_before_parsing():

@@ -15,7 +15,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 
 from senseshield.errors import ConfigError
 from senseshield.runtime.protocol import encode_frame
-from senseshield.runtime.transport import Link, parse_broker, topic
+from senseshield.runtime.transport import CHUNK_WINDOW, Link, parse_broker, topic
 from tests.broker import Mosquitto
 
 
@@ -117,9 +117,21 @@ def test_large_frames_are_chunked_under_the_broker_limit(tmp_path):
         rx, inbox = listener(broker.url)
         tx = Link(broker.url, client_id="tx", fleet="lab", on_frame=lambda t, f: None, chunk_bytes=64_000)
         tx.start()
-        tx.publish("t/big", frame(n=750_000))  # 3 MB: 30x the broker's limit
+        handed, waiting = [], []
+        publish = tx._client.publish
+
+        def counting(*args, **kwargs):  # the real client's publish, counting what awaits a PUBACK
+            waiting.append(sum(not info.is_published() for info in handed))
+            handed.append(publish(*args, **kwargs))
+            return handed[-1]
+
+        tx._client.publish = counting
+        assert tx.publish("t/big", frame(n=750_000))  # 3 MB: 30x the broker's limit
         _, got = inbox.get(timeout=20)
         assert got.sections["x"].size == 750_000 and got.sections["x"][-1] == 749_999
+        # the chunks are made as the broker takes them: a few await their PUBACK at a time,
+        # never a second copy of the whole frame
+        assert len(handed) >= 47 and max(waiting) <= CHUNK_WINDOW
         tx.stop(), rx.stop()
     finally:
         broker.stop()

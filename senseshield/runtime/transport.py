@@ -49,7 +49,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 
 from senseshield.errors import ConfigError, ProtocolError
 from senseshield.runtime.backlog import Backlog
-from senseshield.runtime.protocol import CHUNK_SCHEMA, Frame, Reassembler, decode_frame, split_frame
+from senseshield.runtime.protocol import CHUNK_SCHEMA, Frame, Reassembler, decode_frame, iter_chunks
 from senseshield.runtime.protocol.envelope import DEFAULT_MAX_FRAME_BYTES
 
 PREFIX = "ss/v1"
@@ -60,6 +60,7 @@ DEFAULT_MAX_PENDING_BYTES = 1 << 30  # inbound messages received but not yet dec
 DEFAULT_MEMORY_BYTES = 2 << 20  # of those, held in memory (the rest wait in a temporary file)
 DEFAULT_MAX_INFLIGHT = 1000  # outgoing QoS 1 messages awaiting the broker's PUBACK at once
 DROP_NOTE_S = 10.0  # an overflowing inbound queue is said in the log at most this often
+CHUNK_WINDOW = 4  # chunks of one frame handed to paho and not yet acknowledged, at most
 WAIT_SLICE_S = 0.05  # waits (connect, PUBACK) look at the stopping event this often
 
 log = logging.getLogger("senseshield.runtime.transport")
@@ -405,11 +406,12 @@ class Link:
         Returns False when the broker is unreachable right now (the message stays queued).
         A retained frame is remembered and re-published after every reconnect.
         """
-        decoded = decode_frame(frame, max_bytes=self.max_frame_bytes)  # never send what we'd refuse
-        parts = split_frame(
-            frame, limit=self.chunk_bytes, fleet=self.fleet, sender=decoded.sender, round=decoded.round
-        )
-        if retain and len(parts) > 1:
+        # never send what we'd refuse (checked over views of the frame: no copy of it)
+        decoded = decode_frame(frame, max_bytes=self.max_frame_bytes, views=True)
+        sender, round_ = decoded.sender, decoded.round
+        del decoded
+        parts = iter_chunks(frame, limit=self.chunk_bytes, fleet=self.fleet, sender=sender, round=round_)
+        if retain and len(frame) > self.chunk_bytes:
             # a retained message must be one MQTT message (a late subscriber gets only the
             # last retained payload of a topic); up to max_retained_bytes it goes unchunked
             if len(frame) > self.max_retained_bytes:
@@ -417,16 +419,24 @@ class Link:
                     f"A retained message of {len(frame):,} bytes exceeds the limit of "
                     f"{self.max_retained_bytes:,} bytes."
                 )
-            parts = [frame]
+            parts = iter([frame])
         if retain:
             with self._lock:
                 self._retained[suffix] = frame
-        infos = [self._client.publish(topic(self.fleet, suffix), p, qos=1, retain=retain) for p in parts]
+        end = time.monotonic() + timeout
+        infos, window = [], deque()
+        for part in parts:
+            info = self._client.publish(topic(self.fleet, suffix), part, qos=1, retain=retain)
+            if not wait:
+                self._bound_unacknowledged([info])
+                continue
+            infos.append(info)
+            window.append(info)
+            self._bound_window(window, CHUNK_WINDOW, end)
         if not wait:
-            self._bound_unacknowledged(infos)
             return True
         try:
-            return self._wait_published(infos, timeout)
+            return self._wait_published(infos, max(0.0, end - time.monotonic()))
         except RuntimeError as exc:
             # not connected: paho keeps QoS 1 messages queued and sends them after the
             # reconnect; the services also re-send their state then (on_reconnect)
@@ -438,11 +448,18 @@ class Link:
         paho (each a few KB with its packet): past that it waits for the oldest one's PUBACK,
         so a round's plans to 10,000 devices do not sit in memory at once. Not while the link
         is down (paho keeps them for the reconnect) or stopping."""
-        pending = self._unacknowledged
-        pending.extend(infos)
+        self._unacknowledged.extend(infos)
+        self._bound_window(self._unacknowledged, 2 * self.max_inflight)
+
+    def _bound_window(self, pending: deque, most: int, end: float | None = None) -> None:
+        """Wait until at most ``most`` of the messages in ``pending`` (oldest first) await
+        their PUBACK, dropping the settled ones: a large frame's chunks are made as the broker
+        takes them, so paho never holds a second copy of the whole frame. Not while the link
+        is down (paho keeps them for the reconnect), stopping, or past ``end`` (monotonic)."""
         while pending and _settled(pending[0]):
             pending.popleft()
-        while len(pending) > 2 * self.max_inflight and self._connected.is_set() and not self.stopping.is_set():
+        while (len(pending) > most and self._connected.is_set() and not self.stopping.is_set()
+               and (end is None or time.monotonic() < end)):
             try:
                 pending[0].wait_for_publish(WAIT_SLICE_S)
             except (RuntimeError, ValueError):

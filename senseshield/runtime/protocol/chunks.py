@@ -13,6 +13,7 @@ import hashlib
 import secrets
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from senseshield.errors import ProtocolError
@@ -25,15 +26,25 @@ def split_frame(
     frame: bytes, *, limit: int, fleet: str, sender: str, round: int
 ) -> list[bytes]:
     """The frame itself if it fits in ``limit`` bytes, else chunk frames that each fit."""
+    return list(iter_chunks(frame, limit=limit, fleet=fleet, sender=sender, round=round))
+
+
+def iter_chunks(
+    frame: bytes, *, limit: int, fleet: str, sender: str, round: int
+) -> Iterator[bytes]:
+    """:func:`split_frame` one chunk at a time: a sender that publishes each as it comes holds
+    no second copy of a large frame."""
     if limit < 1024:
         raise ValueError(f"limit is {limit} bytes; chunking needs at least 1024.")
     if len(frame) <= limit:
-        return [frame]
+        yield frame
+        return
     payload = limit - 512  # room for the chunk frame's own header
     count = -(-len(frame) // payload)
     message_id = secrets.token_hex(8)
     digest = hashlib.sha256(frame).hexdigest()
-    return [
+    view = memoryview(frame)
+    yield from (
         encode_frame(
             schema=CHUNK_SCHEMA,
             version=1,
@@ -47,10 +58,10 @@ def split_frame(
                 "total": len(frame),
                 "sha256": digest,
             },
-            sections={"data": frame[i * payload : (i + 1) * payload]},
+            sections={"data": view[i * payload : (i + 1) * payload]},
         )
         for i in range(count)
-    ]
+    )
 
 
 @dataclass

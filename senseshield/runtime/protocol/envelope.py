@@ -68,7 +68,9 @@ class Frame:
     sections: dict[str, np.ndarray | bytes] = field(default_factory=dict)
     signer_key: bytes | None = None  # the public key the frame says signed it (None: unsigned)
     signature: bytes = b""
-    signed: bytes = b""  # the bytes the signature covers
+    # the bytes the signature covers: a view of the frame as received (no copy of a large
+    # frame's sections; it keeps those bytes alive as long as the frame)
+    signed: bytes | memoryview = b""
 
     @property
     def is_signed(self) -> bool:
@@ -80,7 +82,7 @@ class Frame:
         signature): kept to forward it, e.g. the operator's signed job to the key server."""
         if not self.is_signed:
             raise ProtocolError(f"The {self.schema!r} frame from {self.sender!r} is unsigned; only a signed frame is kept.")
-        return self.signed + self.signature
+        return bytes(self.signed) + self.signature
 
 
 def _descriptor(name: str, value: np.ndarray | bytes) -> tuple[dict[str, Any], bytes]:
@@ -134,11 +136,14 @@ def encode_frame(
     return body + signer.sign(body) if signer is not None else body
 
 
-def decode_frame(data: bytes, *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Frame:
-    """Parse and check a frame; raises :class:`ProtocolError` naming the first problem."""
+def decode_frame(data: bytes, *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES, views: bool = False) -> Frame:
+    """Parse and check a frame; raises :class:`ProtocolError` naming the first problem.
+    ``views``: the sections are read-only views of ``data`` (memoryview, numpy arrays over
+    it), not copies: for a sender checking its own frame before it goes out."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ProtocolError(f"A frame must be bytes, got {type(data).__name__}.")
     data = bytes(data)
+    view = memoryview(data)
     if len(data) > max_bytes:
         raise ProtocolError(f"Frame of {len(data):,} bytes exceeds the limit of {max_bytes:,}.")
     if len(data) < _PREFIX.size:
@@ -169,26 +174,26 @@ def decode_frame(data: bytes, *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Fr
         name, kind, shape, nbytes = _check_descriptor(descriptor, sections)
         if offset + nbytes > len(data):
             raise ProtocolError(f"Section {name!r} runs past the end of the frame.")
-        raw = data[offset : offset + nbytes]
+        raw = view[offset : offset + nbytes]
         offset += nbytes
         if kind == "bytes":
-            sections[name] = raw
+            sections[name] = raw if views else bytes(raw)
             continue
         array = np.frombuffer(raw, dtype=DTYPES[kind]).reshape(shape)
         if kind == "bool":
             if np.any(array > 1):
                 raise ProtocolError(f"Section {name!r} is boolean but holds values other than 0 and 1.")
-            array = array.astype(bool)
+            array = array.view(bool) if views else array.astype(bool)
         elif kind in ("f32", "f64") and not np.all(np.isfinite(array)):
             raise ProtocolError(f"Section {name!r} contains NaN or inf.")
-        sections[name] = array.astype(array.dtype.newbyteorder("="))
+        sections[name] = array if views else array.astype(array.dtype.newbyteorder("="))
     signer_key, signature = _signature(header.get("sig"))
     expected_end = offset + (SIGNATURE_BYTES if signer_key is not None else 0)
     if expected_end != len(data):
         what = "its signature" if signer_key is not None else "its sections"
         raise ProtocolError(f"Frame has {len(data) - expected_end:,} trailing bytes after {what} (or is cut short).")
     if signer_key is not None:
-        signature = data[offset:]
+        signature = bytes(view[offset:])
     return Frame(
         schema=header["schema"],
         version=header["version"],
@@ -200,7 +205,7 @@ def decode_frame(data: bytes, *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Fr
         sections=sections,
         signer_key=signer_key,
         signature=signature,
-        signed=data[:offset] if signer_key is not None else b"",
+        signed=view[:offset] if signer_key is not None else b"",
     )
 
 
