@@ -4,10 +4,12 @@ fraction of the memory its objects would take.
 The job's state keeps, for the whole job, every device's round record (plan, budget,
 timings, what its update showed) and every evaluation it reported (:class:`Metrics`): the
 report and the budgets read them. As Python objects that is a few kilobytes per device and
-round, which at 10,000 devices is tens of MB a round. Once a round is closed (the next one
-opens), its records are kept as compact JSON bytes instead, about a sixth of the size, and
-decoded when read; what still arrives of it (a device's late metrics, an evaluation failure)
-is kept as it comes and packed at the next round's opening.
+round, which at 10,000 devices is tens of MB a round, for every round of the job. Once a
+round is closed (the next one opens), its records are kept as compact JSON bytes on disk
+instead (a :class:`Shelf`: the process's private temporary SQLite database), and decoded
+when read: what the coordinator holds in memory then does not grow with the rounds. What
+still arrives of a closed round (a device's late metrics, an evaluation failure) is kept
+as it comes and packed at the next round's opening.
 
 * :class:`DeviceRounds`, one device's round records (round -> record), a mutable mapping.
   Reading a settled round with ``rounds[r]`` unpacks it for good (a late evaluation failure
@@ -22,7 +24,10 @@ Records must be JSON (string keys; the checkpoint keeps them as JSON anyway).
 
 from __future__ import annotations
 
+import itertools
 import json
+import sqlite3
+import threading
 from collections.abc import Iterator, MutableMapping
 from typing import Any
 
@@ -33,6 +38,74 @@ def _pack(record: dict) -> bytes:
     return json.dumps(record, separators=(",", ":")).encode()
 
 
+class Shelf(MutableMapping):
+    """Packed records on disk: key -> bytes in the process's shelf, a private temporary SQLite
+    database (SQLite's own: a file in the temporary directory, deleted when the process ends)
+    that every shelf shares, each under its own namespace; in memory only SQLite's page cache.
+    Keys are JSON values (a list comes back as a tuple); iteration is in insertion order, as
+    a dict's. Thread-safe (one lock for the database)."""
+
+    __slots__ = ("ns", "__weakref__")
+    _lock = threading.Lock()
+    _db: sqlite3.Connection | None = None
+    _spaces = itertools.count()
+
+    def __init__(self) -> None:
+        self.ns = next(Shelf._spaces)
+
+    @classmethod
+    def _run(cls, sql: str, args: tuple = ()) -> list[tuple]:
+        """The rows of ``sql`` (for a change: one row, the number of rows it changed)."""
+        with cls._lock:
+            if cls._db is None:
+                db = sqlite3.connect("", check_same_thread=False, isolation_level=None)
+                db.execute("CREATE TABLE shelf (ns INTEGER, key TEXT, value BLOB)")
+                db.execute("CREATE UNIQUE INDEX place ON shelf (ns, key)")
+                cls._db = db
+            cursor = cls._db.execute(sql, args)
+            return cursor.fetchall() if sql.startswith("SELECT") else [(cursor.rowcount,)]
+
+    @staticmethod
+    def _key(key: Any) -> str:  # noqa: ANN401 - a JSON value
+        return json.dumps(key, separators=(",", ":"))
+
+    @staticmethod
+    def _unkey(text: str) -> Any:  # noqa: ANN401
+        key = json.loads(text)
+        return tuple(key) if isinstance(key, list) else key
+
+    def __getitem__(self, key: Any) -> bytes:  # noqa: ANN401
+        rows = self._run("SELECT value FROM shelf WHERE ns = ? AND key = ?", (self.ns, self._key(key)))
+        if not rows:
+            raise KeyError(key)
+        return rows[0][0]
+
+    def __setitem__(self, key: Any, value: bytes) -> None:  # noqa: ANN401
+        k = self._key(key)
+        if not self._run("UPDATE shelf SET value = ? WHERE ns = ? AND key = ?", (value, self.ns, k))[0][0]:
+            self._run("INSERT INTO shelf VALUES (?, ?, ?)", (self.ns, k, value))
+
+    def __delitem__(self, key: Any) -> None:  # noqa: ANN401
+        if not self._run("DELETE FROM shelf WHERE ns = ? AND key = ?", (self.ns, self._key(key)))[0][0]:
+            raise KeyError(key)
+
+    def __contains__(self, key: object) -> bool:
+        return bool(self._run("SELECT 1 FROM shelf WHERE ns = ? AND key = ?", (self.ns, self._key(key))))
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter([self._unkey(k) for (k,) in self._run("SELECT key FROM shelf WHERE ns = ? ORDER BY rowid",
+                                                           (self.ns,))])
+
+    def __len__(self) -> int:
+        return self._run("SELECT count(*) FROM shelf WHERE ns = ?", (self.ns,))[0][0]
+
+    def __del__(self) -> None:
+        try:
+            self._run("DELETE FROM shelf WHERE ns = ?", (self.ns,))
+        except Exception:  # noqa: BLE001 - the interpreter may be going down; the file goes with it
+            pass
+
+
 class DeviceRounds(MutableMapping):
     """One device's round records: round -> record (see the module docstring)."""
 
@@ -40,7 +113,7 @@ class DeviceRounds(MutableMapping):
 
     def __init__(self, records: dict[int, dict] | None = None) -> None:
         self.live: dict[int, dict] = dict(records or {})
-        self.packed: dict[int, bytes] = {}
+        self.packed: MutableMapping[int, bytes] = Shelf()
 
     def __getitem__(self, r: int) -> dict:
         record = self.live.get(r)
@@ -95,7 +168,7 @@ class MetricsBook(MutableMapping):
 
     def __init__(self, metrics: dict[tuple[str, int], Metrics] | None = None) -> None:
         self.live: dict[tuple[str, int], Metrics] = dict(metrics or {})
-        self.packed: dict[tuple[str, int], bytes] = {}
+        self.packed: MutableMapping[tuple[str, int], bytes] = Shelf()
 
     def __getitem__(self, key: tuple[str, int]) -> Metrics:
         m = self.live.get(key)

@@ -9,7 +9,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.history import DeviceRounds, MetricsBook
+from coordinator.history import DeviceRounds, MetricsBook, Shelf
 from coordinator.store import SqliteStore
 from senseshield.runtime.files import json_pieces
 from senseshield.runtime.protocol.messages import Metrics
@@ -42,6 +42,37 @@ def test_device_rounds_behave_as_a_dict_whatever_is_settled(script):
         assert dict(rounds.items()) == model and list(rounds) == sorted(model) and len(rounds) == len(model)
         assert all((r in rounds) == (r in model) for r in range(8))
         assert all(rounds.get(r, "none") == model.get(r, "none") for r in range(8))
+
+
+shelf_keys = st.integers(0, 5) | st.tuples(st.sampled_from(["a", "b"]), st.integers(0, 3))
+shelf_ops = st.lists(st.one_of(st.tuples(st.just("set"), shelf_keys, st.binary(max_size=8)),
+                               st.tuples(st.just("del"), shelf_keys)), max_size=30)
+
+
+@settings(max_examples=200, deadline=None)
+@given(script=shelf_ops)
+def test_a_shelf_behaves_as_a_dict_of_bytes_and_forgets_its_records_when_it_goes(script):
+    """Closed rounds go to disk (the process's temporary SQLite database): the same keys,
+    values and insertion order as a dict, each shelf apart from the others."""
+    shelf, other, model = Shelf(), Shelf(), {}
+    other["x"] = b"other's"
+    for op in script:
+        if op[0] == "set":
+            shelf[op[1]], model[op[1]] = op[2], op[2]
+        elif op[1] in model:
+            del shelf[op[1]], model[op[1]]
+        else:
+            try:
+                del shelf[op[1]]
+                raise AssertionError("deleted a key it does not hold")
+            except KeyError:
+                pass
+        assert list(shelf) == list(model) and len(shelf) == len(model) and dict(shelf.items()) == model
+        assert all((k in shelf) == (k in model) and shelf.get(k) == model.get(k) for k in [0, 5, ("a", 0)])
+    assert dict(other.items()) == {"x": b"other's"}
+    ns = shelf.ns
+    del shelf
+    assert Shelf._run("SELECT count(*) FROM shelf WHERE ns = ?", (ns,)) == [(0,)]
 
 
 def test_a_settled_round_is_read_as_a_copy_and_promoted_to_be_changed():
