@@ -169,3 +169,17 @@ def test_reassembler_evicts_the_oldest_incomplete_streams_first():
     with pytest.raises(ProtocolError, match="exceed its total"):
         assembler.add(liar[2], now=2.0)
     assert assembler.held_bytes == 0
+
+
+def test_a_checked_frame_lets_its_signed_bytes_go_and_then_has_no_raw_bytes():
+    from senseshield.runtime.identity import Identity
+
+    me = Identity.generate("a")
+    data = encode_frame(schema="s", version=1, fleet="f", sender="a", round=1, fields={},
+                        sections={"x": b"payload" * 100}, signer=me)
+    frame = decode_frame(data)
+    assert isinstance(frame.signed, memoryview) and frame.raw == data  # a view of the frame, not a copy
+    frame.release_signed()
+    assert frame.sections["x"] == b"payload" * 100
+    with pytest.raises(ProtocolError, match="let its signed bytes go"):
+        frame.raw

@@ -455,6 +455,8 @@ class Service:
         # (raises ProtocolError -> Link rejects)
         check_frame(self.trust, frame)
         message = from_frame(frame)
+        if not message.keeps_raw:
+            frame.release_signed()  # checked: the received bytes go, the decoded sections stay
         suffix = full_topic.removeprefix(f"{PREFIX}/{self.fleet}/")
         item = Inbound(suffix, frame, message, self.link.received_at or time.time())
         size = item.nbytes

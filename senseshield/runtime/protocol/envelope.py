@@ -70,7 +70,7 @@ class Frame:
     signature: bytes = b""
     # the bytes the signature covers: a view of the frame as received (no copy of a large
     # frame's sections; it keeps those bytes alive as long as the frame)
-    signed: bytes | memoryview = b""
+    signed: bytes | memoryview | None = b""  # None: released (release_signed)
 
     @property
     def is_signed(self) -> bool:
@@ -82,7 +82,16 @@ class Frame:
         signature): kept to forward it, e.g. the operator's signed job to the key server."""
         if not self.is_signed:
             raise ProtocolError(f"The {self.schema!r} frame from {self.sender!r} is unsigned; only a signed frame is kept.")
+        if self.signed is None:
+            raise ProtocolError(f"The {self.schema!r} frame from {self.sender!r} let its signed bytes go after its check.")
         return bytes(self.signed) + self.signature
+
+    def release_signed(self) -> None:
+        """Let the frame's signed bytes go once its signature was checked: they are a view of
+        the whole frame as received, which its decoded sections copy, so a receiver that keeps
+        the frame would otherwise hold a large message twice. :attr:`raw` then raises."""
+        if self.is_signed:
+            self.signed = None
 
 
 def _descriptor(name: str, value: np.ndarray | bytes) -> tuple[dict[str, Any], bytes]:

@@ -44,6 +44,9 @@ class Message(BaseModel):
     schema_name: ClassVar[str]
     version: ClassVar[int] = 1
     sections: ClassVar[dict[str, str]] = {}  # field name -> "f32" | "f64" | "u8" | "bytes"
+    # whether a receiver keeps the signed frame's bytes (Frame.raw) after checking its
+    # signature, e.g. to forward it; others let them go (Frame.release_signed)
+    keeps_raw: ClassVar[bool] = False
 
 
 MESSAGES: Registry[type[Message]] = Registry("message schema")
@@ -390,6 +393,7 @@ class JobSubmit(Message):
 
     schema_name: ClassVar[str] = "job-submit"
     version: ClassVar[int] = 2
+    keeps_raw: ClassVar[bool] = True  # the coordinator keeps the operator's signed frame with the job
     request_id: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     job: dict[str, Any]
     nonce: str = Field("", pattern=r"^(j-[0-9a-f]{16})?$")
