@@ -30,15 +30,19 @@ against (:func:`keyserver.verify.decide`) is read from here.
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
+import zipfile
+from collections.abc import Iterator, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
 from senseshield.errors import ConfigError
 from senseshield.he.base import model_digest
-from senseshield.runtime.files import npz_bytes, write_atomic
+from senseshield.runtime.files import json_pieces, write_pieces, write_with_atomic
 from senseshield.runtime.protocol.messages import AggregateResult, Challenge
 
 if TYPE_CHECKING:
@@ -52,6 +56,80 @@ RUN = {"kind": "run"}  # the run's context: given again at every start (start_ru
 FLIGHT = {"kind": "flight"}  # in flight: lost with the process, nothing of it decrypted or answered
 
 
+class Ledger(dict):
+    """The ledger's entries (a dict of str), which knows whether it changed since it was last
+    written (``changed``), so an unchanged ledger is not written again."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # noqa: ANN401
+        super().__init__(*args, **kwargs)
+        self.changed = False
+
+    def __setitem__(self, key: str, value: str) -> None:
+        super().__setitem__(key, value)
+        self.changed = True
+
+    def __delitem__(self, key: str) -> None:
+        super().__delitem__(key)
+        self.changed = True
+
+    def setdefault(self, key: str, default: str) -> str:  # type: ignore[override]
+        if key not in self:
+            self[key] = default
+        return self[key]
+
+    def update(self, *args: Any, **kwargs: Any) -> None:  # noqa: ANN401
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
+
+    def pop(self, *args: Any) -> Any:  # noqa: ANN401
+        self.changed = True
+        return super().pop(*args)
+
+    def popitem(self) -> tuple[str, str]:
+        self.changed = True
+        return super().popitem()
+
+    def clear(self) -> None:
+        self.changed = True
+        super().clear()
+
+    def pieces(self) -> Iterator[str]:
+        """The ledger as ``json.dumps(ledger, sort_keys=True)`` writes it, in pieces."""
+        return json_pieces(_Sorted(self), depth=1)
+
+
+class _Sorted(Mapping):
+    """A mapping read in the order of its sorted keys."""
+
+    def __init__(self, raw: Mapping[str, Any]) -> None:
+        self.raw = raw
+
+    def __getitem__(self, key: str) -> Any:  # noqa: ANN401
+        return self.raw[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self.raw))
+
+    def __len__(self) -> int:
+        return len(self.raw)
+
+
+class _Hex(Mapping):
+    """A mapping's byte values as hex, made as they are read (a checkpoint's box keys)."""
+
+    def __init__(self, raw: Mapping[str, bytes]) -> None:
+        self.raw = raw
+
+    def __getitem__(self, key: str) -> str:
+        return self.raw[key].hex()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.raw)
+
+    def __len__(self) -> int:
+        return len(self.raw)
+
+
 @dataclass(eq=False)
 class KeyServerState:
     """The key server's state (see the module docstring). Fields without ``metadata`` are
@@ -60,7 +138,7 @@ class KeyServerState:
     key_dir: Path = field(metadata=PLACE)
     fleet: str = field(metadata=PLACE)
     # -- saved: ledger-<fleet>.json (across jobs) ----------------------------------------
-    ledger: dict[str, str] = field(default_factory=dict)
+    ledger: dict[str, str] = field(default_factory=Ledger)
     # -- saved: models-<fleet>.npz (the run it serves) -----------------------------------
     run_id: str | None = None  # the job (nonce) served
     models: dict[int, tuple[int, np.ndarray]] = field(default_factory=dict)  # cluster -> (round, weights)
@@ -88,7 +166,6 @@ class KeyServerState:
 
     def __post_init__(self) -> None:
         self.key_dir = Path(self.key_dir)
-        self._ledger_on_disk: dict[str, str] | None = None  # what the ledger file holds (None: unknown)
 
     # -- files ----------------------------------------------------------------------------
     @property
@@ -103,27 +180,53 @@ class KeyServerState:
     def open(cls, key_dir: Path, fleet: str) -> KeyServerState:
         """The state of a key server starting in ``key_dir``: its ledger, no run yet."""
         state = cls(Path(key_dir), fleet)
-        state.ledger = state._read_ledger()
-        state._ledger_on_disk = dict(state.ledger)
+        state.ledger = Ledger(state._read_ledger())
         return state
 
     def save(self) -> None:
         """The ledger (if it changed) then the run's checkpoint, each atomically, before
-        anything that relies on them is answered."""
-        if self.ledger != self._ledger_on_disk:
-            write_atomic(self.ledger_path, json.dumps(self.ledger, sort_keys=True))
-            self._ledger_on_disk = dict(self.ledger)
-        arrays = {f"c{k}": w for k, (_, w) in self.models.items()}
-        meta = {"run_id": self.run_id, "rounds": {str(k): r for k, (r, _) in self.models.items()},
-                "results": [[r, k, v.model_dump(mode="json")] for (r, k), v in self.results.items()],
-                "plans": {str(r): {str(k): v for k, v in p.items()} for r, p in self.plans.items()},
-                "seeds": {str(r): seed.hex() for r, seed in self.seeds.items()},
-                "spent": {str(r): v for r, v in self.spent.items()},
-                "challenges": {str(r): c.model_dump(mode="json") for r, c in self.challenges.items()},
-                "boxes": {str(r): {a: b.hex() for a, b in v.items()} for r, v in self.boxes.items()},
-                "digests": {str(k): {str(r): d for r, d in v.items()} for k, v in self.digests.items()}}
-        write_atomic(self.checkpoint_path,
-                     npz_bytes(meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays))
+        anything that relies on them is answered. Both are written piece by piece: a fleet's
+        worth of entries, box keys and sealed challenges is never one string in memory."""
+        if not isinstance(self.ledger, Ledger):  # (set whole, e.g. by a test): written, then tracked
+            self.ledger = Ledger(self.ledger)
+            self.ledger.changed = True
+        if self.ledger.changed:
+            write_with_atomic(self.ledger_path, lambda fh: write_pieces(self.ledger.pieces(), fh))
+            self.ledger.changed = False
+        write_with_atomic(self.checkpoint_path, self._write_checkpoint)
+
+    def _write_checkpoint(self, fh: BinaryIO) -> None:
+        """The checkpoint, an uncompressed ``.npz`` as ``numpy.savez`` writes it: its ``meta``
+        JSON (spooled to a temporary file first, for its length) then each cluster's model."""
+        # (each part with the depth at which its per-agent maps and lists are reached)
+        meta = {"run_id": (self.run_id, 0), "rounds": ({str(k): r for k, (r, _) in self.models.items()}, 0),
+                "results": ([[r, k, v.model_dump(mode="json")] for (r, k), v in self.results.items()], 0),
+                "plans": ({str(r): {str(k): v for k, v in p.items()} for r, p in self.plans.items()}, 3),
+                "seeds": ({str(r): seed.hex() for r, seed in self.seeds.items()}, 0),
+                "spent": ({str(r): v for r, v in self.spent.items()}, 2),
+                "challenges": ({str(r): {**c.model_dump(mode="json", exclude={"sealed"}), "sealed": c.sealed}
+                                for r, c in self.challenges.items()}, 3),
+                "boxes": ({str(r): _Hex(v) for r, v in self.boxes.items()}, 2),
+                "digests": ({str(k): {str(r): d for r, d in v.items()} for k, v in self.digests.items()}, 0)}
+
+        def pieces() -> Iterator[str]:
+            yield "{"
+            for i, (key, (value, depth)) in enumerate(meta.items()):
+                yield f"{', ' if i else ''}{json.dumps(key)}: "
+                yield from json_pieces(value, depth=depth)
+            yield "}"
+
+        with tempfile.TemporaryFile() as spool:
+            size = write_pieces(pieces(), spool)
+            spool.seek(0)
+            with zipfile.ZipFile(fh, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+                with zf.open("meta.npy", "w", force_zip64=True) as out:
+                    np.lib.format.write_array_header_1_0(
+                        out, {"descr": "|u1", "fortran_order": False, "shape": (size,)})
+                    shutil.copyfileobj(spool, out, 1 << 20)
+                for k, (_, w) in self.models.items():
+                    with zf.open(f"c{k}.npy", "w", force_zip64=True) as out:
+                        np.lib.format.write_array(out, np.asanyarray(w), allow_pickle=False)
 
     def start_run(self, run_id: str, *, job: Job | None, initial: np.ndarray | None,
                   public: PublicKey | None = None, secret: SecretKey | None = None) -> bool:

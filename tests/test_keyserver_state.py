@@ -100,6 +100,19 @@ def test_the_files_are_the_key_servers_private_ledger_and_checkpoint(tmp_path):
     with np.load(tmp_path / f"models-{FLEET}.npz") as data:
         assert sorted(data.files) == ["c0", "c3", "meta"]
         assert json.loads(bytes(data["meta"]).decode())["run_id"] == RUN
+        # written piece by piece, the same bytes as one json.dumps of everything
+        assert bytes(data["meta"]).decode() == json.dumps({
+            "run_id": state.run_id, "rounds": {str(k): r for k, (r, _) in state.models.items()},
+            "results": [[r, k, v.model_dump(mode="json")] for (r, k), v in state.results.items()],
+            "plans": {str(r): {str(k): v for k, v in p.items()} for r, p in state.plans.items()},
+            "seeds": {str(r): seed.hex() for r, seed in state.seeds.items()},
+            "spent": {str(r): v for r, v in state.spent.items()},
+            "challenges": {str(r): c.model_dump(mode="json") for r, c in state.challenges.items()},
+            "boxes": {str(r): {a: b.hex() for a, b in v.items()} for r, v in state.boxes.items()},
+            "digests": {str(k): {str(r): d for r, d in v.items()} for k, v in state.digests.items()}})
+        for k, (_, w) in state.models.items():
+            np.testing.assert_array_equal(data[f"c{k}"], w)
+    assert (tmp_path / f"ledger-{FLEET}.json").read_text() == json.dumps(state.ledger, sort_keys=True)
     # an unchanged ledger is not written again; a changed one is
     inode = (tmp_path / f"ledger-{FLEET}.json").stat().st_ino
     state.results[(3, 0)] = AggregateResult(run_id=RUN, cluster=0, accepted=False, reason="refused: y")

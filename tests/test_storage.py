@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from coordinator.store import SqliteStore
 from senseshield.errors import STORAGE_EXIT, StorageError
 from senseshield.job import Job
+from senseshield.runtime import files
 from senseshield.runtime.files import json_pieces, write_atomic, write_json_atomic, write_pieces
 from senseshield.runtime.fleet import Fleet, FleetOptions
 from senseshield.simulation import run_simulation
@@ -69,10 +70,15 @@ json_values = st.recursive(
 @settings(max_examples=200, deadline=None)
 @given(obj=json_values, depth=st.integers(0, 4))
 def test_json_in_pieces_is_what_json_dumps_writes(obj, depth):
-    assert "".join(json_pieces(obj, depth=depth)) == json.dumps(obj)
-    out = io.BytesIO()
-    assert write_pieces(json_pieces(obj, depth=depth), out, batch=7) == len(json.dumps(obj).encode())
-    assert out.getvalue() == json.dumps(obj).encode()
+    for batch in (files.JSON_BATCH, 2):  # the last level's entries in batches, split or not
+        saved, files.JSON_BATCH = files.JSON_BATCH, batch
+        try:
+            assert "".join(json_pieces(obj, depth=depth)) == json.dumps(obj)
+            out = io.BytesIO()
+            assert write_pieces(json_pieces(obj, depth=depth), out, batch=7) == len(json.dumps(obj).encode())
+            assert out.getvalue() == json.dumps(obj).encode()
+        finally:
+            files.JSON_BATCH = saved
 
 
 def test_a_new_file_is_private_unless_its_caller_makes_it_public(tmp_path):
