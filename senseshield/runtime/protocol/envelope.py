@@ -141,8 +141,13 @@ def encode_frame(
     if signer is not None:
         header["sig"] = {"alg": "ed25519", "key": base64.b64encode(signer.sign_key).decode()}
     encoded = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
-    body = b"".join([_PREFIX.pack(MAGIC, FRAME_VERSION, len(encoded)), encoded, *blobs])
-    return body + signer.sign(body) if signer is not None else body
+    parts = [_PREFIX.pack(MAGIC, FRAME_VERSION, len(encoded)), encoded, *blobs]
+    if signer is None:
+        return b"".join(parts)
+    body = b"".join(parts)
+    signature = signer.sign(body)
+    del body  # joined again with the signature: a large frame is never held three times
+    return b"".join([*parts, signature])
 
 
 def decode_frame(data: bytes, *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES, views: bool = False) -> Frame:
