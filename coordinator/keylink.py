@@ -24,10 +24,10 @@ from senseshield.engine.aggregation import StreamingAggregate, aggregate_sealed
 from senseshield.errors import ProtocolError
 from senseshield.he import SCHEMES, PublicKey
 from senseshield.runtime.protocol.messages import (
-    AggregateResult, ClusterModel, Message, PublicKeyAnnouncement, aggregate_to_message,
+    AggregateResult, ClusterModel, Message, PublicKeyAnnouncement, aggregate_to_message, frame_list,
 )
 
-Sign = Callable[[Message, int], bytes]
+Sign = Callable[..., bytes]  # (message, round, *, pieces=None) -> its signed frame
 
 
 class KeyLink:
@@ -90,12 +90,14 @@ class KeyLink:
     def request(self, cr: ClusterRound, aggregate, t: float, *, r: int) -> None:  # noqa: ANN001
         """Send cluster round ``cr``'s aggregate of round ``r`` (of the updates in
         ``cr.updates``; its fold began at ``perf_counter`` ``t``) to the key server."""
-        receipts = [cr.updates[a].receipt for a in sorted(cr.updates)]
-        request = aggregate_to_message(aggregate, self.public, run_id=self.run_id, receipts=receipts)
+        # the receipts go into the signed frame as they are kept (not packed into a copy first)
+        receipts = frame_list([cr.updates[a].receipt for a in sorted(cr.updates)])
+        request = aggregate_to_message(aggregate, self.public, run_id=self.run_id)
         cr.timings["aggregate"] = cr.timings.get("aggregate", 0.0) + time.perf_counter() - t
         cr.union_ratio = float(aggregate.union_mask.mean())
         cr.sealed = aggregate_sealed(aggregate, self.public)
-        cr.request = self.sign(request, r)
+        cr.request = self.sign(request, r, pieces={"receipts": receipts})
+        del request, receipts
         cr.requested_at = time.time()
         cr.timestamps["requested_at"] = cr.requested_at
         cr.phase = "decrypting"

@@ -199,7 +199,7 @@ class Coordinator(Service):
         self.watch("keyserver", lambda online: online and self._resend_requests("the key server is back online"))
         self.stall = StallWatch(self.STALL_S)  # when a job's lack of progress is said (tick)
         # no job yet: announcements and verdicts are not for us
-        self.keys = KeyLink("", None, sign=lambda message, r: self.frame(message, round=r),
+        self.keys = KeyLink("", None, sign=lambda message, r, **kw: self.frame(message, round=r, **kw),
                             publish=lambda frame: self.link.publish("keyserver/requests", frame), log=self.log)
 
     # ---- jobs ---------------------------------------------------------------------------

@@ -33,8 +33,8 @@ def setup():
 
 
 def _link(ids, sent: list) -> KeyLink:
-    sign = lambda message, r: to_frame(message, fleet=FLEET, sender="coordinator", round=r,  # noqa: E731
-                                       signer=ids["coordinator"])
+    sign = lambda message, r, **kw: to_frame(message, fleet=FLEET, sender="coordinator", round=r,  # noqa: E731
+                                             signer=ids["coordinator"], **kw)
     return KeyLink(RUN, "masked", sign=sign, publish=sent.append, log=log)
 
 

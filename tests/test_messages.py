@@ -4,6 +4,8 @@ import warnings
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from senseshield.engine.aggregation import aggregate_updates, decrypt_aggregate, protect_update
 from senseshield.errors import KeyMismatchError, ProtocolError
@@ -19,7 +21,9 @@ from senseshield.runtime.protocol.messages import (
     Status,
     aggregate_from_message,
     aggregate_to_message,
+    frame_list,
     from_frame,
+    pack_frames,
     pack_mask,
     parse_plain_part,
     plain_part,
@@ -209,3 +213,20 @@ def test_a_coerced_status_is_rejected_with_its_reason_and_the_service_goes_on(mo
     finally:
         sender.stop()
         service.stop()
+
+
+@given(st.lists(st.binary(max_size=40), max_size=8))
+def test_a_section_given_as_pieces_is_the_section_packed(frames):
+    """The coordinator puts a fleet's receipts into its signed request as they are kept
+    (to_frame's ``pieces``): the frame carries what packing them first would have carried."""
+    msg = AggregateRequest(run_id="r", cluster=0, size=8, total_weight=2, contributors=["a"],
+                           union_mask=pack_mask(np.ones(8, bool)), plain_sum=np.zeros(0),
+                           position_weight=np.zeros(0), ciphertext=b"x" * 8)
+    got = from_frame(decode_frame(to_frame(msg, fleet="lab", sender="x", round=3,
+                                           pieces={"receipts": frame_list(frames)})))
+    assert got.receipts == pack_frames(frames)
+    assert got.model_dump(exclude={"receipts"}).keys() == msg.model_dump(exclude={"receipts"}).keys()
+    assert all(np.array_equal(v, getattr(msg, k)) for k, v in got.model_dump(exclude={"receipts"}).items())
+    with pytest.raises(ValueError, match="not an empty bytes section"):
+        to_frame(msg.model_copy(update={"receipts": b"held"}), fleet="lab", sender="x", round=3,
+                 pieces={"receipts": [b"more"]})

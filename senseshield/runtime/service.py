@@ -276,8 +276,9 @@ class Service:
         """Whether watched peer ``name`` is online (None: no status seen yet)."""
         return self.peers[f"{name}/status"].online
 
-    def frame(self, message: Message, *, round: int = 0) -> bytes:
-        return to_frame(message, fleet=self.fleet, sender=self.name, round=round, signer=self.identity)
+    def frame(self, message: Message, *, round: int = 0, pieces: dict[str, list[bytes]] | None = None) -> bytes:
+        """``message`` as a frame signed by this service (``pieces``: see :func:`to_frame`)."""
+        return to_frame(message, fleet=self.fleet, sender=self.name, round=round, signer=self.identity, pieces=pieces)
 
     def send(self, suffix: str, message: Message, *, round: int = 0, retain: bool = False, wait: bool = True) -> int:
         """Publish ``message``; returns the frame's size in bytes (``wait=False``: do not wait

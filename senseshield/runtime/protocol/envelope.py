@@ -94,7 +94,10 @@ class Frame:
             self.signed = None
 
 
-def _descriptor(name: str, value: np.ndarray | bytes) -> tuple[dict[str, Any], bytes]:
+def _descriptor(name: str, value: np.ndarray | bytes | list[bytes]) -> tuple[dict[str, Any], bytes | list[bytes]]:
+    if isinstance(value, list):  # a bytes section given as pieces, written one after another
+        size = sum(len(piece) for piece in value)
+        return {"name": name, "dtype": "bytes", "shape": [size], "nbytes": size}, value
     if isinstance(value, (bytes, bytearray, memoryview)):
         raw = bytes(value)
         return {"name": name, "dtype": "bytes", "shape": [len(raw)], "nbytes": len(raw)}, raw
@@ -122,12 +125,14 @@ def encode_frame(
     signer: Any = None,
 ) -> bytes:
     """Serialise one message; ``fields`` must be JSON-serialisable (no arrays).
-    ``signer`` (an :class:`~senseshield.runtime.identity.Identity`): sign the frame."""
+    ``signer`` (an :class:`~senseshield.runtime.identity.Identity`): sign the frame. A bytes
+    section may be given as a list of pieces (e.g. a fleet's receipts), which the frame then
+    holds without their being joined first."""
     descriptors, blobs = [], []
     for name, value in (sections or {}).items():
         descriptor, raw = _descriptor(name, value)
         descriptors.append(descriptor)
-        blobs.append(raw)
+        blobs.extend(raw) if isinstance(raw, list) else blobs.append(raw)
     header = {
         "schema": schema,
         "version": version,

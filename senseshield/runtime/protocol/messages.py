@@ -76,11 +76,19 @@ def unpack_mask(bits: np.ndarray, size: int) -> np.ndarray:
     return unpacked[:size]
 
 
-def to_frame(msg: Message, *, fleet: str, sender: str, round: int, signer: Any = None) -> bytes:
+def to_frame(msg: Message, *, fleet: str, sender: str, round: int, signer: Any = None,
+             pieces: dict[str, list[bytes]] | None = None) -> bytes:
     """Serialise ``msg`` into one envelope frame, signed by ``signer`` (an
-    :class:`~senseshield.runtime.identity.Identity`) if given."""
+    :class:`~senseshield.runtime.identity.Identity`) if given. ``pieces``: bytes sections the
+    message leaves empty, given as pieces the frame holds one after another (a large section,
+    e.g. :func:`frame_list` of a fleet's receipts, is then never joined on its own)."""
     data = msg.model_dump()
     sections = {name: data.pop(name) for name in msg.sections}
+    for name, parts in (pieces or {}).items():
+        if msg.sections.get(name) != "bytes" or sections[name]:
+            raise ValueError(f"Section {name!r} of {msg.schema_name!r} is not an empty bytes section; "
+                             "only those are given as pieces.")
+        sections[name] = list(parts)
     return encode_frame(
         schema=msg.schema_name, version=msg.version, fleet=fleet, sender=sender,
         round=round, fields=data, sections=sections, signer=signer,
@@ -794,9 +802,14 @@ def aggregate_from_message(
 
 
 def pack_frames(frames: list[bytes]) -> bytes:
-    """Frames one after another, each preceded by its u32 big-endian length (joined once:
-    no frame is copied twice)."""
-    return b"".join(part for f in frames for part in (len(f).to_bytes(4, "big"), f))
+    """Frames one after another, each preceded by its u32 big-endian length."""
+    return b"".join(frame_list(frames))
+
+
+def frame_list(frames: list[bytes]) -> list[bytes]:
+    """The pieces of :func:`pack_frames` (each frame's length, then the frame), not joined:
+    for :func:`to_frame`'s ``pieces``."""
+    return [part for f in frames for part in (len(f).to_bytes(4, "big"), f)]
 
 
 def unpack_frames(data: bytes, *, limit: int = 1 << 16) -> list[bytes]:
