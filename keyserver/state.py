@@ -138,7 +138,7 @@ class KeyServerState:
     key_dir: Path = field(metadata=PLACE)
     fleet: str = field(metadata=PLACE)
     # -- saved: ledger-<fleet>.json (across jobs) ----------------------------------------
-    ledger: dict[str, str] = field(default_factory=Ledger)
+    ledger: dict[str, str] = field(default_factory=dict)
     # -- saved: models-<fleet>.npz (the run it serves) -----------------------------------
     run_id: str | None = None  # the job (nonce) served
     models: dict[int, tuple[int, np.ndarray]] = field(default_factory=dict)  # cluster -> (round, weights)
@@ -166,6 +166,14 @@ class KeyServerState:
 
     def __post_init__(self) -> None:
         self.key_dir = Path(self.key_dir)
+        self._track_ledger()
+
+    def _track_ledger(self) -> None:
+        """The ledger as a :class:`Ledger`; one given as a plain dict (here or set whole later)
+        is not known to be on disk: the next save writes it."""
+        if not isinstance(self.ledger, Ledger):
+            self.ledger = Ledger(self.ledger)
+            self.ledger.changed = True
 
     # -- files ----------------------------------------------------------------------------
     @property
@@ -180,16 +188,14 @@ class KeyServerState:
     def open(cls, key_dir: Path, fleet: str) -> KeyServerState:
         """The state of a key server starting in ``key_dir``: its ledger, no run yet."""
         state = cls(Path(key_dir), fleet)
-        state.ledger = Ledger(state._read_ledger())
+        state.ledger = Ledger(state._read_ledger())  # as on disk
         return state
 
     def save(self) -> None:
         """The ledger (if it changed) then the run's checkpoint, each atomically, before
         anything that relies on them is answered. Both are written piece by piece: a fleet's
         worth of entries, box keys and sealed challenges is never one string in memory."""
-        if not isinstance(self.ledger, Ledger):  # (set whole, e.g. by a test): written, then tracked
-            self.ledger = Ledger(self.ledger)
-            self.ledger.changed = True
+        self._track_ledger()
         if self.ledger.changed:
             write_with_atomic(self.ledger_path, lambda fh: write_pieces(self.ledger.pieces(), fh))
             self.ledger.changed = False

@@ -9,9 +9,11 @@ import stat
 from dataclasses import fields
 
 import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import pytest
 
-from keyserver.state import JOB_ENTRY, KeyServerState
+from keyserver.state import JOB_ENTRY, KeyServerState, Ledger
 from senseshield.errors import ConfigError, StorageError
 from senseshield.job import Job
 from senseshield.runtime.protocol.messages import AggregateResult, Challenge
@@ -177,3 +179,27 @@ def test_unreadable_files_are_one_sentence_and_a_file_it_cannot_write_is_a_stora
         state.save()
     assert "\n" not in str(exc.value)
     assert (tmp_path / f"ledger-{FLEET}.json").exists()  # the ledger first
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["set", "setdefault", "update", "del", "pop", "read"]),
+                          st.sampled_from(["k|a|d", "k|b|d", 'k|"c\u00e9|d']), st.text(max_size=4)), max_size=12))
+def test_the_ledger_knows_when_it_changed_and_writes_as_json_dumps_does(ops):
+    """An unchanged ledger is not written again: every way of changing it is noticed, and its
+    piece-by-piece text is json.dumps(ledger, sort_keys=True)."""
+    ledger, model = Ledger({"k|z|d": "run-0/1/0"}), {"k|z|d": "run-0/1/0"}
+    for op, key, value in ops:
+        ledger.changed, before = False, dict(model)
+        if op == "set":
+            ledger[key] = model[key] = value
+        elif op == "setdefault":
+            assert ledger.setdefault(key, value) == model.setdefault(key, value)
+        elif op == "update":
+            ledger.update({key: value}), model.update({key: value})
+        elif op in ("del", "pop") and key in model:
+            (ledger.pop(key), model.pop(key)) if op == "pop" else (ledger.__delitem__(key), model.pop(key))
+        else:
+            ledger.get(key), key in ledger, len(ledger)
+        assert dict(ledger) == model
+        assert ledger.changed or model == before  # (a set to the same value may count as a change)
+        assert "".join(ledger.pieces()) == json.dumps(model, sort_keys=True)
