@@ -203,7 +203,8 @@ class KeyServerState:
 
     def _write_checkpoint(self, fh: BinaryIO) -> None:
         """The checkpoint, an uncompressed ``.npz`` as ``numpy.savez`` writes it: its ``meta``
-        JSON (spooled to a temporary file first, for its length) then each cluster's model."""
+        JSON (spooled to an unnamed temporary file in the key directory first, for its length)
+        then each cluster's model."""
         # (each part with the depth at which its per-agent maps and lists are reached)
         meta = {"run_id": (self.run_id, 0), "rounds": ({str(k): r for k, (r, _) in self.models.items()}, 0),
                 "results": ([[r, k, v.model_dump(mode="json")] for (r, k), v in self.results.items()], 0),
@@ -222,7 +223,9 @@ class KeyServerState:
                 yield from json_pieces(value, depth=depth)
             yield "}"
 
-        with tempfile.TemporaryFile() as spool:
+        # spooled in the key directory (the checkpoint holds the rounds' challenge seeds): a
+        # private, unnamed file where the checkpoint itself goes
+        with tempfile.TemporaryFile(dir=self.key_dir) as spool:
             size = write_pieces(pieces(), spool)
             spool.seek(0)
             with zipfile.ZipFile(fh, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
