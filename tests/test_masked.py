@@ -340,13 +340,16 @@ def test_pad_workers_end_with_the_process_that_started_them(tmp_path):
         "from senseshield.he.masked import _pad_pool\n"
         "pool = _pad_pool(generate_keys('masked')._export(), 2)\n"
         "assert pool.submit(int, 1).result() == 1\n"
-        "print(' '.join(str(p) for p in pool._processes), flush=True)\n"
+        "open(sys.argv[1], 'w').write(' '.join(str(p) for p in pool._processes))\n"
         "os._exit(0)\n"
     )
-    log = tmp_path / "out.txt"
+    log, found = tmp_path / "out.txt", tmp_path / "pids.txt"
+    # the pids go to a file of their own: what else lands in the log (the resource tracker's
+    # note on the pool's semaphores, written once the process is gone) comes when it comes
     with log.open("w") as out:  # a file: the workers inherit it, and a pipe would wait for them
-        subprocess.run([sys.executable, "-c", script], stdout=out, stderr=subprocess.STDOUT, timeout=120, check=True)
-    pids = [int(p) for p in log.read_text().split()]
+        subprocess.run([sys.executable, "-c", script, str(found)], stdout=out, stderr=subprocess.STDOUT,
+                       timeout=120, check=True)
+    pids = [int(p) for p in found.read_text().split()]
     assert pids, log.read_text()
 
     def alive(pid: int) -> bool:
