@@ -70,15 +70,17 @@ json_values = st.recursive(
 @settings(max_examples=200, deadline=None)
 @given(obj=json_values, depth=st.integers(0, 4))
 def test_json_in_pieces_is_what_json_dumps_writes(obj, depth):
-    for batch in (files.JSON_BATCH, 2):  # the last level's entries in batches, split or not
-        saved, files.JSON_BATCH = files.JSON_BATCH, batch
+    # the last level's entries in batches: as they come, a few at a time, cut down to one
+    for batch, chars in ((files.JSON_BATCH, files.JSON_BATCH_CHARS), (2, 1 << 20), (1024, 8)):
+        saved = files.JSON_BATCH, files.JSON_BATCH_CHARS
+        files.JSON_BATCH, files.JSON_BATCH_CHARS = batch, chars
         try:
             assert "".join(json_pieces(obj, depth=depth)) == json.dumps(obj)
             out = io.BytesIO()
             assert write_pieces(json_pieces(obj, depth=depth), out, batch=7) == len(json.dumps(obj).encode())
             assert out.getvalue() == json.dumps(obj).encode()
         finally:
-            files.JSON_BATCH = saved
+            files.JSON_BATCH, files.JSON_BATCH_CHARS = saved
 
 
 def test_a_new_file_is_private_unless_its_caller_makes_it_public(tmp_path):

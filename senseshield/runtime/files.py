@@ -73,17 +73,11 @@ def json_pieces(obj: Any, *, depth: int = 2) -> Iterator[str]:  # noqa: ANN401
     values is then not a million Python-level pieces)."""
     if depth == 1 and isinstance(obj, Mapping):
         yield "{"
-        items, sep = iter(obj.items()), ""
-        while batch := dict(itertools.islice(items, JSON_BATCH)):
-            yield sep + json.dumps(batch)[1:-1]
-            sep = ", "
+        yield from _batches(iter(obj.items()), dict)
         yield "}"
     elif depth == 1 and isinstance(obj, (list, tuple, Iterator)):
         yield "["
-        values, sep = iter(obj), ""
-        while batch := list(itertools.islice(values, JSON_BATCH)):
-            yield sep + json.dumps(batch)[1:-1]
-            sep = ", "
+        yield from _batches(iter(obj), list)
         yield "]"
     elif depth > 0 and isinstance(obj, Mapping):
         yield "{"
@@ -103,7 +97,22 @@ def json_pieces(obj: Any, *, depth: int = 2) -> Iterator[str]:  # noqa: ANN401
 
 
 JSON_BATCH = 1024
-"""Entries :func:`json_pieces` encodes at once at its last level."""
+"""Most entries :func:`json_pieces` encodes at once at its last level."""
+JSON_BATCH_CHARS = 1 << 20
+"""About the most characters of one such batch: a batch of large values is cut down."""
+
+
+def _batches(entries: Iterator[Any], kind: type) -> Iterator[str]:  # noqa: ANN401
+    """The entries (``kind``: dict for (key, value) pairs, list for values) as
+    ``json.dumps`` writes them inside their brackets, a batch at a time: 8 entries first, then
+    as many as keep a batch near :data:`JSON_BATCH_CHARS` (at most :data:`JSON_BATCH`)."""
+    size, sep = min(8, JSON_BATCH), ""
+    while batch := kind(itertools.islice(entries, size)):
+        text = json.dumps(batch)[1:-1]
+        yield sep + text
+        sep = ", "
+        per = max(len(text), 1) / len(batch)
+        size = max(1, min(JSON_BATCH, int(JSON_BATCH_CHARS / per)))
 
 
 def write_pieces(pieces: Iterable[str], fh: BinaryIO, *, batch: int = 1 << 20) -> int:
