@@ -28,9 +28,11 @@ import itertools
 import json
 import sqlite3
 import threading
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Iterable, Iterator, MutableMapping, Sequence
+from dataclasses import asdict
 from typing import Any
 
+from senseshield.results import RoundTally
 from senseshield.runtime.protocol.messages import Metrics
 
 
@@ -201,3 +203,70 @@ class MetricsBook(MutableMapping):
 
     def __repr__(self) -> str:
         return f"MetricsBook({dict(self.items())!r})"
+
+
+def record_json(record: dict) -> dict:
+    """A closed round's record (:attr:`JobState.records`) as JSON, as a checkpoint holds it:
+    its :class:`~senseshield.results.RoundTally` as a dict, cluster keys as strings."""
+    return {**record, "tally": asdict(record["tally"]),
+            "clusters": {str(k): c for k, c in record["clusters"].items()}}
+
+
+def record_from_json(raw: dict) -> dict:
+    """The inverse of :func:`record_json`."""
+    return {**raw, "tally": RoundTally(**raw["tally"]), "clusters": {int(k): c for k, c in raw["clusters"].items()}}
+
+
+class RoundBook(Sequence):
+    """The closed rounds' records, oldest first (:attr:`JobState.records`): the latest as it
+    was appended, every earlier one packed in a :class:`Shelf` as :func:`record_json` (a
+    round's tally holds every sampled device's planned work) and decoded when read. The
+    records of closed rounds are only read; an earlier one is read as a fresh copy. Which
+    clusters each round accepted stays in memory (:meth:`accepted`): a device's late metrics
+    are checked against it without decoding a record."""
+
+    __slots__ = ("latest", "packed", "count", "clusters")
+
+    def __init__(self, records: Iterable[dict] = ()) -> None:
+        self.latest: dict | None = None
+        self.packed: MutableMapping[int, bytes] = Shelf()
+        self.count = 0
+        self.clusters: dict[int, frozenset[int]] = {}  # round -> the clusters whose sum it released
+        for record in records:
+            self.append(record)
+
+    def append(self, record: dict) -> None:
+        if self.count:
+            self.packed[self.count - 1] = _pack(record_json(self.latest))
+        self.latest = record
+        self.count += 1
+        self.clusters.setdefault(int(record["round"]), frozenset(
+            int(k) for k, c in record["clusters"].items() if c.get("accepted")))
+
+    def accepted(self, r: int) -> frozenset[int]:
+        """The clusters whose aggregate of closed round ``r`` was accepted (none: no such round)."""
+        return self.clusters.get(r, frozenset())
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i: int | slice) -> Any:  # noqa: ANN401 - a record, or a list of them
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self.count))]
+        j = i + self.count if i < 0 else i
+        if not 0 <= j < self.count:
+            raise IndexError(f"round record {i} of {self.count}")
+        return self.latest if j == self.count - 1 else record_from_json(json.loads(self.packed[j]))
+
+    def __iter__(self) -> Iterator[dict]:
+        return (self[j] for j in range(self.count))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, (list, RoundBook)):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"RoundBook({list(self)!r})"

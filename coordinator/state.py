@@ -25,14 +25,14 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from functools import cached_property
 from typing import Any
 
 import numpy as np
 
 from coordinator import budgets, roster
-from coordinator.history import DeviceRounds, MetricsBook
+from coordinator.history import DeviceRounds, MetricsBook, RoundBook, record_from_json, record_json
 from coordinator.roster import AgentInfo
 from coordinator.rounds import ClusterRound, round_tally
 from senseshield.accounting import Accountant, Epsilons
@@ -40,7 +40,6 @@ from senseshield.engine.buffered import staleness
 from senseshield.engine.aggregation import StreamingAggregate
 from senseshield.he.base import job_key
 from senseshield.job import Job, effective_scheme, noise_multipliers, train_config
-from senseshield.results import RoundTally
 from senseshield.runtime.protocol.messages import Hello, Metrics, RoundOpen, RoundPlan, pack_mask
 from senseshield.strategies import FleetPlan
 from senseshield.strategies.base import Strategy
@@ -84,7 +83,8 @@ class JobState:
     # a buffered job: agents training now -> [round they train in, model round they started from]
     busy: dict[str, list[int]] = field(default_factory=dict)
     # ---- what the rounds recorded -------------------------------------------------------
-    records: list[dict] = field(default_factory=list)  # per closed round, with its RoundTally under "tally"
+    # per closed round, with its RoundTally under "tally" (a RoundBook: earlier rounds on disk)
+    records: list[dict] = field(default_factory=RoundBook)
     # (agent, round) -> its evaluation, and agent -> round -> its round record (timings etc.);
     # closed rounds are kept packed (coordinator.history)
     metrics: MetricsBook = field(default_factory=MetricsBook)
@@ -114,6 +114,8 @@ class JobState:
             self.round_deadline = self.config.round_deadline
         if not self.round:
             self.round = self.completed
+        if not isinstance(self.records, RoundBook):
+            self.records = RoundBook(self.records)
 
     # ---- what follows from the job ------------------------------------------------------
     @cached_property
@@ -187,10 +189,7 @@ class JobState:
             return False
         if self.model_round.get(k) == r or announced == r:
             return True
-        for rec in self.records:  # closed rounds
-            if rec["round"] == r:
-                return bool(rec["clusters"].get(k, {}).get("accepted"))
-        return False
+        return k in self.records.accepted(r)  # a closed round (its record is not decoded)
 
     # ---- rounds -------------------------------------------------------------------------
     def open_round(self, r: int, *, block_size: int, now: float, log: logging.Logger) -> None:
@@ -406,8 +405,8 @@ class JobState:
             "user_accountant": self.user_accountant.history,
             "participations": self.participations,
             "busy": self.busy,
-            "records": [{**rec, "tally": asdict(rec["tally"]),
-                         "clusters": {str(k): c for k, c in rec["clusters"].items()}} for rec in self.records],
+            "records": (record_json(rec) for rec in self.records) if lazy else
+                       [record_json(rec) for rec in self.records],
             "metrics": ([a, r, m.model_dump(mode="json")] for (a, r), m in self.metrics.items()) if lazy else
                        [[a, r, m.model_dump(mode="json")] for (a, r), m in self.metrics.items()],
             "agent_rounds": self.agent_rounds if lazy else
@@ -461,8 +460,7 @@ class JobState:
             user_accountant=Accountant([tuple(h) for h in raw["user_accountant"]]),
             participations=dict(raw["participations"]),
             busy={a: list(w) for a, w in raw["busy"].items()},
-            records=[{**rec, "tally": RoundTally(**rec["tally"]),
-                      "clusters": {int(k): c for k, c in rec["clusters"].items()}} for rec in raw["records"]],
+            records=RoundBook(record_from_json(rec) for rec in raw["records"]),
             metrics=MetricsBook({(a, int(r)): Metrics(**m) for a, r, m in raw["metrics"]}),
             agent_rounds={a: DeviceRounds({int(r): v for r, v in rounds.items()})
                           for a, rounds in raw["agent_rounds"].items()},

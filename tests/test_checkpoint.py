@@ -13,6 +13,7 @@ import logging
 import numpy as np
 import pytest
 
+from coordinator.history import RoundBook
 from coordinator.roster import AgentInfo
 from coordinator.rounds import ClusterRound
 from coordinator.state import KEPT, JobState, take_up
@@ -83,8 +84,8 @@ def same(a, b) -> bool:  # noqa: ANN001
         return type(a) is type(b) and all(same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
     if isinstance(a, Mapping):  # a dict, or the packed history's mappings
         return isinstance(b, Mapping) and set(a.keys()) == set(b.keys()) and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, (list, tuple, RoundBook)):  # a list, or the closed rounds' records
+        return isinstance(b, (list, tuple, RoundBook)) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
     return type(a) is type(b) and a == b
 
 

@@ -9,7 +9,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.history import DeviceRounds, MetricsBook, Shelf
+from coordinator.history import DeviceRounds, MetricsBook, RoundBook, Shelf
 from coordinator.store import SqliteStore
 from senseshield.runtime.files import json_pieces
 from senseshield.runtime.protocol.messages import Metrics
@@ -122,3 +122,29 @@ def test_the_report_reads_packed_rounds_without_unpacking_them():
     rounds.settle(3)
     assert latest_training(rounds) == {"training_loss": 2.0} and latest_training(rounds, 1) == {"training_loss": 2.0}
     assert not rounds.live and len(rounds.packed) == 2  # still packed
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.lists(st.sampled_from(["a0", "a1", "a2"]), unique=True),
+                          st.floats(0, 10)), max_size=6))
+def test_the_closed_rounds_records_read_back_as_they_were_appended_the_earlier_ones_from_disk(rounds):
+    """JobState.records: each round's record (its tally holds every sampled device's planned
+    work) goes to disk once the next round closes, and reads back equal, in order."""
+    from senseshield.results import RoundTally
+
+    book, model = RoundBook(), []
+    for r, (k, updates, seconds) in enumerate(rounds, start=1):
+        tally = RoundTally()
+        for a in updates:
+            tally.add_work(a, steps=r, full_steps=5, budget=0.5)
+            tally.add_update(a, {"train": seconds}, 0.25, 100, {})
+        record = {"round": r, "tally": tally, "seconds": seconds, "joined": [], "left": updates,
+                  "clusters": {k: {"accepted": bool(updates), "updates": updates}}}
+        book.append(record)
+        model.append(record)
+        assert len(book) == len(model) and len(book.packed) == len(model) - 1 and book[-1] is record
+        assert book == model and list(book) == model and book[::2] == model[::2]
+        assert all(book[i] == model[i] for i in range(-len(model), len(model)))
+        assert all(book.accepted(rr) == ({k} if u else set()) for rr, (k, u, _) in enumerate(rounds[:r], start=1))
+    assert book.accepted(len(rounds) + 1) == frozenset()
+    assert bool(book) == bool(model)
