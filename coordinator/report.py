@@ -78,7 +78,6 @@ def clock_offsets(metrics: dict[tuple[str, int], Metrics], uplink_delays: dict[s
     return {a: round((d - min(uplink_delays[a])) / 2.0, 6) for a, d in down.items() if uplink_delays.get(a)}
 
 
-
 def agent_round_records(agent_rounds: dict[str, dict[int, dict]], metrics: dict[tuple[str, int], Metrics],
                         agent_id: str, offset: float) -> dict[str, dict]:
     """report.json ``agents[].rounds``: phases (s), bytes, and timestamps on our clock."""

@@ -84,7 +84,7 @@ class JobState:
     busy: dict[str, list[int]] = field(default_factory=dict)
     # ---- what the rounds recorded -------------------------------------------------------
     # per closed round, with its RoundTally under "tally" (a RoundBook: earlier rounds on disk)
-    records: list[dict] = field(default_factory=RoundBook)
+    records: RoundBook = field(default_factory=RoundBook)
     # (agent, round) -> its evaluation, and agent -> round -> its round record (timings etc.);
     # closed rounds are kept packed (coordinator.history)
     metrics: MetricsBook = field(default_factory=MetricsBook)
@@ -114,8 +114,7 @@ class JobState:
             self.round_deadline = self.config.round_deadline
         if not self.round:
             self.round = self.completed
-        if not isinstance(self.records, RoundBook):
-            self.records = RoundBook(self.records)
+        self._books()
 
     # ---- what follows from the job ------------------------------------------------------
     @cached_property
@@ -232,15 +231,24 @@ class JobState:
             self.notes.append(f"round {r}: {', '.join(offline)} offline, not sampled")
         self.sampled = sampled & online
 
+    def _books(self) -> None:
+        """The records, evaluations and devices' round records as :mod:`coordinator.history`
+        keeps them (a state built or changed with plain lists and dicts, as tests do, is
+        taken over)."""
+        if not isinstance(self.records, RoundBook):
+            self.records = RoundBook(self.records)
+        if not isinstance(self.metrics, MetricsBook):
+            self.metrics = MetricsBook(self.metrics)
+        for a, rounds in self.agent_rounds.items():
+            if not isinstance(rounds, DeviceRounds):
+                self.agent_rounds[a] = DeviceRounds(rounds)
+
     def settle(self, before: int) -> None:
         """Pack the devices' round records and evaluations of the rounds before ``before``
         (:mod:`coordinator.history`; a round opening packs every closed one)."""
-        if not isinstance(self.metrics, MetricsBook):
-            self.metrics = MetricsBook(self.metrics)
+        self._books()
         self.metrics.settle(before)
-        for a, rounds in self.agent_rounds.items():
-            if not isinstance(rounds, DeviceRounds):
-                rounds = self.agent_rounds[a] = DeviceRounds(rounds)
+        for rounds in self.agent_rounds.values():
             rounds.settle(before)
 
     def open_clusters(self, *, now: float) -> RoundOpen:

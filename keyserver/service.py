@@ -45,6 +45,7 @@ from senseshield.he.base import job_key
 from senseshield.he.fingerprint import SEED_BYTES
 from senseshield.he.packed import STRUCTURES
 from senseshield.development import development_mode
+from senseshield.processes import release_memory
 from senseshield.runtime.identity import b64, unb64
 from senseshield.runtime.jobsig import job_refusal
 from senseshield.runtime.protocol.messages import (
@@ -56,7 +57,6 @@ from senseshield.runtime.protocol.messages import (
     FleetConfig,
     PublicKeyAnnouncement,
 )
-from senseshield.processes import release_memory
 from senseshield.rounds import apply_mean
 from senseshield.runtime.identity import Identity, Trust
 from senseshield.runtime.files import write_atomic

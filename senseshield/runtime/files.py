@@ -69,8 +69,9 @@ def json_pieces(obj: Any, *, depth: int = 2) -> Iterator[str]:  # noqa: ANN401
     memory, nor the pure-Python encoder's millions of tokens. Within those levels any mapping
     is written as an object and any iterator (a generator) as an array, read as they are
     written: a state may hand its largest parts over lazily. At the last of those levels the
-    entries go :data:`JSON_BATCH` at a time through the C encoder (a fleet's worth of small
-    values is then not a million Python-level pieces)."""
+    entries go through the C encoder in batches of about :data:`JSON_BATCH_CHARS` characters
+    (:func:`_batches`): a fleet's worth of small values is then not a million Python-level
+    pieces."""
     if depth == 1 and isinstance(obj, Mapping):
         yield "{"
         yield from _batches(iter(obj.items()), dict)
