@@ -8,9 +8,11 @@ import stat
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from senseshield.errors import ConfigError, ProtocolError
-from senseshield.runtime.identity import Identity, Trust, b64, check_frame, fingerprint
+from senseshield.runtime.identity import Identity, Principal, Trust, b64, check_frame, fingerprint
 from senseshield.runtime.protocol.envelope import decode_frame, encode_frame
 
 
@@ -119,3 +121,42 @@ def test_sealed_values_open_only_for_their_recipient_and_context():
         bob.open(box, ks.box_key, b"lab/run/3")
     with pytest.raises(ProtocolError, match="does not open"):
         alice.open(box, ks.box_key, b"lab/run/4")  # another round's context
+
+
+_keys = st.binary(min_size=32, max_size=32)
+_principal = st.tuples(st.sampled_from(["agent", "site", "operator"]), _keys, st.none() | _keys,
+                       st.none() | st.text("0123456789abcdef", min_size=32, max_size=32))
+
+
+@settings(max_examples=60, deadline=None)
+@given(principals=st.dictionaries(st.text(min_size=1, max_size=12), _principal, max_size=12),
+       fleet=st.none() | st.text(max_size=8), serial=st.none() | st.integers(1, 10**6),
+       signed_by=st.none() | st.text(max_size=8), drop_sign=st.booleans())
+def test_the_signed_body_of_a_trust_is_its_canonical_json(principals, fleet, serial, signed_by, drop_sign):  # noqa: ANN001
+    """What an administrator signs is written one principal at a time; it must be byte for
+    byte the canonical JSON of fleet, serial, signer and every principal (the files signed
+    before are checked against it)."""
+    table = {name: Principal(name, role, None if drop_sign else sign, box, pinned)
+             for name, (role, sign, box, pinned) in principals.items()}
+    trust = Trust(table, fleet=fleet, serial=serial, signed_by=signed_by)
+    body = {"fleet": fleet, "serial": serial, "signed_by": signed_by,
+            "principals": {n: p.as_dict() for n, p in sorted(table.items())}}
+    assert trust._signed_body() == b"senseshield-trust-file\0" + json.dumps(
+        body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def test_a_signed_trust_file_loads_in_its_order_with_one_string_per_role(tmp_path) -> None:  # noqa: ANN001
+    admin = Identity.generate("operator")
+    devices = {f"dev-{i}": Identity.generate(f"dev-{i}") for i in (3, 1, 2)}
+    trust = Trust({n: i.principal("agent") for n, i in devices.items()}, fleet="lab").sign(admin, 4)
+    trust.save(tmp_path / "trust.json")
+    loaded = Trust.load(tmp_path / "trust.json", fleet="lab")
+    assert list(loaded.principals) == list(json.loads((tmp_path / "trust.json").read_text())["principals"]) \
+        == sorted(trust.principals)
+    assert loaded.digest == trust.digest and loaded.serial == 4
+    roles = {id(p.role) for p in loaded.principals.values() if p.role == "agent"}
+    assert len(roles) == 1
+    text = (tmp_path / "trust.json").read_text().replace(b64(devices["dev-1"].sign_key), b64(devices["dev-2"].sign_key))
+    (tmp_path / "trust.json").write_text(text)
+    with pytest.raises(ConfigError, match="does not verify"):
+        Trust.load(tmp_path / "trust.json", fleet="lab")

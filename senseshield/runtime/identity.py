@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import io
 import json
 import logging
 import os
@@ -177,7 +178,7 @@ def _box_key(own: X25519PrivateKey, other: bytes, context: bytes) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=b"senseshield-seal\0" + context).derive(shared)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Principal:
     """A trusted name: its role and public keys (``sign`` may be None when only the
     fingerprint is pinned; it is then learnt from the first frame that matches it)."""
@@ -215,10 +216,19 @@ class Trust:
         self._lock = threading.Lock()
 
     def _signed_body(self) -> bytes:
-        """What the administrator signs: fleet, serial, signer and every principal."""
-        body = {"fleet": self.fleet, "serial": self.serial, "signed_by": self.signed_by,
-                "principals": {n: p.as_dict() for n, p in sorted(self.principals.items())}}
-        return _TRUST_CONTEXT + json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+        """What the administrator signs: fleet, serial, signer and every principal, as
+        ``json.dumps(sort_keys=True, separators=(",", ":"))`` of them writes it, written one
+        principal at a time (a fleet's file holds one per device: no second copy of them all
+        as dicts and text)."""
+        def dumps(value: Any) -> bytes:  # noqa: ANN401
+            return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
+
+        out = io.BytesIO()
+        out.write(_TRUST_CONTEXT + b'{"fleet":' + dumps(self.fleet) + b',"principals":{')
+        for i, name in enumerate(sorted(self.principals)):
+            out.write((b"," if i else b"") + dumps(name) + b":" + dumps(self.principals[name].as_dict()))
+        out.write(b'},"serial":' + dumps(self.serial) + b',"signed_by":' + dumps(self.signed_by) + b"}")
+        return out.getvalue()
 
     @property
     def signer_fingerprint(self) -> str | None:
@@ -268,8 +278,9 @@ class Trust:
         file_fleet = data.get("fleet")
         if fleet is not None and file_fleet is not None and file_fleet != fleet:
             raise ConfigError(f"--trust {str(path)!r} is for fleet {file_fleet!r}, not {fleet!r}.")
-        principals = {}
-        for name, entry in data["principals"].items():
+        principals, entries = {}, data.pop("principals")
+        while entries:  # taken out as they are read (a fleet's file holds one per device), last first
+            name, entry = entries.popitem()
             where = f"Trust file {path}, principal {name!r}"
             if not isinstance(entry, dict) or entry.get("role") not in ROLES:
                 raise ConfigError(f"{where}: role must be one of {', '.join(ROLES)}.")
@@ -284,8 +295,9 @@ class Trust:
                 raise ConfigError(f"{where}: give 'sign' (base64 public key) or 'fingerprint' (32 hex characters).")
             if sign is not None and pinned and fingerprint(sign) != pinned:
                 raise ConfigError(f"{where}: the fingerprint does not match the signing key.")
-            principals[str(name)] = Principal(str(name), entry["role"], sign, box, pinned)
-        trust = cls(principals, fleet=file_fleet or fleet)
+            role = ROLES[ROLES.index(entry["role"])]  # one string per role, not one per device
+            principals[str(name)] = Principal(str(name), role, sign, box, pinned)
+        trust = cls(dict(reversed(principals.items())), fleet=file_fleet or fleet)  # in the file's order
         if any(k in data for k in ("serial", "signed_by", "signature")):
             trust._check_signature(data, path)
         return trust
