@@ -49,6 +49,15 @@ def test_group_readable_secret_is_refused(tmp_path):
     os.chmod(keys / "a.key", 0o640)
     with pytest.raises(ConfigError, match="has mode 640; it must be 0600"):
         secure_dir(keys)
+    # among several, the first by name is the one named, whatever order the directory lists
+    for name, mode in (("m.key", 0o604), ("c.key", 0o660), ("z.key", 0o600)):
+        write_secret(keys / name, b"k")
+        os.chmod(keys / name, mode)
+    with pytest.raises(ConfigError, match=r"a\.key has mode 640"):
+        secure_dir(keys)
+    os.chmod(keys / "a.key", 0o600)
+    with pytest.raises(ConfigError, match=r"c\.key has mode 660"):
+        secure_dir(keys)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="changing a file's owner needs root")

@@ -53,8 +53,18 @@ def secure_dir(path: Path, flag: str = "--key-dir") -> Path:
     writable_dir(path, flag, mode=0o700)
     if before is not None and before & 0o077:
         log.warning("key directory %s was mode %o; tightened to 0700", path, before)
-    for key_file in sorted(path.glob("*.key")):
-        check_private(key_file)
+    # one entry at a time (a local fleet's directory holds thousands of identities); the
+    # first bad file by name is the one named, whatever order the directory lists them in
+    bad: list[tuple[str, ConfigError]] = []
+    with os.scandir(path) as entries:
+        for entry in entries:
+            if entry.name.endswith(".key"):
+                try:
+                    check_private(path / entry.name)
+                except ConfigError as exc:
+                    bad.append((entry.name, exc))
+    if bad:
+        raise min(bad, key=lambda b: b[0])[1]
     return path
 
 
