@@ -7,12 +7,16 @@ cluster models it announces.
 
 It holds no transport: the service gives it ``sign`` (a message of a round -> its signed
 frame) and ``publish`` (a request frame -> ``keyserver/requests``), and passes each message
-in with its sender, round and arrival facts.
+in with its sender, round and arrival facts. A request whose receipts would not fit in one
+:class:`~senseshield.runtime.protocol.messages.ReceiptBatch` sends them ahead of it in
+batches (:func:`receipt_batches`), so that neither side holds a fleet's receipts in one
+message.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Callable
 
@@ -24,10 +28,28 @@ from senseshield.engine.aggregation import StreamingAggregate, aggregate_sealed
 from senseshield.errors import ProtocolError
 from senseshield.he import SCHEMES, PublicKey
 from senseshield.runtime.protocol.messages import (
-    AggregateResult, ClusterModel, Message, PublicKeyAnnouncement, aggregate_to_message, frame_list,
+    RECEIPT_BATCH_BYTES, AggregateResult, ClusterModel, Message, PublicKeyAnnouncement, ReceiptBatch,
+    aggregate_to_message, frame_list,
 )
 
 Sign = Callable[..., bytes]  # (message, round, *, pieces=None) -> its signed frame
+
+
+def receipt_batches(receipts: list[bytes], limit: int | None = None) -> list[list[bytes]]:
+    """``receipts`` in order, cut into batches of at most ``limit`` packed bytes each
+    (default :data:`RECEIPT_BATCH_BYTES`; a receipt larger than that alone); one batch (the
+    request carries them) when they fit."""
+    limit = RECEIPT_BATCH_BYTES if limit is None else limit
+    batches: list[list[bytes]] = [[]]
+    size = 0
+    for receipt in receipts:
+        need = 4 + len(receipt)  # pack_frames: its length, then the frame
+        if batches[-1] and size + need > limit:
+            batches.append([])
+            size = 0
+        batches[-1].append(receipt)
+        size += need
+    return batches
 
 
 class KeyLink:
@@ -90,14 +112,22 @@ class KeyLink:
     def request(self, cr: ClusterRound, aggregate, t: float, *, r: int) -> None:  # noqa: ANN001
         """Send cluster round ``cr``'s aggregate of round ``r`` (of the updates in
         ``cr.updates``; its fold began at ``perf_counter`` ``t``) to the key server."""
-        # the receipts go into the signed frame as they are kept (not packed into a copy first)
-        receipts = frame_list([cr.updates[a].receipt for a in sorted(cr.updates)])
         request = aggregate_to_message(aggregate, self.public, run_id=self.run_id)
         cr.timings["aggregate"] = cr.timings.get("aggregate", 0.0) + time.perf_counter() - t
         cr.union_ratio = float(aggregate.union_mask.mean())
         cr.sealed = aggregate_sealed(aggregate, self.public)
-        cr.request = self.sign(request, r, pieces={"receipts": receipts})
-        del request, receipts
+        # the receipts go into the signed frames as they are kept (not packed into a copy
+        # first); a fleet's go ahead of the request in batches the key server checks as they come
+        batches = receipt_batches([cr.updates[a].receipt for a in sorted(cr.updates)])
+        if len(batches) == 1:
+            cr.request = [self.sign(request, r, pieces={"receipts": frame_list(batches[0])})]
+        else:
+            attempt = secrets.token_hex(16)
+            cr.request = [self.sign(ReceiptBatch(run_id=self.run_id, cluster=request.cluster, attempt=attempt, index=i,
+                                                 receipts=b""), r, pieces={"receipts": frame_list(batch)})
+                          for i, batch in enumerate(batches)]
+            cr.request.append(self.sign(request.model_copy(update={"attempt": attempt, "batches": len(batches)}), r))
+        del request, batches
         cr.requested_at = time.time()
         cr.timestamps["requested_at"] = cr.requested_at
         cr.phase = "decrypting"
@@ -105,7 +135,8 @@ class KeyLink:
 
     def send(self, cr: ClusterRound) -> None:
         cr.sent_at = time.time()
-        self.publish(cr.request)
+        for frame in cr.request:  # its receipt batches, then the request (in order, on one topic)
+            self.publish(frame)
 
     def resend(self, clusters: dict[int, ClusterRound], r: int, why: str) -> None:
         """Re-send every aggregate request of round ``r`` still waiting for its verdict (the key

@@ -61,7 +61,7 @@ class ClusterRound:
     straggled: list[str] = field(default_factory=list)
     offline: set[str] = field(default_factory=set)  # members whose last will fired: not waited for
     failed: dict[str, str] = field(default_factory=dict)  # members that said their round failed (why): not waited for
-    request: bytes | None = None  # the aggregate frame, kept to re-send (reconnect, key server back)
+    request: list[bytes] | None = None  # the request's frames (receipt batches, then it), kept to re-send
     requested_at: float = 0.0
     sent_at: float = 0.0  # latest (re-)send of the request
     accepted: bool | None = None

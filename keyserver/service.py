@@ -56,6 +56,7 @@ from senseshield.runtime.protocol.messages import (
     ClusterModel,
     FleetConfig,
     PublicKeyAnnouncement,
+    ReceiptBatch,
 )
 from senseshield.rounds import apply_mean
 from senseshield.runtime.identity import Identity, Trust
@@ -63,7 +64,7 @@ from senseshield.runtime.files import write_atomic
 from senseshield.runtime.keyfiles import check_private, secure_dir, write_secret
 from senseshield.runtime.service import Inbound, Service
 from keyserver.state import KeyServerState
-from keyserver.verify import Decrypting, Refuse, Reject, Replay, Rules, decide
+from keyserver.verify import Decrypting, Refuse, Reject, Replay, Rules, decide, stage_batch
 from keyserver.metrics import METRICS_PORT_ENV, KeyServerMetrics
 from senseshield.runtime.metrics import metrics_port as live_port
 from senseshield.job import announced_run
@@ -164,6 +165,7 @@ class KeyServer(Service):
         self.on(FleetConfig, self._on_config)
         self.on(RoundOpen, self._on_round_open)
         self.on(AggregateRequest, self._on_request)
+        self.on(ReceiptBatch, self._on_receipts)
         self.watch("coordinator")
         metrics_port = live_port(metrics_port, METRICS_PORT_ENV)
         self.metrics = KeyServerMetrics(metrics_port, metrics_host) if metrics_port is not None else None
@@ -241,7 +243,8 @@ class KeyServer(Service):
         r, k, state = item.round, msg.cluster, self.state
         t = time.perf_counter()
         decision = decide(state, self.rules, item.sender, r, msg)
-        t_verify = time.perf_counter() - t
+        staged = state.staged.pop((r, k, msg.attempt), None)  # its receipts were read: kept no longer
+        t_verify = time.perf_counter() - t + (staged.seconds if staged is not None else 0.0)
         if isinstance(decision, Reject):  # logged, no verdict
             raise ProtocolError(decision.reason)
         if isinstance(decision, Replay):  # a re-sent request (reconnect, restart): the same verdict
@@ -320,6 +323,17 @@ class KeyServer(Service):
         self._answer(r, k, AggregateResult(run_id=run_id, cluster=k, accepted=True,
                                            timings={"decrypt": t_decrypt, "verify": t_verify},
                                            excluded=excluded or {}))
+
+    def _on_receipts(self, item: Inbound) -> None:
+        """A batch of a large request's receipts: checked now, kept until the request
+        (keyserver.verify.stage_batch)."""
+        t = time.perf_counter()
+        reason = stage_batch(self.state, self.rules, item.sender, item.round, item.message)  # type: ignore[arg-type]
+        if reason is not None:
+            raise ProtocolError(reason)
+        staged = self.state.staged.get((item.round, item.message.cluster, item.message.attempt))  # type: ignore[attr-defined]
+        if staged is not None:
+            staged.seconds += time.perf_counter() - t
 
     # -- trust: the round's plan, its challenge, the contributions ------------------------
     def _on_round_open(self, item: Inbound) -> None:

@@ -149,6 +149,8 @@ class KeyServerState:
     # (round, cluster) the request digests and each attempt's {contributor: fingerprint}
     attempts: dict[tuple[int, int], set[str]] = field(default_factory=dict, metadata=FLIGHT)
     failed: dict[tuple[int, int], list[dict[str, str]]] = field(default_factory=dict, metadata=FLIGHT)
+    # the receipt batches of requests still to come: (round, cluster, attempt) -> keyserver.verify.Staged
+    staged: dict[tuple[int, int, str], Any] = field(default_factory=dict, metadata=FLIGHT)
 
     def __post_init__(self) -> None:
         self.key_dir = Path(self.key_dir)
@@ -337,6 +339,8 @@ class KeyServerState:
         for kept in (self.plans, self.seeds, self.challenges, self.boxes, self.spent):
             for old in [rr for rr in kept if rr < r]:
                 del kept[old]
+        for old in [key for key in self.staged if key[0] < r]:
+            del self.staged[old]
 
     def taken(self, r: int) -> dict[str, int]:
         """Round ``r``'s contributions spent or reserved: agent -> cluster."""

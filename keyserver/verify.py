@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -42,6 +42,7 @@ from senseshield.runtime.protocol.envelope import decode_frame
 from senseshield.runtime.protocol.messages import (
     AggregateRequest,
     Receipt,
+    ReceiptBatch,
     aggregate_from_message,
     from_frame,
     iter_frames,
@@ -97,6 +98,85 @@ def signed_receipt(receipt: Receipt, common: dict[str, str]) -> Signed:
         return common.setdefault(text, text)
     return Signed(receipt.n_samples, once(receipt.key_id), once(receipt.mask_digest), receipt.fingerprint,
                   once(receipt.start_digest), receipt.shares, once(receipt.plan_digest), receipt.plain_digest)
+
+
+@dataclass
+class Staged:
+    """The receipts of one request attempt as the key server checked them, batch by batch
+    (:func:`stage`): what the checks read of each (:class:`Signed`), the SHA-256 of their
+    bytes in order (the attempt's digest with the ciphertext), the batches taken and the
+    first reason found to refuse the attempt (then nothing more of it is read)."""
+
+    receipts: dict[str, Signed] = field(default_factory=dict)
+    common: dict[str, str] = field(default_factory=dict)
+    hash: Any = field(default_factory=hashlib.sha256)
+    batches: int = 0
+    error: str | None = None
+    seconds: float = 0.0  # spent checking them (the verdict's verify time counts it)
+
+
+STAGED_PER_CLUSTER = 2
+"""Request attempts whose receipt batches the key server holds at once per round and cluster
+(a coordinator sends one attempt at a time); a new one beyond drops the oldest."""
+
+
+def stage(staged: Staged, trust: Trust, run_id: str, r: int, k: int, members: list[str], data: bytes) -> None:
+    """Check the receipts ``data`` (pack_frames) of round ``r``'s aggregate of cluster ``k``
+    (of ``members``, the round's pinned plan) into ``staged``: every receipt's signature,
+    round, run, cluster and membership, each contributor once. The first failure is kept as
+    the attempt's refusal."""
+    staged.hash.update(data)
+    staged.batches += 1
+    if staged.error is not None:
+        return
+    try:
+        for raw in iter_frames(data):
+            frame = decode_frame(raw)
+            check_frame(trust, frame)  # signed by the agent it names, with its pinned key
+            receipt = from_frame(frame)
+            if not isinstance(receipt, Receipt):
+                staged.error = f"a receipt of {frame.sender!r} is a {frame.schema!r} message"
+            elif frame.round != r or receipt.run_id != run_id:
+                staged.error = f"the receipt of {frame.sender!r} is for round {frame.round} of run {receipt.run_id!r}"
+            elif receipt.cluster != k or frame.sender not in members:
+                staged.error = f"{frame.sender!r} signed for cluster {receipt.cluster}, and is not a member of cluster {k}"
+            elif frame.sender in staged.receipts:
+                staged.error = f"two receipts of {frame.sender!r}"
+            if staged.error is not None:
+                return
+            staged.receipts[frame.sender] = signed_receipt(receipt, staged.common)
+    except ProtocolError as exc:  # a malformed receipt: the attempt's verdict, not silence
+        staged.error = str(exc)
+
+
+def stage_batch(state: KeyServerState, rules: Rules, sender: str, r: int, msg: ReceiptBatch) -> str | None:
+    """Take receipt batch ``msg`` of round ``r`` into the state's staged attempts (the
+    service's one change of state here); the reason to reject it (no verdict), or None."""
+    if sender != "coordinator":
+        return f"Receipt batch from {sender!r}; only the coordinator sends aggregates."
+    if state.job is None or msg.run_id != state.run_id:
+        return f"Receipt batch for run {msg.run_id!r}; the current run is {state.run_id!r}."
+    k = msg.cluster
+    plan = state.plans.get(r)
+    if plan is None or k not in plan:
+        return f"Receipt batch for round {r} of cluster {k}, which no open round's plan has."
+    key = (r, k, msg.attempt)
+    staged = state.staged.get(key)
+    if staged is None:
+        if msg.index != 0:
+            return f"Receipt batch {msg.index} of attempt {msg.attempt} came before its batch 0; re-send them in order."
+        others = [key for key in state.staged if key[:2] == (r, k)]
+        for old in others[: max(0, len(others) - STAGED_PER_CLUSTER + 1)]:
+            del state.staged[old]
+        staged = state.staged[key] = Staged()
+    if msg.index < staged.batches:
+        return None  # a re-sent batch (reconnect): taken already
+    if msg.index > staged.batches:
+        del state.staged[key]
+        return (f"Receipt batch {msg.index} of attempt {msg.attempt} came after batch {staged.batches - 1}; "
+                "re-send them in order.")
+    stage(staged, rules.trust, state.run_id, r, k, plan[k], msg.receipts)
+    return None
 
 
 @dataclass(frozen=True)
@@ -183,7 +263,15 @@ def decide(state: KeyServerState, rules: Rules, sender: str, r: int, msg: Aggreg
     if state.job is None or msg.run_id != state.run_id:
         return Reject(f"Aggregate for run {msg.run_id!r}; the current run is {state.run_id!r}.")
     k = msg.cluster
-    attempt = hashlib.sha256(msg.receipts)
+    staged = None  # receipts inline: checked with the rest
+    if msg.batches:
+        staged = state.staged.get((r, k, msg.attempt))
+        if staged is None or staged.batches != msg.batches:
+            if (r, k) in state.results and staged is None:
+                return Replay()  # a request re-sent alone after its verdict
+            return Reject(f"Aggregate for round {r} of cluster {k} came after {staged.batches if staged else 0} of "
+                          f"its {msg.batches} receipt batches; re-send them before it.")
+    attempt = staged.hash.copy() if staged is not None else hashlib.sha256(msg.receipts)
     attempt.update(b"|")
     attempt.update(msg.ciphertext)
     attempt = attempt.hexdigest()
@@ -210,7 +298,7 @@ def decide(state: KeyServerState, rules: Rules, sender: str, r: int, msg: Aggreg
     plans: dict[str, str] = {}  # contributor -> the plan digest its receipt signs (its pads' context)
     notes: list[str] = []
     try:
-        refusal, weights, entries = verify(state, rules, r, k, msg, aggregate, prints, plans, notes)
+        refusal, weights, entries = verify(state, rules, r, k, msg, aggregate, prints, plans, notes, staged=staged)
     except ProtocolError as exc:  # a malformed receipt or ciphertext: a verdict, not silence
         refusal, weights, entries = str(exc), {}, {}
     if refusal is not None:
@@ -245,7 +333,7 @@ def _no_new_attempt(state: KeyServerState, r: int, k: int, attempt: str) -> str 
 
 def verify(state: KeyServerState, rules: Rules, r: int, k: int, msg: AggregateRequest,
            aggregate: EncryptedAggregate, prints: dict[str, str], plans: dict[str, str], notes: list[str],
-           ) -> tuple[str | None, dict[str, int], dict[str, str]]:
+           *, staged: Staged | None = None) -> tuple[str | None, dict[str, int], dict[str, str]]:
     """The checks of :func:`decide` before anything is decrypted (its one caller):
     ``(None, {contributor: weight}, ledger entries)`` if round ``r``'s aggregate of cluster
     ``k`` may be decrypted, else ``(reason, {}, {})``: the plan, every receipt's signature, round, run,
@@ -259,7 +347,8 @@ def verify(state: KeyServerState, rules: Rules, r: int, k: int, msg: AggregateRe
     this job, :meth:`~keyserver.state.KeyServerState.start_digests`). ``prints`` receives each contributor's signed fingerprint (hex), ``plans``
     each contributor's signed plan digest (its masked pads' context), ``notes`` what the log
     says. The ledger entries (contributor -> "key|agent|starting model") are recorded once
-    the aggregate is decrypted."""
+    the aggregate is decrypted. ``staged``: the receipts as their batches were checked (None:
+    they are the request's own, checked here the same way, :func:`stage`)."""
     ciphertext = aggregate.ciphertext
     plan = state.plans.get(r)
     if plan is None and state.plans and r < min(state.plans):
@@ -268,21 +357,12 @@ def verify(state: KeyServerState, rules: Rules, r: int, k: int, msg: AggregateRe
         return f"round {r} was never opened (no round plan); nothing of it is decrypted", {}, {}
     if k not in plan:
         return f"cluster {k} is not in round {r}'s plan (clusters {sorted(plan)})", {}, {}
-    receipts: dict[str, Signed] = {}
-    common: dict[str, str] = {}
-    for raw in iter_frames(msg.receipts):
-        frame = decode_frame(raw)
-        check_frame(rules.trust, frame)  # signed by the agent it names, with its pinned key
-        receipt = from_frame(frame)
-        if not isinstance(receipt, Receipt):
-            return f"a receipt of {frame.sender!r} is a {frame.schema!r} message", {}, {}
-        if frame.round != r or receipt.run_id != state.run_id:
-            return f"the receipt of {frame.sender!r} is for round {frame.round} of run {receipt.run_id!r}", {}, {}
-        if receipt.cluster != k or frame.sender not in plan[k]:
-            return f"{frame.sender!r} signed for cluster {receipt.cluster}, and is not a member of cluster {k}", {}, {}
-        if frame.sender in receipts:
-            return f"two receipts of {frame.sender!r}", {}, {}
-        receipts[frame.sender] = signed_receipt(receipt, common)
+    if staged is None:
+        staged = Staged()
+        stage(staged, rules.trust, state.run_id, r, k, plan[k], msg.receipts)
+    if staged.error is not None:
+        return staged.error, {}, {}
+    receipts = staged.receipts
     names = sorted(receipts)
     if sorted(set(msg.contributors)) != names or len(msg.contributors) != len(names):
         return (f"the contributor list {sorted(msg.contributors)} is not the signed receipts' "

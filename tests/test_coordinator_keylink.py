@@ -8,8 +8,10 @@ import logging
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from coordinator.keylink import KeyLink
+from coordinator.keylink import KeyLink, receipt_batches
 from coordinator.rounds import ClusterRound, note_of
 from senseshield.engine.aggregation import StreamingAggregate, protect_update
 from senseshield.errors import ProtocolError
@@ -18,7 +20,7 @@ from senseshield.he.base import round_context
 from senseshield.runtime.identity import Identity
 from senseshield.runtime.protocol.envelope import decode_frame
 from senseshield.runtime.protocol.messages import (
-    AggregateRequest, AggregateResult, ClusterModel, PublicKeyAnnouncement, from_frame, to_frame,
+    AggregateRequest, AggregateResult, ClusterModel, PublicKeyAnnouncement, from_frame, to_frame, unpack_frames,
 )
 
 FLEET, RUN, SIZE = "f", "j-1", 40
@@ -197,3 +199,42 @@ def test_when_every_attempt_is_refused_the_verdict_waits_for_a_later_update_unti
     assert not link.on_result("keyserver", refusal, cr, r=1, received=2.0, make=make) and cr.held is not None
     assert link.expire(cr, r=1, now=cr.deadline) and cr.phase == "done" and cr.accepted is False
     assert cr.reason == "refused: not the product"
+
+
+@settings(max_examples=80, deadline=None)
+@given(sizes=st.lists(st.integers(1, 300), max_size=40), limit=st.integers(64, 1200))
+def test_receipt_batches_keep_the_order_and_stay_within_the_limit(sizes, limit):
+    """The receipts of a request, cut into batches: all of them, in order; every batch within
+    ``limit`` packed bytes unless it is one receipt larger than that; a new batch only when
+    the next receipt would not fit (as few as cut in order allows)."""
+    receipts = [bytes([i % 256]) * n for i, n in enumerate(sizes)]
+    batches = receipt_batches(receipts, limit)
+    assert [r for batch in batches for r in batch] == receipts
+    assert len(batches) >= 1 and (batches[0] or not receipts)
+    packed = [sum(4 + len(r) for r in batch) for batch in batches]
+    assert all(size <= limit or len(batch) == 1 for size, batch in zip(packed, batches))
+    assert all(packed[i] + 4 + len(batches[i + 1][0]) > limit for i in range(len(batches) - 1))
+
+
+def test_a_large_request_sends_its_receipts_ahead_in_batches(setup, monkeypatch):
+    """Receipts beyond one batch go ahead of the request, in order, under one attempt id; the
+    request carries none and names how many came; a re-send repeats the whole sequence."""
+    secret, ids = setup
+    sent: list[bytes] = []
+    link = _link(ids, sent)
+    link.on_key("keyserver", _announce(secret))
+    monkeypatch.setattr("coordinator.keylink.RECEIPT_BATCH_BYTES", 2 * (4 + len(b"receipt-a")))
+    cr = ClusterRound(["a", "b", "c"], deadline=0.0, phase="updates")
+    cr.running = StreamingAggregate(link.public, size=SIZE, round=1, cluster=0, min_encryptors=1)
+    for a, (update, note) in _updates(secret, ids).items():
+        cr.running.add(update)
+        cr.updates[a] = note
+    link.request(cr, cr.running.result(), 0.0, r=1)
+    messages = [from_frame(decode_frame(f)) for f in sent]
+    assert [type(m).__name__ for m in messages] == ["ReceiptBatch", "ReceiptBatch", "AggregateRequest"]
+    first, second, request = messages
+    assert (first.index, second.index) == (0, 1) and first.attempt == second.attempt == request.attempt
+    assert unpack_frames(first.receipts) + unpack_frames(second.receipts) == [b"receipt-a", b"receipt-b", b"receipt-c"]
+    assert request.batches == 2 and request.receipts == b"" and sorted(request.contributors) == ["a", "b", "c"]
+    link.resend({0: cr}, 1, "the key server is back")
+    assert sent[3:] == sent[:3]

@@ -36,6 +36,7 @@ from senseshield.runtime.protocol.messages import (
     JobSubmit,
     PublicKeyAnnouncement,
     Receipt,
+    ReceiptBatch,
     RoundOpen,
     aggregate_to_message,
     from_frame,
@@ -779,3 +780,60 @@ def test_a_per_client_mask_aggregate_whose_plaintext_side_was_bent_is_refused(ha
                                       masks=[aggregate.masks[a] for a in "abc"])
         serial = apply_mean(harness.initial, decrypt_aggregate(aggregate, secret), server_lr=1.0)
         np.testing.assert_array_equal(model.weights, serial.astype(np.float32))
+
+
+def _rejected(h: Harness, needle: str, timeout: float = 60.0) -> None:
+    """Wait until the key server has rejected a message for ``needle`` (an event, not a delay)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if any(needle in r for r in list(h.server.rejected)):
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"no rejection for {needle!r} within {timeout} s: {list(h.server.rejected)}")
+
+
+def test_receipts_sent_ahead_in_batches_are_judged_as_the_request_would_judge_them(harness):
+    """A large request's receipts come ahead of it in batches (ReceiptBatch), checked as they
+    come: the verdict is the one the same receipts inline get (accepted and unmasked, or
+    refused with the same reason); a request whose batches did not all come, a batch out of
+    order and one from anyone but the coordinator get no verdict; a batch's receipts are kept
+    only until their request is judged."""
+    h = harness
+    h.start_run("masked")
+    plan = {0: ["a", "b", "c"], 1: ["d", "e"]}
+
+    def batched(r: int, msg, parts: list[list[bytes]], attempt: str = "1" * 32, *, send: int | None = None):  # noqa: ANN001, ANN202
+        for i, part in enumerate(parts[:send]):
+            h.send("keyserver/requests", ReceiptBatch(run_id=h.run, cluster=msg.cluster, attempt=attempt, index=i,
+                                                      receipts=pack_frames(part)), round=r)
+        return msg.model_copy(update={"receipts": b"", "attempt": attempt, "batches": len(parts)})
+
+    h.open_round(1, plan)
+    a, b, c = (h.contribution(x, 1, 0) for x in "abc")
+    result = h.verdict(1, batched(1, h.request(1, 0, [a, b, c]), [[a[1]], [b[1], c[1]]]))
+    assert result.accepted, result.reason
+    model, _ = h.wait(ClusterModel)
+    assert np.allclose(model.weights - h.initial, sum(h.deltas[(x, 1)] for x in "abc") / 3, atol=1e-6)
+    assert not h.server.state.staged
+
+    h.open_round(2, plan)
+    a2, d2 = h.contribution("a", 2, 0), h.contribution("d", 2, 1)
+    inline = h.verdict(2, h.request(2, 0, [a2, d2]))
+    h.open_round(3, plan)
+    a3, d3 = h.contribution("a", 3, 0), h.contribution("d", 3, 1)
+    result = h.verdict(3, batched(3, h.request(3, 0, [a3, d3]), [[a3[1]], [d3[1]]]))
+    assert not result.accepted and "'d' signed for cluster 1" in result.reason
+    assert result.reason == inline.reason
+
+    b3, c3 = h.contribution("b", 3, 0), h.contribution("c", 3, 0)
+    request = h.request(3, 0, [b3, c3])
+    h.send("keyserver/requests", batched(3, request, [[b3[1]], [c3[1]], []], "2" * 32, send=2), round=3)
+    _rejected(h, "came after 2 of its 3 receipt batches")
+    h.send("keyserver/requests", ReceiptBatch(run_id=h.run, cluster=0, attempt="3" * 32, index=1,
+                                              receipts=pack_frames([b3[1]])), round=3)
+    _rejected(h, "came before its batch 0")
+    h.send("keyserver/requests", ReceiptBatch(run_id=h.run, cluster=0, attempt="4" * 32, index=0,
+                                              receipts=pack_frames([b3[1]])), round=3, as_="b")
+    _rejected(h, "only the coordinator sends aggregates")
+    assert (3, 0) in h.server.state.results  # the refusal above, and nothing since
+    assert h.thread.is_alive()

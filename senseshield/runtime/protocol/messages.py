@@ -496,6 +496,28 @@ class UpdateMessage(Message):
         return self
 
 
+RECEIPT_BATCH_BYTES = 512 << 10
+"""The receipts a :class:`ReceiptBatch` carries at most (bytes): well under a broker message
+and a chunk, so a batch is never reassembled."""
+
+
+@message
+class ReceiptBatch(Message):
+    """``keyserver/requests``, before the :class:`AggregateRequest` that names it: part of a
+    large aggregate's signed receipts (pack_frames), batch ``index`` of the request's
+    ``attempt``. The key server checks each receipt as its batch arrives and keeps what its
+    checks read of it, so neither side holds a fleet's receipts in one message."""
+
+    schema_name: ClassVar[str] = "receipt-batch"
+    version: ClassVar[int] = 1
+    sections: ClassVar[dict[str, str]] = {"receipts": "bytes"}
+    run_id: str
+    cluster: int = Field(ge=0)
+    attempt: str = Field(pattern=r"^[0-9a-f]{32}$")
+    index: int = Field(ge=0)
+    receipts: bytes
+
+
 @message
 class AggregateRequest(Message):
     """``keyserver/requests``: a cluster's aggregate, for the key server to decrypt.
@@ -504,10 +526,13 @@ class AggregateRequest(Message):
     (:func:`plain_part`, each checked against the digest its receipt signs), in the order of
     sorted(contributors); the key server recomputes from them, the signed masks and sample
     counts what the aggregate adds in plaintext (``plain_fold``, ``plain_sum``,
-    ``position_weight``, ``thin_sum``) and refuses an aggregate that declares anything else."""
+    ``position_weight``, ``thin_sum``) and refuses an aggregate that declares anything else.
+
+    ``batches`` (version 5): the receipts came before it in that many :class:`ReceiptBatch`
+    messages of its ``attempt`` (``receipts`` is then empty); 0: they are in ``receipts``."""
 
     schema_name: ClassVar[str] = "aggregate-request"
-    version: ClassVar[int] = 4
+    version: ClassVar[int] = 5
     sections: ClassVar[dict[str, str]] = {
         "union_mask": "u8", "plain_sum": "f64", "position_weight": "f64", "ciphertext": "bytes",
         "receipts": "bytes", "plain_fold": "bytes", "masks": "u8", "thin_sum": "f64", "plains": "bytes",
@@ -529,9 +554,13 @@ class AggregateRequest(Message):
     masks: np.ndarray = Field(default_factory=lambda: np.zeros(0, np.uint8))
     thin_sum: np.ndarray = Field(default_factory=lambda: np.zeros(0))
     plains: bytes = b""  # (version 4) the contributors' plaintext parts (pack_frames of plain_part), sorted by name
+    attempt: str = Field("", pattern=r"^([0-9a-f]{32})?$")  # (version 5) its receipt batches' attempt
+    batches: int = Field(0, ge=0)  # (version 5) receipt batches sent before it (0: receipts inline)
 
     @model_validator(mode="after")
     def _consistent(self) -> "AggregateRequest":
+        if self.batches and (self.receipts or not self.attempt):
+            raise ProtocolError("An aggregate whose receipts came in batches names their attempt and carries none itself.")
         union = unpack_mask(self.union_mask, self.size)
         left = self.size - int(union.sum())
         if self.plain_sum.size != left:
