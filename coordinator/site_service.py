@@ -216,7 +216,9 @@ class SiteAggregator(Service):
         for (r, k), sr in sorted(self.rounds.items()):
             if sr.due(now, offline=self.offline, margin=self.margin):
                 running, notes = sr.take()
-                frame = self.frame(partial_message(running, notes, run_id=self.run_id, site=self.site), round=r)
+                msg, pieces = partial_message(running, notes, run_id=self.run_id, site=self.site)
+                frame = self.frame(msg, round=r, pieces=pieces)
+                del running, notes, msg, pieces
                 sr.sent.append(frame)
                 self.link.publish(f"sites/{self.site}/partial", frame)
                 self.partials_sent += 1

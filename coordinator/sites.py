@@ -39,8 +39,7 @@ from senseshield.engine.partial import pack_arrays, partial_from_state, partial_
 from senseshield.errors import ProtocolError
 from senseshield.runtime.identity import Trust
 from senseshield.runtime.sites import SITE_PREFIX
-from senseshield.runtime.protocol.messages import SitePartial, pack_frames, plain_part, \
-    pack_mask, unpack_frames
+from senseshield.runtime.protocol.messages import SitePartial, frame_list, pack_mask, plain_part, unpack_frames
 
 if TYPE_CHECKING:
     from coordinator.state import JobState
@@ -93,15 +92,23 @@ class SiteRound:
 
 
 def partial_message(running: StreamingAggregate, notes: dict[str, UpdateNote], *, run_id: str,
-                    site: str) -> SitePartial:
-    """The :class:`SitePartial` of a site's running aggregate and the notes of its updates."""
+                    site: str) -> tuple[SitePartial, dict[str, list[bytes]]]:
+    """The :class:`SitePartial` of a site's running aggregate and the notes of its updates,
+    with its ``receipts`` and ``notes`` sections as pieces (to_frame's ``pieces``: the frame
+    holds them one after another, with no packed copy of a site's receipts first);
+    :func:`joined` gives the message whole."""
     fields, arrays = partial_state(running)
     names = fields["contributors"]
-    return SitePartial(
-        run_id=run_id, site=site, cluster=running.cluster, size=running.size, state=fields,
-        arrays=pack_arrays(arrays), receipts=pack_frames([notes[a].receipt for a in names]),
-        notes=json.dumps([_note_json(notes[a]) for a in names], sort_keys=True).encode(),
-    )
+    msg = SitePartial(run_id=run_id, site=site, cluster=running.cluster, size=running.size, state=fields,
+                      arrays=pack_arrays(arrays), receipts=b"", notes=b"")
+    notes_json = [json.dumps(_note_json(notes[a]), sort_keys=True).encode() for a in names]  # json.dumps of the list
+    return msg, {"receipts": frame_list([notes[a].receipt for a in names]),
+                 "notes": [b"[", *(part for i, n in enumerate(notes_json) for part in ((b", " if i else b""), n)), b"]"]}
+
+
+def joined(msg: SitePartial, pieces: dict[str, list[bytes]]) -> SitePartial:
+    """The message :func:`partial_message` gives in parts, whole."""
+    return msg.model_copy(update={name: b"".join(parts) for name, parts in pieces.items()})
 
 
 def _note_json(note: UpdateNote) -> dict:

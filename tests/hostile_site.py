@@ -14,12 +14,12 @@ _honest = site_service.partial_message
 
 
 def _tampered(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-    msg = _honest(*args, **kwargs)
+    msg, pieces = _honest(*args, **kwargs)
     arrays = unpack_arrays(msg.arrays)
     total = arrays["acc_total"].copy()
     total[0] += total.dtype.type(1)  # modulo the ring: a sum that is not its contributors'
     arrays["acc_total"] = total
-    return msg.model_copy(update={"arrays": pack_arrays(arrays)})
+    return msg.model_copy(update={"arrays": pack_arrays(arrays)}), pieces
 
 
 site_service.partial_message = _tampered

@@ -5,15 +5,20 @@ way a site aggregator that lies is refused, in one sentence, changing nothing.""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 from coordinator.accept import FOLD, accept_update
 from coordinator.rounds import note_of
-from coordinator.sites import SiteRound, accept_partial, fold_partial, partial_message
+from coordinator.sites import SiteRound, _note_json, accept_partial, fold_partial, joined, partial_message
 from senseshield.errors import ProtocolError
 from senseshield.runtime.identity import Trust
-from senseshield.runtime.protocol.messages import SitePartial, pack_frames, unpack_frames, update_from_message
+from senseshield.runtime.protocol.envelope import decode_frame
+from senseshield.runtime.protocol.messages import (
+    SitePartial, from_frame, pack_frames, to_frame, unpack_frames, update_from_message,
+)
 from tests.test_coordinator_accept import RUN, SIZE, ids, state, trust, update  # noqa: F401 - fixtures
 
 
@@ -26,7 +31,7 @@ def site_fold(s, ids, agents=("a0", "a1"), *, r: int = 2, site: str = "north") -
         sr.fold(a, u, note_of(u, 100 + i, msg.report, msg.receipt, {"training_loss": 0.5}),
                 lambda: s.new_aggregate(0, r, None))
     running, notes = sr.take()
-    return partial_message(running, notes, run_id=RUN, site=site)
+    return joined(*partial_message(running, notes, run_id=RUN, site=site))
 
 
 def accept(s, msg: SitePartial, trust: Trust, *, sender: str = "site-north", r: int = 2):  # noqa: ANN001, ANN201
@@ -116,3 +121,25 @@ def test_a_site_round_sends_when_every_member_is_in_or_the_deadline_is_near(ids)
     assert running.contributors == ["a0"] and list(notes) == ["a0"] and sr.running is None
     sr.failed.add("a1")
     assert not sr.waiting(set())
+
+
+def test_a_partial_sums_frame_from_its_pieces_is_the_frame_of_the_whole_message(ids):
+    """A site sends its partial sum's receipts and notes as pieces the frame holds one after
+    another: the frame is byte for byte the one of the whole message, whose notes are the
+    JSON list of the contributors' notes and receipts their packed receipts."""
+    s = state()
+    sr = SiteRound(2, 0, deadline=100.0, ring_bits=64, expected={"a0", "a1"})
+    for i, a in enumerate(("a0", "a1")):
+        msg = update(ids, a, r=2, value=0.25 * (i + 1))
+        u = update_from_message(msg, None, client_id=a, round=2, size=SIZE)
+        sr.fold(a, u, note_of(u, 100 + i, msg.report, msg.receipt, {"training_loss": 0.5 + i}),
+                lambda: s.new_aggregate(0, 2, None))
+    running, notes = sr.take()
+    msg, pieces = partial_message(running, notes, run_id=RUN, site="north")
+    whole = joined(msg, pieces)
+    sent = from_frame(decode_frame(to_frame(msg, fleet="f", sender="site-north", round=2, signer=ids["a9"],
+                                            pieces=pieces)))
+    assert sent.model_dump(exclude={"arrays"}) == whole.model_dump(exclude={"arrays"})
+    assert sent.arrays == whole.arrays
+    assert unpack_frames(whole.receipts) == [notes[a].receipt for a in ("a0", "a1")]
+    assert whole.notes == json.dumps([_note_json(notes[a]) for a in ("a0", "a1")], sort_keys=True).encode()
