@@ -23,6 +23,7 @@ from collections.abc import Callable
 import numpy as np
 
 from coordinator.contributions import aggregate_of, notes_of
+from coordinator.history import Shelf
 from coordinator.rounds import ClusterRound
 from senseshield.engine.aggregation import StreamingAggregate, aggregate_sealed
 from senseshield.errors import ProtocolError
@@ -119,14 +120,16 @@ class KeyLink:
         # the receipts go into the signed frames as they are kept (not packed into a copy
         # first); a fleet's go ahead of the request in batches the key server checks as they come
         batches = receipt_batches([cr.updates[a].receipt for a in sorted(cr.updates)])
+        cr.request = Shelf()  # kept on disk to re-send (coordinator.history), not beside the receipts in memory
         if len(batches) == 1:
-            cr.request = [self.sign(request, r, pieces={"receipts": frame_list(batches[0])})]
+            cr.request[0] = self.sign(request, r, pieces={"receipts": frame_list(batches[0])})
         else:
             attempt = secrets.token_hex(16)
-            cr.request = [self.sign(ReceiptBatch(run_id=self.run_id, cluster=request.cluster, attempt=attempt, index=i,
-                                                 receipts=b""), r, pieces={"receipts": frame_list(batch)})
-                          for i, batch in enumerate(batches)]
-            cr.request.append(self.sign(request.model_copy(update={"attempt": attempt, "batches": len(batches)}), r))
+            for i, batch in enumerate(batches):
+                cr.request[i] = self.sign(ReceiptBatch(run_id=self.run_id, cluster=request.cluster, attempt=attempt,
+                                                       index=i, receipts=b""), r, pieces={"receipts": frame_list(batch)})
+            cr.request[len(batches)] = self.sign(request.model_copy(update={"attempt": attempt,
+                                                                            "batches": len(batches)}), r)
         del request, batches
         cr.requested_at = time.time()
         cr.timestamps["requested_at"] = cr.requested_at
@@ -135,7 +138,7 @@ class KeyLink:
 
     def send(self, cr: ClusterRound) -> None:
         cr.sent_at = time.time()
-        for frame in cr.request:  # its receipt batches, then the request (in order, on one topic)
+        for frame in cr.request.values():  # its receipt batches, then the request (in order, on one topic)
             self.publish(frame)
 
     def resend(self, clusters: dict[int, ClusterRound], r: int, why: str) -> None:

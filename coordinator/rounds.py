@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,7 +27,7 @@ from senseshield.strategies import FleetPlan
 from senseshield.strategies.base import Strategy
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class UpdateNote:
     """What the coordinator keeps of an update once it is in the running aggregate."""
 
@@ -61,7 +62,8 @@ class ClusterRound:
     straggled: list[str] = field(default_factory=list)
     offline: set[str] = field(default_factory=set)  # members whose last will fired: not waited for
     failed: dict[str, str] = field(default_factory=dict)  # members that said their round failed (why): not waited for
-    request: list[bytes] | None = None  # the request's frames (receipt batches, then it), kept to re-send
+    # the request's frames (receipt batches, then it: index -> frame, coordinator.history.Shelf), kept to re-send
+    request: MutableMapping[int, bytes] | None = None
     requested_at: float = 0.0
     sent_at: float = 0.0  # latest (re-)send of the request
     accepted: bool | None = None
