@@ -41,6 +41,7 @@ from senseshield.engine.aggregation import StreamingAggregate
 from senseshield.he.base import job_key
 from senseshield.job import Job, effective_scheme, noise_multipliers, train_config
 from senseshield.runtime.protocol.messages import Hello, Metrics, RoundOpen, RoundPlan, pack_mask
+from senseshield.runtime.files import View
 from senseshield.strategies import FleetPlan
 from senseshield.strategies.base import Strategy
 
@@ -397,8 +398,8 @@ class JobState:
             },
             # the bootstrap vectors are not kept (a model's size per agent; the plan holds what
             # the bootstrap made of them)
-            "agents": {a: {"hello": i.hello.model_dump(mode="json"), "online": i.online, "joined_at": i.joined_at}
-                       for a, i in self.agents.items()},
+            "agents": View(self.agents, value=_agent_json) if lazy else
+                      {a: _agent_json(i) for a, i in self.agents.items()},
             "refused": self.refused,
             "declined": self.declined,
             "admitted": self.admitted,
@@ -501,3 +502,8 @@ def take_up(fresh: JobState, saved: JobState | None, *, round_deadline: float | 
 
 KEPT: tuple[str, ...] = tuple(f.name for f in fields(JobState) if "transient" not in f.metadata)
 """The fields a saved state holds (every field not marked :func:`transient`)."""
+
+
+def _agent_json(info: AgentInfo) -> dict:
+    """What a checkpoint keeps of a device that said hello."""
+    return {"hello": info.hello.model_dump(mode="json"), "online": info.online, "joined_at": info.joined_at}

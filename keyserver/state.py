@@ -33,7 +33,7 @@ import json
 import shutil
 import tempfile
 import zipfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -42,7 +42,7 @@ import numpy as np
 
 from senseshield.errors import ConfigError
 from senseshield.he.base import model_digest
-from senseshield.runtime.files import json_pieces, write_pieces, write_with_atomic
+from senseshield.runtime.files import View, json_pieces, write_pieces, write_with_atomic
 from senseshield.runtime.protocol.messages import AggregateResult, Challenge
 
 if TYPE_CHECKING:
@@ -95,25 +95,7 @@ class Ledger(dict):
 
     def pieces(self) -> Iterator[str]:
         """The ledger as ``json.dumps(ledger, sort_keys=True)`` writes it, in pieces."""
-        return json_pieces(_View(self, ordered=True), depth=1)
-
-
-class _View(Mapping):
-    """A mapping read lazily, for :func:`json_pieces`: its keys sorted (``ordered``) or as
-    they are, its values through ``value`` (e.g. a box key's bytes as hex) as they are read."""
-
-    def __init__(self, raw: Mapping[str, Any], *, ordered: bool = False,
-                 value: Callable[[Any], Any] = lambda v: v) -> None:
-        self.raw, self.ordered, self.value = raw, ordered, value
-
-    def __getitem__(self, key: str) -> Any:  # noqa: ANN401
-        return self.value(self.raw[key])
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(sorted(self.raw) if self.ordered else self.raw)
-
-    def __len__(self) -> int:
-        return len(self.raw)
+        return json_pieces(View(self, ordered=True), depth=1)
 
 
 @dataclass(eq=False)
@@ -201,7 +183,7 @@ class KeyServerState:
                 "spent": ({str(r): v for r, v in self.spent.items()}, 2),
                 "challenges": ({str(r): {**c.model_dump(mode="json", exclude={"sealed"}), "sealed": c.sealed}
                                 for r, c in self.challenges.items()}, 3),
-                "boxes": ({str(r): _View(v, value=bytes.hex) for r, v in self.boxes.items()}, 2),
+                "boxes": ({str(r): View(v, value=bytes.hex) for r, v in self.boxes.items()}, 2),
                 "digests": ({str(k): {str(r): d for r, d in v.items()} for k, v in self.digests.items()}, 0)}
 
         def pieces() -> Iterator[str]:

@@ -26,7 +26,7 @@ INITIAL = np.zeros(24, np.float32)
 # fleet/config gives again at every start; what is in flight (lost with the process,
 # nothing of it decrypted or answered)
 UNSAVED = {"key_dir", "fleet", "job", "initial", "public", "secret",
-           "pending", "reserved", "entries", "attempts", "failed"}
+           "pending", "reserved", "entries", "attempts", "failed", "staged"}
 
 
 def _full(key_dir) -> KeyServerState:  # noqa: ANN001

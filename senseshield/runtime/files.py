@@ -97,6 +97,25 @@ def json_pieces(obj: Any, *, depth: int = 2) -> Iterator[str]:  # noqa: ANN401
         yield json.dumps(obj)
 
 
+class View(Mapping):
+    """A mapping read lazily, for :func:`json_pieces`: its keys sorted (``ordered``) or as
+    they are, its values through ``value`` (e.g. a box key's bytes as hex, a device's record
+    as JSON) as they are read, so a large state is never converted whole."""
+
+    def __init__(self, raw: Mapping[Any, Any], *, ordered: bool = False,
+                 value: Callable[[Any], Any] = lambda v: v) -> None:
+        self.raw, self.ordered, self.value = raw, ordered, value
+
+    def __getitem__(self, key: Any) -> Any:  # noqa: ANN401
+        return self.value(self.raw[key])
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(sorted(self.raw) if self.ordered else self.raw)
+
+    def __len__(self) -> int:
+        return len(self.raw)
+
+
 JSON_BATCH = 1024
 """Most entries :func:`json_pieces` encodes at once at its last level."""
 JSON_BATCH_CHARS = 1 << 20
