@@ -60,7 +60,7 @@ class SiteAggregator(Service):
         self.scheme: str | None = None
         self.size = 0
         self.public = None
-        self.members: dict[str, Hello] = {}  # this site's devices in the job (their hellos)
+        self.members: dict[str, int] = {}  # this site's devices in the job: the samples their hellos claim
         self.offline: set[str] = set()
         self.budgets: dict[str, float] = {}  # each member's encryption budget, from its latest plan
         self.rounds: dict[tuple[int, int], SiteRound] = {}  # (round, cluster)
@@ -118,7 +118,7 @@ class SiteAggregator(Service):
         agent = check_sender(item)
         msg: Hello = item.message  # type: ignore[assignment]
         if msg.run_id == self.run_id:
-            self.members[agent] = msg
+            self.members[agent] = msg.n_samples
             self.offline.discard(agent)
 
     def _on_status(self, item: Inbound) -> None:
@@ -164,8 +164,8 @@ class SiteAggregator(Service):
             raise ProtocolError(f"Update of {agent!r} for a job this site does not fold; dropped.")
         if self.scheme is not None and self.public is None:
             raise ProtocolError(f"Update of {agent!r} arrived before the job's key; dropped.")
-        hello = self.members.get(agent)
-        if hello is None:
+        n_samples = self.members.get(agent)
+        if n_samples is None:
             raise ProtocolError(f"Update of {agent!r}, which has not said hello to this site in job {self.run_id}.")
         sr = self._round_of(agent, r, msg.cluster)
         if agent in sr.delivered:  # a repeat (the device did not hear the acknowledgement)
@@ -173,7 +173,7 @@ class SiteAggregator(Service):
             return
         if msg.size != self.size:
             raise ProtocolError(f"Update of {agent!r} has {msg.size} parameters; the model has {self.size}.")
-        weight = self.strategy.sample_weight(hello.n_samples)
+        weight = self.strategy.sample_weight(n_samples)
         if msg.n_samples != weight:
             raise ProtocolError(f"Update of {agent!r} claims {msg.n_samples} samples; its hello weighs {weight}.")
         key = job_key(self.public, per_client_masks=self.strategy.per_client_masks)

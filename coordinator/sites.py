@@ -57,7 +57,9 @@ class SiteRound:
     ring_bits: int
     expected: set[str] = field(default_factory=set)
     running: StreamingAggregate | None = None
-    notes: dict[str, UpdateNote] = field(default_factory=dict)  # in the running aggregate, not yet sent
+    # in the running aggregate, not yet sent: each update's receipt and its note as the partial
+    # sum carries it (JSON), packed as it is folded
+    notes: dict[str, tuple[bytes, bytes]] = field(default_factory=dict)
     delivered: set[str] = field(default_factory=set)  # every member whose update was folded (sent or not)
     failed: set[str] = field(default_factory=set)
     sent: list[bytes] = field(default_factory=list)  # the partial frames sent (re-sent after a reconnect)
@@ -80,10 +82,10 @@ class SiteRound:
         if self.running is None:
             self.running = make()
         self.running.add(update)
-        self.notes[agent] = note
+        self.notes[agent] = (note.receipt, json.dumps(_note_json(note), sort_keys=True).encode())
         self.delivered.add(agent)
 
-    def take(self) -> tuple[StreamingAggregate, dict[str, UpdateNote]]:
+    def take(self) -> tuple[StreamingAggregate, dict[str, tuple[bytes, bytes]]]:
         """The running aggregate and its notes, to send; the round starts a fresh one (a member
         whose update comes later goes in a partial sum of its own)."""
         running, notes = self.running, self.notes
@@ -91,7 +93,7 @@ class SiteRound:
         return running, notes
 
 
-def partial_message(running: StreamingAggregate, notes: dict[str, UpdateNote], *, run_id: str,
+def partial_message(running: StreamingAggregate, notes: dict[str, tuple[bytes, bytes]], *, run_id: str,
                     site: str) -> tuple[SitePartial, dict[str, list[bytes]]]:
     """The :class:`SitePartial` of a site's running aggregate and the notes of its updates,
     with its ``receipts`` and ``notes`` sections as pieces (to_frame's ``pieces``: the frame
@@ -101,9 +103,9 @@ def partial_message(running: StreamingAggregate, notes: dict[str, UpdateNote], *
     names = fields["contributors"]
     msg = SitePartial(run_id=run_id, site=site, cluster=running.cluster, size=running.size, state=fields,
                       arrays=pack_arrays(arrays), receipts=b"", notes=b"")
-    notes_json = [json.dumps(_note_json(notes[a]), sort_keys=True).encode() for a in names]  # json.dumps of the list
-    return msg, {"receipts": frame_list([notes[a].receipt for a in names]),
-                 "notes": [b"[", *(part for i, n in enumerate(notes_json) for part in ((b", " if i else b""), n)), b"]"]}
+    return msg, {"receipts": frame_list([notes[a][0] for a in names]),  # notes: json.dumps of their list
+                 "notes": [b"[", *(part for i, a in enumerate(names) for part in ((b", " if i else b""), notes[a][1])),
+                           b"]"]}
 
 
 def joined(msg: SitePartial, pieces: dict[str, list[bytes]]) -> SitePartial:

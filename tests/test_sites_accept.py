@@ -129,11 +129,12 @@ def test_a_partial_sums_frame_from_its_pieces_is_the_frame_of_the_whole_message(
     JSON list of the contributors' notes and receipts their packed receipts."""
     s = state()
     sr = SiteRound(2, 0, deadline=100.0, ring_bits=64, expected={"a0", "a1"})
+    folded = {}
     for i, a in enumerate(("a0", "a1")):
         msg = update(ids, a, r=2, value=0.25 * (i + 1))
         u = update_from_message(msg, None, client_id=a, round=2, size=SIZE)
-        sr.fold(a, u, note_of(u, 100 + i, msg.report, msg.receipt, {"training_loss": 0.5 + i}),
-                lambda: s.new_aggregate(0, 2, None))
+        folded[a] = note_of(u, 100 + i, msg.report, msg.receipt, {"training_loss": 0.5 + i})
+        sr.fold(a, u, folded[a], lambda: s.new_aggregate(0, 2, None))
     running, notes = sr.take()
     msg, pieces = partial_message(running, notes, run_id=RUN, site="north")
     whole = joined(msg, pieces)
@@ -141,5 +142,5 @@ def test_a_partial_sums_frame_from_its_pieces_is_the_frame_of_the_whole_message(
                                             pieces=pieces)))
     assert sent.model_dump(exclude={"arrays"}) == whole.model_dump(exclude={"arrays"})
     assert sent.arrays == whole.arrays
-    assert unpack_frames(whole.receipts) == [notes[a].receipt for a in ("a0", "a1")]
-    assert whole.notes == json.dumps([_note_json(notes[a]) for a in ("a0", "a1")], sort_keys=True).encode()
+    assert unpack_frames(whole.receipts) == [folded[a].receipt for a in ("a0", "a1")]
+    assert whole.notes == json.dumps([_note_json(folded[a]) for a in ("a0", "a1")], sort_keys=True).encode()
