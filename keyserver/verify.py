@@ -308,7 +308,8 @@ def decide(state: KeyServerState, rules: Rules, sender: str, r: int, msg: Aggreg
     if aggregate.ciphertext is not None and state.public.needs_contributors:  # masked: remove exactly their pads
         signed = msg.contributor_masks() if state.public.ragged_masks else {}  # checked against the receipts
         pads = [(state.boxes[r][a], weights[a]) for a in distinct]
-        contexts = [round_context(state.fleet, state.run_id, r, k, plans[a]) for a in distinct]
+        made = {digest: round_context(state.fleet, state.run_id, r, k, digest) for digest in set(plans.values())}
+        contexts = [made[plans[a]] for a in distinct]  # one object per plan (a cluster's contributors share one)
         masks = [signed[a] for a in distinct] if signed else None
     return Accept(round=r, cluster=k, aggregate=aggregate, weights=weights, entries=entries,
                   excluded=at_fault(state.failed.get((r, k), []), prints, r), pads=pads, contexts=contexts,
