@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass, field
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -550,14 +551,18 @@ def _recompute(state: KeyServerState, rules: Rules, msg: AggregateRequest, aggre
     wrong = sorted(a for a, part in plains.items() if hashlib.sha256(part).hexdigest() != receipts[a].plain_digest)
     if wrong:
         return None, f"the plaintext parts of {wrong} are not the ones their receipts sign"
-    masks = ({a: np.unpackbits(m, count=msg.size).astype(bool) for a, m in msg.contributor_masks().items()}
-             if public.ragged_masks else dict.fromkeys(plains, aggregate.union_mask))
-    if sorted(masks) != sorted(plains):
+    signed = msg.contributor_masks() if public.ragged_masks else None
+    if signed is not None and sorted(signed) != sorted(plains):
         return None, "the aggregate's contributor masks do not name its contributors"
-    parts = [PlainContribution(a, receipts[a].n_samples, masks[a], *parse_plain_part(plains[a], msg.size))
-             for a in sorted(plains)]
+
+    def parts() -> Iterator[PlainContribution]:  # one at a time, in the contributors' order (a fleet's masks
+        for a in sorted(plains):                 # unpacked at once would be contributors x model bytes)
+            mask = np.unpackbits(signed[a], count=msg.size).astype(bool) if signed is not None \
+                else aggregate.union_mask
+            yield PlainContribution(a, receipts[a].n_samples, mask, *parse_plain_part(plains[a], msg.size))
+
     need = max(rules.min_encryptors, state.job_min_encryptors) if public.ragged_masks else 1
-    side = recompute_plain_side(public, aggregate, parts, min_encryptors=need)
+    side = recompute_plain_side(public, aggregate, parts(), min_encryptors=need)
     if not np.array_equal(side.union, aggregate.union_mask):
         return None, "the aggregate's union mask is not the union of its contributors' signed masks"
     return side, None

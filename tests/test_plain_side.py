@@ -113,6 +113,13 @@ def test_the_key_servers_recomputation_is_the_coordinators_aggregate_bit_for_bit
     carried = public.unit_weights(aggregate.ciphertext)
     if carried is not None:  # packed Paillier's block weights
         np.testing.assert_array_equal(side.unit_weights, carried)
+    # the parts one at a time in client-id order (as the key server makes them) give the same side
+    ordered = sorted(_key_servers_parts(aggregate, updates), key=lambda p: p.client_id)
+    lazy = recompute_plain_side(public, aggregate, iter(ordered), min_encryptors=k)
+    assert lazy.fold == side.fold and np.array_equal(lazy.plain_sum, side.plain_sum)
+    if len(ordered) > 1:
+        with pytest.raises(ProtocolError, match="out of client-id order"):
+            recompute_plain_side(public, aggregate, iter(ordered[::-1]), min_encryptors=k)
     # one plaintext value changed by the coordinator is seen by the key server
     plain = next((u for u in updates if u.plaintext.size), None)
     if plain is not None:

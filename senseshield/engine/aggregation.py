@@ -30,7 +30,7 @@ a thin position.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -530,16 +530,22 @@ class PlainSide:
 
 
 def recompute_plain_side(public_key: PublicKey | None, aggregate: EncryptedAggregate,
-                         parts: Sequence[PlainContribution], *, min_encryptors: int = 1) -> PlainSide:
+                         parts: Sequence[PlainContribution] | Iterator[PlainContribution], *,
+                         min_encryptors: int = 1) -> PlainSide:
     """The key server's side of a verifiable aggregate: its plaintext side rebuilt from the
     contributors' ``parts`` with the coordinator's own code (:class:`StreamingAggregate`'s
     plaintext half and the scheme's accumulator, fed the same :class:`PlainPart` objects),
-    never from what the coordinator declares. Pure; :class:`ProtocolError` for a part that
-    does not fit the model."""
+    never from what the coordinator declares. Parts are added in client-id order: a sequence
+    is sorted, an iterator (a fleet's parts made one at a time) must yield them so. Pure;
+    :class:`ProtocolError` for a part that does not fit the model, or an iterator out of order."""
     running = StreamingAggregate(public_key, size=aggregate.size, round=aggregate.round, cluster=aggregate.cluster,
                                  min_encryptors=min_encryptors)
     running.plains = None  # nothing to forward
-    for part in sorted(parts, key=lambda p: p.client_id):
+    last = None
+    for part in (parts if isinstance(parts, Iterator) else sorted(parts, key=lambda p: p.client_id)):
+        if last is not None and part.client_id <= last:
+            raise ProtocolError(f"Plaintext parts out of client-id order ({part.client_id!r} after {last!r}).")
+        last = part.client_id
         running.add_plain(part)
     return running.plain_side(aggregate.ciphertext)
 
