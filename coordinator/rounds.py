@@ -8,6 +8,7 @@ and its encryption floor (:func:`floor_refusal`)."""
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
@@ -27,22 +28,51 @@ from senseshield.strategies import FleetPlan
 from senseshield.strategies.base import Strategy
 
 
-@dataclass(frozen=True, slots=True)
 class UpdateNote:
-    """What the coordinator keeps of an update once it is in the running aggregate."""
+    """What the coordinator keeps of an update once it is in the running aggregate: its
+    timings, share encrypted, frame size, the device's report, mask digest, signed receipt
+    and the training metrics it came with. A round holds one per contributor until it
+    closes, so all but the receipt are kept packed (compact JSON, about a third of the
+    objects' size) and read back as fields; immutable."""
 
-    timings: dict[str, float]
-    he_ratio: float
-    nbytes: int
-    report: dict
-    mask_sha256: str
-    receipt: bytes
-    training: dict[str, float] = field(default_factory=dict)  # the training_* metrics it came with
+    __slots__ = ("receipt", "packed")
+
+    def __init__(self, timings: dict[str, float], he_ratio: float, nbytes: int, report: dict, mask_sha256: str,
+                 receipt: bytes, training: dict[str, float] | None = None) -> None:
+        object.__setattr__(self, "receipt", receipt)
+        object.__setattr__(self, "packed", json.dumps([timings, he_ratio, nbytes, report, mask_sha256, training or {}],
+                                                      separators=(",", ":"), default=float).encode())  # (numpy scalars)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"An update's note is immutable ({name!r}).")
+
+    def fields(self) -> dict:
+        """Every field but the receipt, decoded (one decode: read several at once from this)."""
+        timings, he_ratio, nbytes, report, mask_sha256, training = json.loads(self.packed)
+        return {"timings": timings, "he_ratio": he_ratio, "nbytes": nbytes, "report": report,
+                "mask_sha256": mask_sha256, "training": training}
+
+    timings = property(lambda self: self.fields()["timings"])
+    he_ratio = property(lambda self: self.fields()["he_ratio"])
+    nbytes = property(lambda self: self.fields()["nbytes"])
+    report = property(lambda self: self.fields()["report"])
+    mask_sha256 = property(lambda self: self.fields()["mask_sha256"])
+    training = property(lambda self: self.fields()["training"])
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, UpdateNote) and (self.receipt, self.packed) == (other.receipt, other.packed)
+
+    def __hash__(self) -> int:
+        return hash((self.receipt, self.packed))
+
+    def __repr__(self) -> str:
+        return f"UpdateNote({self.fields()!r}, receipt of {len(self.receipt)} bytes)"
 
     def facts(self) -> dict:
         """What the agent's round record keeps of the update."""
-        return {"he_ratio": self.he_ratio, "bytes_up": self.nbytes, "mask_sha256": self.mask_sha256,
-                "agent_timings": dict(self.timings), "training": dict(self.training)}
+        f = self.fields()
+        return {"he_ratio": f["he_ratio"], "bytes_up": f["nbytes"], "mask_sha256": f["mask_sha256"],
+                "agent_timings": f["timings"], "training": f["training"]}
 
 
 @dataclass
@@ -185,8 +215,8 @@ def round_tally(r: int, clusters: dict[int, ClusterRound], *, work: dict[str, di
             tally.add_work(a, steps=planned["steps"], full_steps=planned["full_steps"], budget=planned["budget"])
     for k, cr in sorted(clusters.items()):
         for a in sorted(cr.updates):
-            note = cr.updates[a]
-            tally.add_update(a, note.timings, note.he_ratio, note.nbytes, note.report)
+            f = cr.updates[a].fields()
+            tally.add_update(a, f["timings"], f["he_ratio"], f["nbytes"], f["report"])
         tally.phases["aggregate"] += cr.timings.get("aggregate", 0.0)
         tally.phases["decrypt"] += cr.timings.get("decrypt", 0.0)
         if cr.union_ratio is not None:

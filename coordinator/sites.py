@@ -114,8 +114,7 @@ def joined(msg: SitePartial, pieces: dict[str, list[bytes]]) -> SitePartial:
 
 
 def _note_json(note: UpdateNote) -> dict:
-    return {"timings": note.timings, "he_ratio": note.he_ratio, "nbytes": note.nbytes, "report": note.report,
-            "mask_sha256": note.mask_sha256, "training": note.training}
+    return note.fields()
 
 
 # ---- the coordinator's side -------------------------------------------------------------

@@ -8,6 +8,8 @@ import hashlib
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from coordinator.roster import AgentInfo
 from coordinator.rounds import (
@@ -146,3 +148,23 @@ def test_a_round_closes_its_phases_when_due():
     advance({0: neg, 2: late}, now=100.0, **args)  # the deadline: closed without who is missing
     assert late.phase == "done" and not late.accepted and late.reason == "no update arrived: 1 sent none before the deadline"
     assert neg.phase == "done" and [s["missing"] for s in straggling[2:]] == ["update", "update", "update"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(timings=st.dictionaries(st.text(max_size=6), st.floats(allow_nan=False, width=64), max_size=4),
+       he_ratio=st.floats(0, 1), nbytes=st.integers(0, 10**9),
+       report=st.dictionaries(st.text(max_size=5), st.floats(allow_nan=False) | st.booleans() | st.text(max_size=5),
+                              max_size=3),
+       training=st.dictionaries(st.text(max_size=6), st.floats(allow_nan=False), max_size=3),
+       receipt=st.binary(max_size=64))
+def test_an_update_note_reads_back_what_it_was_given(timings, he_ratio, nbytes, report, training, receipt):  # noqa: ANN001
+    """A note is kept packed (a round holds one per contributor): every field reads back as
+    given, numpy scalars as floats, and equal notes compare equal."""
+    note = UpdateNote(timings, np.float64(he_ratio), nbytes, report, "m" * 64, receipt, training)
+    assert (note.timings, note.he_ratio, note.nbytes, note.report, note.mask_sha256, note.training, note.receipt) == \
+        (timings, he_ratio, nbytes, report, "m" * 64, training, receipt)
+    assert note.facts() == {"he_ratio": he_ratio, "bytes_up": nbytes, "mask_sha256": "m" * 64,
+                            "agent_timings": timings, "training": training}
+    assert note == UpdateNote(dict(timings), he_ratio, nbytes, dict(report), "m" * 64, bytes(receipt), dict(training))
+    with pytest.raises(AttributeError, match="immutable"):
+        note.receipt = b""
