@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from coordinator.contributions import Contributions
-from coordinator.roster import AgentInfo
+from coordinator.roster import AgentInfo, HelloFacts
 from senseshield.determinism import mask_digest
 from senseshield.engine.aggregation import StreamingAggregate
 from senseshield.errors import ProtocolError
@@ -147,7 +147,7 @@ def note_of(update, nbytes: int, report: dict, receipt: bytes,  # noqa: ANN001 -
 
 
 def check_facts(plan: FleetPlan | None, agents: dict[str, AgentInfo], model_size: int, agent_id: str, what: str, *,
-                cluster: int, size: int) -> Hello:
+                cluster: int, size: int) -> HelloFacts:
     """An agent's message must come from an agent of the run and name its cluster and the
     model's size; returns its hello."""
     if plan is None or agent_id not in plan.cluster_of or agent_id not in agents:

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from coordinator import roster
-from coordinator.roster import AgentInfo
+from coordinator.roster import AgentInfo, HelloFacts
 from senseshield.errors import ProtocolError
 from senseshield.runtime.protocol.messages import Hello
 from senseshield.strategies import build_strategy
@@ -89,3 +91,18 @@ def test_a_last_will_from_before_the_latest_reconnect_does_not_take_a_device_out
     assert coordinator.state.agents["c000"].online
     coordinator._on_status(Inbound("agents/c000/status", frame, Status(online=False), received=before + 2.0))
     assert not coordinator.state.agents["c000"].online
+
+
+@settings(max_examples=40, deadline=None)
+@given(profile=st.dictionaries(st.text(max_size=6), st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=6) | st.booleans(),
+                               max_size=4),
+       key_id=st.none() | st.text(min_size=1, max_size=8), n=st.integers(1, 10**6), index=st.integers(0, 10**6))
+def test_what_is_kept_of_a_hello_reads_as_the_hello(profile, key_id, n, index):  # noqa: ANN001
+    """The coordinator keeps a device's hello compactly for the whole job: every field reads
+    back as the message's, its dump is the message's, and a checkpoint's hello comes back equal."""
+    hello = Hello(run_id="j-1", agent_id="dev-1", n_samples=n, bandwidth=2.5, cpu_speed=1.5, profile=profile,
+                  key_id=key_id, index=index, box_key="Ym94")
+    facts = HelloFacts(hello)
+    assert facts.model_dump() == hello.model_dump(mode="json")
+    assert all(getattr(facts, name) == value for name, value in hello.model_dump().items())
+    assert HelloFacts(Hello(**facts.model_dump())) == facts and AgentInfo(hello).hello == facts

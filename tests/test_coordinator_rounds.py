@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.roster import AgentInfo
+from coordinator.roster import AgentInfo, HelloFacts
 from coordinator.rounds import (
     ClusterRound, UpdateNote, advance, check_facts, check_receipt, floor_refusal, note_of, round_tally,
 )
@@ -69,7 +69,7 @@ def test_a_receipt_must_be_the_agents_own_statement_about_this_update(ids):
 def test_a_message_must_name_its_run_cluster_and_size():
     hello = Hello(run_id=RUN, agent_id="a0", n_samples=100, bandwidth=1.0, cpu_speed=1.0)
     plan, agents = FleetPlan({"a0": 1}, {"a0": 0.5}), {"a0": AgentInfo(hello)}
-    assert check_facts(plan, agents, 10, "a0", "Update", cluster=1, size=10) is hello
+    assert check_facts(plan, agents, 10, "a0", "Update", cluster=1, size=10) == HelloFacts(hello)
     for args, needle in (((None, "a0", 1, 10), "Update from 'a0', which is not in this run."),
                          ((plan, "a5", 1, 10), "Update from 'a5', which is not in this run."),
                          ((plan, "a0", 1, 11), "Update of 'a0' has 11 parameters; the model has 10."),
