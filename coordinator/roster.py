@@ -54,7 +54,7 @@ class HelloFacts:
         return f"HelloFacts({self.model_dump()!r})"
 
     def model_dump(self, mode: str = "json") -> dict[str, Any]:  # noqa: ARG002 - as Hello's (JSON either way)
-        """The hello's fields, as :meth:`Hello.model_dump` gives them."""
+        """The hello's fields, as :meth:`Hello.model_dump` gives them (a profile's non-finite numbers stay numbers)."""
         return {"run_id": self.run_id, "agent_id": self.agent_id, "n_samples": self.n_samples,
                 "bandwidth": self.bandwidth, "cpu_speed": self.cpu_speed, "profile": self.profile,
                 "key_id": self.key_id, "index": self.index, "box_key": self.box_key}
