@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -345,7 +346,8 @@ class KeyServer(Service):
             raise ProtocolError(f"Round plan for run {msg.run_id!r}; the current run is {state.run_id!r}.")
         r = item.round
         try:
-            plan = {int(k): sorted(set(v)) for k, v in msg.clusters.items()}
+            # one string per device across rounds and the state's maps (a fleet's names, twice a round)
+            plan = {int(k): sorted({sys.intern(a) for a in v}) for k, v in msg.clusters.items()}
         except ValueError:
             raise ProtocolError("A round plan's cluster ids must be integers.") from None
         members = [a for v in plan.values() for a in v]

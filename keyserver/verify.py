@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import sys
 from dataclasses import dataclass, field
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -145,7 +146,7 @@ def stage(staged: Staged, trust: Trust, run_id: str, r: int, k: int, members: li
                 staged.error = f"two receipts of {frame.sender!r}"
             if staged.error is not None:
                 return
-            staged.receipts[frame.sender] = signed_receipt(receipt, staged.common)
+            staged.receipts[sys.intern(frame.sender)] = signed_receipt(receipt, staged.common)  # (the plan's string)
     except ProtocolError as exc:  # a malformed receipt: the attempt's verdict, not silence
         staged.error = str(exc)
 
