@@ -60,7 +60,7 @@ DEFAULT_MAX_PENDING_BYTES = 1 << 30  # inbound messages received but not yet dec
 DEFAULT_MEMORY_BYTES = 2 << 20  # of those, held in memory (the rest wait in a temporary file)
 DEFAULT_MAX_INFLIGHT = 1000  # outgoing QoS 1 messages awaiting the broker's PUBACK at once
 DROP_NOTE_S = 10.0  # an overflowing inbound queue is said in the log at most this often
-CHUNK_WINDOW = 4  # chunks of one frame handed to paho and not yet acknowledged, at most
+CHUNK_WINDOW = 2  # chunks of one frame handed to paho and not yet acknowledged, at most (each held twice)
 WAIT_SLICE_S = 0.05  # waits (connect, PUBACK) look at the stopping event this often
 
 log = logging.getLogger("senseshield.runtime.transport")
