@@ -217,13 +217,13 @@ class SiteAggregator(Service):
             if sr.due(now, offline=self.offline, margin=self.margin):
                 running, notes = sr.take()
                 msg, pieces = partial_message(running, notes, run_id=self.run_id, site=self.site)
-                frame = self.frame(msg, round=r, pieces=pieces)
-                del running, notes, msg, pieces
+                frame, count = self.frame(msg, round=r, pieces=pieces), len(notes)
+                del running, notes, msg, pieces  # only the frame while it goes out
                 sr.sent[len(sr.sent)] = frame
                 self.link.publish(f"sites/{self.site}/partial", frame)
                 self.partials_sent += 1
                 release_memory()  # the partial's notes and receipts went out
-                self.log.info("round %d cluster %d: sent the partial sum of %d update(s) (%s)", r, k, len(notes),
+                self.log.info("round %d cluster %d: sent the partial sum of %d update(s) (%s)", r, k, count,
                               "every member in" if not sr.waiting(self.offline) else "the deadline is near")
 
     def on_reconnect(self) -> None:
