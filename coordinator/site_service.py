@@ -219,7 +219,7 @@ class SiteAggregator(Service):
                 msg, pieces = partial_message(running, notes, run_id=self.run_id, site=self.site)
                 frame, count = self.frame(msg, round=r, pieces=pieces), len(notes)
                 del running, notes, msg, pieces  # only the frame while it goes out
-                sr.sent[len(sr.sent)] = frame
+                sr.sent.append(frame)
                 self.link.publish(f"sites/{self.site}/partial", frame)
                 self.partials_sent += 1
                 release_memory()  # the partial's notes and receipts went out
@@ -228,7 +228,7 @@ class SiteAggregator(Service):
 
     def on_reconnect(self) -> None:
         for sr in self.rounds.values():  # the coordinator drops a partial sum it already folded
-            for frame in sr.sent.values():
+            for frame in sr.sent:
                 self.link.publish(f"sites/{self.site}/partial", frame)
 
     # ---- the loop -----------------------------------------------------------------------

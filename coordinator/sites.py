@@ -28,13 +28,11 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from coordinator.history import Shelf
 from coordinator.rounds import ClusterRound, UpdateNote, check_receipt
 from senseshield.engine.aggregation import StreamingAggregate
 from senseshield.engine.partial import pack_arrays, partial_from_state, partial_state, unpack_arrays
@@ -64,8 +62,7 @@ class SiteRound:
     notes: dict[str, tuple[bytes, bytes]] = field(default_factory=dict)
     delivered: set[str] = field(default_factory=set)  # every member whose update was folded (sent or not)
     failed: set[str] = field(default_factory=set)
-    # the partial frames sent (re-sent after a reconnect): index -> frame, on disk (coordinator.history.Shelf)
-    sent: MutableMapping[int, bytes] = field(default_factory=Shelf)
+    sent: list[bytes] = field(default_factory=list)  # the partial frames sent (re-sent after a reconnect)
 
     def waiting(self, offline: set[str]) -> set[str]:
         """Members still to deliver (not failed, not offline)."""
