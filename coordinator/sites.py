@@ -82,7 +82,7 @@ class SiteRound:
         if self.running is None:
             self.running = make()
         self.running.add(update)
-        self.notes[agent] = (note.receipt, json.dumps(_note_json(note), sort_keys=True).encode())
+        self.notes[agent] = (note.receipt, json.dumps(note.fields(), sort_keys=True).encode())
         self.delivered.add(agent)
 
     def take(self) -> tuple[StreamingAggregate, dict[str, tuple[bytes, bytes]]]:
@@ -111,10 +111,6 @@ def partial_message(running: StreamingAggregate, notes: dict[str, tuple[bytes, b
 def joined(msg: SitePartial, pieces: dict[str, list[bytes]]) -> SitePartial:
     """The message :func:`partial_message` gives in parts, whole."""
     return msg.model_copy(update={name: b"".join(parts) for name, parts in pieces.items()})
-
-
-def _note_json(note: UpdateNote) -> dict:
-    return note.fields()
 
 
 # ---- the coordinator's side -------------------------------------------------------------

@@ -328,13 +328,9 @@ class KeyServer(Service):
     def _on_receipts(self, item: Inbound) -> None:
         """A batch of a large request's receipts: checked now, kept until the request
         (keyserver.verify.stage_batch)."""
-        t = time.perf_counter()
         reason = stage_batch(self.state, self.rules, item.sender, item.round, item.message)  # type: ignore[arg-type]
         if reason is not None:
             raise ProtocolError(reason)
-        staged = self.state.staged.get((item.round, item.message.cluster, item.message.attempt))  # type: ignore[attr-defined]
-        if staged is not None:
-            staged.seconds += time.perf_counter() - t
 
     # -- trust: the round's plan, its challenge, the contributions ------------------------
     def _on_round_open(self, item: Inbound) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import math
 import sys
+import time
 from dataclasses import dataclass, field
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -109,6 +110,7 @@ class Staged:
     bytes in order (the attempt's digest with the ciphertext), the batches taken and the
     first reason found to refuse the attempt (then nothing more of it is read)."""
 
+    members: frozenset[str]  # the cluster's, in the round's pinned plan
     receipts: dict[str, Signed] = field(default_factory=dict)
     common: dict[str, str] = field(default_factory=dict)
     hash: Any = field(default_factory=hashlib.sha256)
@@ -122,15 +124,20 @@ STAGED_PER_CLUSTER = 2
 (a coordinator sends one attempt at a time); a new one beyond drops the oldest."""
 
 
-def stage(staged: Staged, trust: Trust, run_id: str, r: int, k: int, members: list[str], data: bytes) -> None:
+def stage(staged: Staged, trust: Trust, run_id: str, r: int, k: int, data: bytes) -> None:
     """Check the receipts ``data`` (pack_frames) of round ``r``'s aggregate of cluster ``k``
-    (of ``members``, the round's pinned plan) into ``staged``: every receipt's signature,
-    round, run, cluster and membership, each contributor once. The first failure is kept as
-    the attempt's refusal."""
+    into ``staged``: every receipt's signature, round, run, cluster and membership, each
+    contributor once. The first failure is kept as the attempt's refusal."""
+    t = time.perf_counter()
     staged.hash.update(data)
     staged.batches += 1
-    if staged.error is not None:
-        return
+    if staged.error is None:
+        _check_receipts(staged, trust, run_id, r, k, data)
+    staged.seconds += time.perf_counter() - t
+
+
+def _check_receipts(staged: Staged, trust: Trust, run_id: str, r: int, k: int, data: bytes) -> None:
+    members = staged.members
     try:
         for raw in iter_frames(data):
             frame = decode_frame(raw)
@@ -170,14 +177,14 @@ def stage_batch(state: KeyServerState, rules: Rules, sender: str, r: int, msg: R
         others = [key for key in state.staged if key[:2] == (r, k)]
         for old in others[: max(0, len(others) - STAGED_PER_CLUSTER + 1)]:
             del state.staged[old]
-        staged = state.staged[key] = Staged()
+        staged = state.staged[key] = Staged(frozenset(plan[k]))
     if msg.index < staged.batches:
         return None  # a re-sent batch (reconnect): taken already
     if msg.index > staged.batches:
         del state.staged[key]
         return (f"Receipt batch {msg.index} of attempt {msg.attempt} came after batch {staged.batches - 1}; "
                 "re-send them in order.")
-    stage(staged, rules.trust, state.run_id, r, k, plan[k], msg.receipts)
+    stage(staged, rules.trust, state.run_id, r, k, msg.receipts)
     return None
 
 
@@ -361,8 +368,8 @@ def verify(state: KeyServerState, rules: Rules, r: int, k: int, msg: AggregateRe
     if k not in plan:
         return f"cluster {k} is not in round {r}'s plan (clusters {sorted(plan)})", {}, {}
     if staged is None:
-        staged = Staged()
-        stage(staged, rules.trust, state.run_id, r, k, plan[k], msg.receipts)
+        staged = Staged(frozenset(plan[k]))
+        stage(staged, rules.trust, state.run_id, r, k, msg.receipts)
     if staged.error is not None:
         return staged.error, {}, {}
     receipts = staged.receipts

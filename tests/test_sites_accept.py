@@ -12,7 +12,7 @@ import pytest
 
 from coordinator.accept import FOLD, accept_update
 from coordinator.rounds import note_of
-from coordinator.sites import SiteRound, _note_json, accept_partial, fold_partial, joined, partial_message
+from coordinator.sites import SiteRound, accept_partial, fold_partial, joined, partial_message
 from senseshield.errors import ProtocolError
 from senseshield.runtime.identity import Trust
 from senseshield.runtime.protocol.envelope import decode_frame
@@ -143,4 +143,4 @@ def test_a_partial_sums_frame_from_its_pieces_is_the_frame_of_the_whole_message(
     assert sent.model_dump(exclude={"arrays"}) == whole.model_dump(exclude={"arrays"})
     assert sent.arrays == whole.arrays
     assert unpack_frames(whole.receipts) == [folded[a].receipt for a in ("a0", "a1")]
-    assert whole.notes == json.dumps([_note_json(folded[a]) for a in ("a0", "a1")], sort_keys=True).encode()
+    assert whole.notes == json.dumps([folded[a].fields() for a in ("a0", "a1")], sort_keys=True).encode()
